@@ -1,0 +1,68 @@
+"""The row type shared by every task, prompt formatting, and scoring a completion against a row."""
+
+import dataclasses
+from typing import Any, Literal, Mapping
+
+from esroll import rewards
+
+TASKS = ("gsm8k", "arithmetic", "countdown")
+
+# The fixed "plain" template. The tiny shipped model is trained on synthetic arithmetic with exactly this template
+# and the completion `Example.target_text` (" 47"), so changing it invalidates that model.
+PLAIN_TEMPLATE = "Question: {question}\nAnswer:"
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One prompt and what counts as answering it.
+
+    task: which reward applies ("gsm8k" and "arithmetic": final number; "countdown": expression).
+    prompt: the question text, before any template.
+    answer: the canonical gold number, e.g. "42".
+    solution: a worked solution in GSM8K form ending in "#### <answer>" (Countdown: the constructing expression).
+    target_text: the supervised completion after the template, e.g. " 47" (the trainer appends EOS).
+    meta: task data the reward needs; Countdown stores `numbers` (a tuple) and `target` (an int).
+    """
+
+    task: str
+    prompt: str
+    answer: str
+    solution: str
+    target_text: str
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def format_prompt(
+    question: str,
+    tokenizer: Any = None,
+    template: Literal["plain", "chat"] = "plain",
+    system: str | None = None,
+) -> str:
+    """The model input for a question.
+
+    "plain" fills `PLAIN_TEMPLATE` (after `system` and a blank line, if given). "chat" applies the tokenizer's chat
+    template with a generation prompt and `enable_thinking=False` (Qwen3 non-thinking mode; templates that do not
+    know the flag ignore it, since transformers forwards extra keyword arguments to the template).
+    """
+    if template == "plain":
+        text = PLAIN_TEMPLATE.format(question=question)
+        return f"{system}\n\n{text}" if system else text
+    if template == "chat":
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("template='chat' needs a tokenizer with a chat template; use template='plain'")
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": question}
+        ]
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+    raise ValueError(f"unknown prompt template {template!r}; expected 'plain' or 'chat'")
+
+
+def score(example: Example, completion: str) -> float:
+    """The reward of one completion for one row, picked by `example.task`."""
+    if example.task in ("gsm8k", "arithmetic"):
+        return rewards.gsm8k_reward(completion, example.answer)
+    if example.task == "countdown":
+        return rewards.countdown_reward(completion, example.meta["numbers"], example.meta["target"])
+    raise ValueError(f"unknown task {example.task!r}; expected one of {TASKS}")

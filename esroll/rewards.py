@@ -1,0 +1,176 @@
+"""Rule-based rewards for GSM8K-style answers and Countdown expressions.
+
+Pure Python: no JAX, and model output is never executed. Completions are hostile input, so every function here
+returns within bounded time and never raises on any string:
+- only the last `TAIL_CHARS` characters of a completion are searched (final answers come last), and every regex is
+  linear with bounded quantifiers;
+- numbers longer than `MAX_NUMBER_DIGITS` digits are not numbers;
+- Countdown expressions longer than `MAX_EXPR_CHARS` are rejected before `ast.parse`, and the tree is walked by hand.
+Only ASCII digits count as digits (`str.isdigit` and `\\d` would accept '５' or Arabic-Indic digits).
+"""
+
+import ast
+import collections
+import re
+from fractions import Fraction
+from typing import Sequence
+
+TAIL_CHARS = 4000
+MAX_NUMBER_DIGITS = 30
+MAX_EXPR_CHARS = 200
+
+# A sign only counts when it is not glued to a preceding word or number ("3-4" is 3 and 4, "x = -4" is -4).
+# Thousands separators must be well formed ("1,234,567"); a list "1,2,3" is three numbers.
+_NUMBER = re.compile(
+    r"(?:(?<![0-9A-Za-z_)\]])[-+])?[$€£]?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?%?"
+)
+_WINDOW = 40  # characters after an answer marker in which the number must start
+# (marker, end of its window), in priority order; within a kind, the last marker with a number wins. The number must
+# follow the marker directly, except inside a delimited window such as \boxed{...}, where it may appear anywhere.
+_MARKERS = (
+    (re.compile(r"####"), None),
+    (re.compile(r"\\boxed\{"), "}"),
+    (re.compile(r"(?i)\banswer(?:[ \t]{1,5}is\b|[ \t]{0,5}[:=])"), None),
+)
+_EXPR_CHARS = frozenset("0123456789+-*/() ")
+_ALLOWED_OPS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__,
+                ast.Div: Fraction.__truediv__}
+
+
+def _canonical(token: str) -> str | None:
+    """'-$1,234.50%' -> '-1234.5'; None when the number has too many digits."""
+    negative = token.startswith("-")
+    body = token.lstrip("+-").lstrip("$€£").rstrip("%").replace(",", "")
+    whole, _, frac = body.partition(".")
+    if len(whole) + len(frac) > MAX_NUMBER_DIGITS:
+        return None
+    whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")
+    text = whole + ("." + frac if frac else "")
+    return "-" + text if negative and text != "0" else text
+
+
+def _numbers(text: str) -> list[str]:
+    found = (_canonical(m.group()) for m in _NUMBER.finditer(text))
+    return [n for n in found if n is not None]
+
+
+def parse_number(text: str) -> str | None:
+    """Canonical form of `text` if it is exactly one number (decorations allowed), else None."""
+    text = text.strip()
+    m = _NUMBER.fullmatch(text) if len(text) <= 2 * MAX_NUMBER_DIGITS else None
+    return _canonical(m.group()) if m else None
+
+
+def extract_answer(completion: str) -> str | None:
+    """The final numeric answer of a completion, canonicalised ('1,234.00' -> '1234'), or None.
+
+    Priority: last `#### n`, last `\\boxed{n}`, last "answer is n" / "answer: n", then the last number anywhere.
+    """
+    if not isinstance(completion, str):
+        return None
+    tail = completion[-TAIL_CHARS:]
+    for marker, stop in _MARKERS:
+        for m in reversed(list(marker.finditer(tail))):
+            window = tail[m.end():m.end() + _WINDOW]
+            if stop is not None:
+                window = window.partition(stop)[0]
+            window = window.lstrip(" \t\n:=*\\")
+            first = _NUMBER.search(window) if stop is not None else _NUMBER.match(window)
+            if first and (number := _canonical(first.group())) is not None:
+                return number
+    numbers = _numbers(tail)
+    return numbers[-1] if numbers else None
+
+
+def parse_gold(gold: str) -> str | None:
+    """Canonical gold number from a full GSM8K answer ('... #### 72') or a bare number string ('72')."""
+    if "####" in gold:
+        gold = gold.rpartition("####")[2]
+    return parse_number(gold)
+
+
+def gsm8k_reward(completion: str, gold: str) -> float:
+    """1.0 when the extracted answer equals the gold number exactly ('18' == '18.00' == '$18'), else 0.0.
+
+    Raises ValueError for an unparseable gold, which is a data bug rather than a bad completion.
+    """
+    gold_number = parse_gold(gold)
+    if gold_number is None:
+        raise ValueError(f"gold answer is not a number: {gold[-80:]!r}")
+    predicted = extract_answer(completion)
+    return float(predicted is not None and Fraction(predicted) == Fraction(gold_number))
+
+
+def extract_expression(completion: str) -> tuple[str | None, bool]:
+    """The proposed Countdown expression and whether it came from an `<answer>` tag.
+
+    Prefers the content of the last `<answer>...</answer>`; otherwise the last line made only of digits, + - * / ( )
+    and spaces, optionally followed by "= target". '×' and '÷' are read as '*' and '/'.
+    """
+    if not isinstance(completion, str):
+        return None, False
+    tail = completion[-TAIL_CHARS:]
+    end = tail.rfind("</answer>")
+    start = tail.rfind("<answer>", 0, end) if end >= 0 else -1
+    if start >= 0:
+        return _clean_expression(tail[start + len("<answer>"):end]), True
+    for line in reversed(tail.splitlines()):
+        if (expression := _clean_expression(line)) is not None:
+            return expression, False
+    return None, False
+
+
+def _clean_expression(text: str) -> str | None:
+    """'(3 + 5) × 2 = 16' -> '(3 + 5) * 2'; None unless both sides of an optional '=' are expression characters."""
+    text = text.replace("×", "*").replace("÷", "/")
+    expression, _, result = text.partition("=")
+    expression = expression.strip()
+    if expression and len(expression) <= MAX_EXPR_CHARS and set(expression) | set(result) <= _EXPR_CHARS:
+        return expression
+    return None
+
+
+class _Illegal(Exception):
+    pass
+
+
+def _evaluate(node: ast.AST, used: list[int]) -> Fraction:
+    """Exact value of an expression tree of int literals and binary + - * /; records the literals in `used`."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        used.append(node.value)
+        return Fraction(node.value)
+    if isinstance(node, ast.BinOp) and type(node.op) in _ALLOWED_OPS:
+        left, right = _evaluate(node.left, used), _evaluate(node.right, used)
+        if isinstance(node.op, ast.Div) and right == 0:
+            raise _Illegal("division by zero")
+        return _ALLOWED_OPS[type(node.op)](left, right)
+    raise _Illegal(type(node).__name__)
+
+
+def evaluate_countdown(expression: str, numbers: Sequence[int]) -> Fraction | None:
+    """Exact value of a legal Countdown expression, or None if it is illegal.
+
+    Rules (the common TinyZero-style variant): binary + - * / over integer literals, with exact rational division
+    (division by zero is illegal); no unary minus or plus, since negating a number is not a Countdown operation; each
+    given number may be used at most as many times as it is given, and not all numbers need to be used.
+    """
+    if len(expression) > MAX_EXPR_CHARS or not set(expression) <= _EXPR_CHARS:
+        return None
+    used: list[int] = []
+    try:
+        value = _evaluate(ast.parse(expression, mode="eval").body, used)
+    except (_Illegal, SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+        return None
+    if not collections.Counter(used) <= collections.Counter(numbers):
+        return None
+    return value
+
+
+def countdown_reward(completion: str, numbers: Sequence[int], target: int, *, format_reward: float = 0.0) -> float:
+    """1.0 when the proposed expression is legal and equals `target` exactly; `format_reward` when an `<answer>` tag
+    was given but its expression is wrong or illegal; else 0.0. See `evaluate_countdown` for the rules."""
+    expression, tagged = extract_expression(completion)
+    value = evaluate_countdown(expression, numbers) if expression is not None else None
+    if value is not None and value == target:
+        return 1.0
+    return format_reward if tagged else 0.0

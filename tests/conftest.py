@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random Hugging Face models built locally (never downloaded) and saved to temp folders."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+FAMILIES = ("qwen3", "qwen2", "llama")
+
+
+def tiny_hf_config(family: str, **overrides):
+    """2 layers, hidden 64, grouped-query attention; Qwen3 has head_dim != hidden/heads, Llama llama3 rope scaling."""
+    import transformers
+
+    common = dict(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )  # fmt: skip
+    if family == "qwen3":
+        cfg = transformers.Qwen3Config(**{**common, "head_dim": 24, "rope_theta": 1e6, **overrides})
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**{**common, "tie_word_embeddings": True, **overrides})
+    elif family == "llama":
+        rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
+        cfg = transformers.LlamaConfig(**{**common, "rope_parameters": rope, **overrides})
+    else:
+        raise ValueError(family)
+    return cfg
+
+
+def build_tiny_hf(family: str, folder, seed: int = 0, **overrides):
+    """A random tiny model of the family, saved as safetensors in `folder`; returns the torch model."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(family, **overrides), dtype=torch.float32)
+    # Random norm scales and biases too, so that parity checks exercise them (init leaves them at 1 and 0).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(str(folder))
+    return model
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def tiny_model(request, tmp_path_factory):
+    """(family, folder, torch_model) for each supported family."""
+    folder = tmp_path_factory.mktemp(f"tiny_{request.param}")
+    model = build_tiny_hf(request.param, folder)
+    return request.param, folder, model

@@ -1,0 +1,218 @@
+"""Parity of the JAX decoders with transformers' PyTorch models, checkpoint round trips, KV cache, errors."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from esroll.models import LowRank, ModelConfig, Perturbation, forward, init_cache, linear, load_hf, save_hf
+
+from conftest import build_tiny_hf
+
+
+def padded_batch(vocab: int, seed: int = 0):
+    """Left-padded batch of 3 rows with different lengths."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, vocab, size=(3, 9))
+    mask = np.ones((3, 9), bool)
+    mask[1, :3] = False
+    mask[2, :6] = False
+    tokens[~mask] = 0
+    return tokens, mask
+
+
+def torch_logits(model, tokens, mask):
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(tokens),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+            position_ids=torch.tensor(positions),
+        )
+    return out.logits.numpy()
+
+
+def test_parity_padded_batch(tiny_model):
+    family, folder, model = tiny_model
+    cfg, params = load_hf(folder)
+    assert cfg.family == family
+    tokens, mask = padded_batch(cfg.vocab_size)
+    ours, _ = forward(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
+    ref = torch_logits(model, tokens, mask)
+    err = np.abs(np.asarray(ours) - ref)[mask].max()
+    assert err < 1e-4, f"{family}: max abs logit error {err}"
+
+
+def test_config_fields(tiny_model):
+    family, folder, _ = tiny_model
+    cfg, _ = load_hf(folder)
+    if family == "qwen3":
+        assert cfg.head_dim == 24 != cfg.hidden_size // cfg.num_heads and cfg.qk_norm
+    if family == "qwen2":
+        assert cfg.qkv_bias and cfg.tie_word_embeddings
+    if family == "llama":
+        assert cfg.rope_scaling[0] == "llama3"
+    assert cfg.num_kv_heads < cfg.num_heads
+
+
+def test_rope_read_both_spellings():
+    legacy = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 5e5,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}  # fmt: skip
+    new = {k: v for k, v in legacy.items() if k not in ("rope_theta", "rope_scaling")}
+    new["rope_parameters"] = {**legacy["rope_scaling"], "rope_theta": 5e5}
+    a, b = ModelConfig.from_hf_dict(legacy), ModelConfig.from_hf_dict(new)
+    assert a == b and a.rope_theta == 5e5 and a.rope_scaling == ("llama3", 8.0, 1.0, 4.0, 8192)
+
+
+def test_save_hf_round_trip(tiny_model, tmp_path):
+    family, folder, model = tiny_model
+    cfg, params = load_hf(folder)
+    out = save_hf(tmp_path / "export", cfg, params)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    tokens, mask = padded_batch(cfg.vocab_size, seed=1)
+    a, b = torch_logits(model, tokens, mask), torch_logits(reloaded, tokens, mask)
+    assert np.abs(a - b)[mask].max() < 1e-5
+    cfg2, params2 = load_hf(out)
+    assert cfg2 == cfg
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), params, params2)
+
+
+def test_kv_cache_incremental_matches_full(tiny_model):
+    _, folder, _ = tiny_model
+    cfg, params = load_hf(folder)
+    tokens, mask = padded_batch(cfg.vocab_size, seed=2)
+    full, _ = forward(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
+    cache = init_cache(cfg, batch=3, max_len=12)
+    prefill = 5
+    logits, cache = forward(cfg, params, jnp.asarray(tokens[:, :prefill]), mask_BxT=jnp.asarray(mask[:, :prefill]), cache=cache)
+    steps = [logits]
+    for t in range(prefill, tokens.shape[1]):
+        logits, cache = forward(cfg, params, jnp.asarray(tokens[:, t : t + 1]), mask_BxT=jnp.asarray(mask[:, t : t + 1]), cache=cache)
+        steps.append(logits)
+    inc = np.concatenate([np.asarray(s) for s in steps], axis=1)
+    assert np.abs(inc - np.asarray(full))[mask].max() < 1e-4
+
+
+def test_bfloat16_close_to_float32(tiny_model):
+    _, folder, _ = tiny_model
+    cfg, p32 = load_hf(folder)
+    _, p16 = load_hf(folder, dtype=jnp.bfloat16)
+    assert p16["layers"]["q"].dtype == jnp.bfloat16
+    tokens, mask = padded_batch(cfg.vocab_size)
+    a, _ = forward(cfg, p32, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
+    b, _ = forward(cfg, p16, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
+    assert np.isfinite(np.asarray(b)).all()
+    scale = np.abs(np.asarray(a))[mask].max()
+    assert np.abs(np.asarray(a) - np.asarray(b))[mask].max() < 0.1 * scale
+
+
+def test_linear_helper_equals_explicit_weight():
+    k = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(k[0], (4, 3, 16))
+    w = jax.random.normal(k[1], (16, 8))
+    a = jax.random.normal(k[2], (2, 16, 3))
+    b = jax.random.normal(k[3], (2, 8, 3))
+    member = jnp.array([0, 1, 1, 0])
+    y = linear(x, w, LowRank(a, b), member)
+    for row in range(4):
+        m = int(member[row])
+        explicit = x[row] @ (w + a[m] @ b[m].T)
+        np.testing.assert_allclose(y[row], explicit, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_perturbed_equals_explicit(tiny_model):
+    """A per-row perturbation of every matrix and vector leaf equals the forward with each member's weights built."""
+    _, folder, _ = tiny_model
+    cfg, params = load_hf(folder)
+    tokens, mask = padded_batch(cfg.vocab_size)
+    member = jnp.array([1, 0, 1])
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    deltas = {"layers": {}}
+    for name, w in params["layers"].items():
+        if w.ndim == 3:
+            L, i, o = w.shape
+            deltas["layers"][name] = LowRank(0.05 * jax.random.normal(next(keys), (L, 2, i, 2)),
+                                             0.05 * jax.random.normal(next(keys), (L, 2, o, 2)))  # fmt: skip
+        else:
+            deltas["layers"][name] = 0.05 * jax.random.normal(next(keys), (w.shape[0], 2, w.shape[1]))
+    deltas["final_norm"] = 0.05 * jax.random.normal(next(keys), (2, cfg.hidden_size))
+    ours, _ = forward(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask), perturb=Perturbation(deltas, member))
+    for m in (0, 1):
+        explicit = jax.tree.map(lambda x: x, params)
+        for name, d in deltas["layers"].items():
+            if isinstance(d, LowRank):
+                explicit["layers"][name] = params["layers"][name] + jnp.einsum("lir,lor->lio", d.a[:, m], d.b[:, m])
+            else:
+                explicit["layers"][name] = params["layers"][name] + d[:, m]
+        explicit["final_norm"] = params["final_norm"] + deltas["final_norm"][m]
+        ref, _ = forward(cfg, explicit, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
+        rows = np.asarray(member) == m
+        err = np.abs(np.asarray(ours)[rows] - np.asarray(ref)[rows])[mask[rows]].max()
+        assert err < 1e-4
+
+
+def test_bad_checkpoints(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "m"
+    build_tiny_hf("qwen3", folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+
+    missing = tmp_path / "missing"
+    missing.mkdir()
+    (missing / "config.json").write_text((folder / "config.json").read_text())
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}, str(missing / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_hf(missing)
+
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    (shape / "config.json").write_text((folder / "config.json").read_text())
+    bad = dict(tensors)
+    bad["model.layers.0.self_attn.k_proj.weight"] = np.zeros((3, 3), np.float32)
+    save_file(bad, str(shape / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"shape.*model\.safetensors.*k_proj.*\(3, 3\)"):
+        load_hf(shape)
+
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "config.json").write_text((folder / "config.json").read_text())
+    save_file({**tensors, "model.layers.0.mystery.weight": np.zeros(2, np.float32)}, str(extra / "model.safetensors"))
+    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.0.mystery.weight'"):
+        load_hf(extra)
+
+    noconfig = tmp_path / "noconfig"
+    noconfig.mkdir()
+    save_file(tensors, str(noconfig / "model.safetensors"))
+    with pytest.raises(FileNotFoundError, match=r"noconfig/config\.json"):
+        load_hf(noconfig)
+
+    arch = tmp_path / "arch"
+    arch.mkdir()
+    d = json.loads((folder / "config.json").read_text())
+    d["architectures"] = ["GPT2LMHeadModel"]
+    (arch / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_hf(arch)
+
+    with pytest.raises(FileNotFoundError, match="model folder not found"):
+        load_hf(tmp_path / "nowhere")
+
+
+def test_sharded_checkpoint(tmp_path):
+    folder = tmp_path / "m"
+    model = build_tiny_hf("llama", folder)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(str(sharded), max_shard_size="20KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    cfg, params = load_hf(sharded)
+    _, ref = load_hf(folder)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), params, ref)
