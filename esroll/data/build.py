@@ -1,0 +1,35 @@
+"""The (train, held-out) examples an experiment config names, built the same way by every method and script."""
+
+from __future__ import annotations
+
+from esroll.config import DataConfig
+from esroll.data.batching import split_examples
+from esroll.data.gsm8k import load_gsm8k
+from esroll.data.synthetic import make_arithmetic, make_countdown
+from esroll.data.tasks import Example
+
+
+def make_splits(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
+    """Synthetic tasks are generated from `cfg.seed`; GSM8K is read from `cfg.path` (and `cfg.eval_path`).
+
+    The held-out split never shares a prompt with the training split.
+    """
+    if cfg.task == "arithmetic":
+        rows = make_arithmetic(cfg.n_examples, cfg.seed, digits=cfg.digits, ops=tuple(cfg.ops), n_terms=cfg.n_terms,
+                               word_problems=cfg.word_problems)  # fmt: skip
+    elif cfg.task == "countdown":
+        rows = make_countdown(cfg.n_examples, cfg.seed, n_numbers=cfg.countdown_numbers)
+    elif cfg.task == "gsm8k":
+        if not cfg.path:
+            raise ValueError("config: 'data.path' must name a GSM8K file or dataset for data.task='gsm8k'")
+        rows = load_gsm8k(cfg.path, split="train")
+        if cfg.eval_path:
+            held_out = load_gsm8k(cfg.eval_path, split="test")[: cfg.eval_size]
+            seen = {e.prompt for e in held_out}
+            return [e for e in rows if e.prompt not in seen], held_out
+    else:
+        raise ValueError(f"config: unknown data.task {cfg.task!r}")
+    train, held_out = split_examples(rows, cfg.eval_size, cfg.seed)
+    if not train:
+        raise ValueError(f"config: no training examples left for data.task={cfg.task!r} after the held-out split")
+    return train, held_out

@@ -1,0 +1,81 @@
+"""Per-step metrics: metrics.jsonl (one JSON object per step), TensorBoard event files, and the final PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class MetricsWriter:
+    """Appends to workdir/metrics.jsonl and workdir/tb. On resume, lines after the restored step are dropped, so the
+    file always describes exactly one uninterrupted history."""
+
+    def __init__(self, workdir: str | Path, enabled: bool = True):
+        self.path = Path(workdir) / "metrics.jsonl"
+        self.enabled = enabled
+        self._tb = None
+        if enabled:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(workdir) / "tb"))
+
+    def records(self) -> list[dict]:
+        if not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        if not self.enabled:
+            return
+        kept = [r for r in self.records() if r["step"] <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.path)
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)):
+                self._tb.add_scalar(k, v, record["step"])
+
+    def _evals(self) -> list[dict]:
+        return [r for r in self.records() if "eval_accuracy" in r]
+
+    def first_eval(self) -> float | None:
+        evals = self._evals()
+        return evals[0]["eval_accuracy"] if evals else None
+
+    def last_eval(self) -> float | None:
+        evals = self._evals()
+        return evals[-1]["eval_accuracy"] if evals else None
+
+    def last_eval_step(self) -> int | None:
+        evals = self._evals()
+        return evals[-1]["step"] if evals else None
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def plot_eval_curve(metrics_path: str | Path, out: str | Path, title: str = "") -> None:
+    """Held-out accuracy against training wall time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    evals = [r for r in rows if "eval_accuracy" in r]
+    fig, ax = plt.subplots(figsize=(5, 3.5), dpi=120)
+    ax.plot([r["wall_time"] for r in evals], [r["eval_accuracy"] for r in evals], marker="o")
+    ax.set_xlabel("training wall time (s)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)

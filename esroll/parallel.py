@@ -1,0 +1,82 @@
+"""One mesh helper and the little multi-host plumbing the trainers need.
+
+The population (ES) or the sampled batch (GRPO) is split over one mesh axis, "data", spanning every device of every
+process. Noise is regenerated from seeds on every device, so the only values that cross devices or hosts are
+fitness scalars (and, for GRPO, gradients).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXIS = "data"
+
+
+def maybe_initialize_distributed(enabled: bool) -> None:
+    """Start `jax.distributed` when asked by config or by the environment (JAX_COORDINATOR_ADDRESS and friends).
+
+    On CPU the cross-process collectives use gloo.
+    """
+    if not (enabled or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+        return
+    if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if coordinator:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["JAX_PROCESS_ID"]),
+        )
+    else:
+        jax.distributed.initialize()  # cluster auto-detection (TPU pods, SLURM, ...)
+
+
+def make_mesh(num_devices: int = 0) -> Mesh:
+    """A 1-D mesh over all devices (or the first `num_devices`)."""
+    devices = jax.devices()
+    if num_devices:
+        if num_devices > len(devices):
+            raise ValueError(f"config: 'mesh_devices' = {num_devices} but only {len(devices)} devices exist")
+        devices = devices[:num_devices]
+    return Mesh(np.array(devices), (AXIS,))
+
+
+def rows(mesh: Mesh) -> NamedSharding:
+    """Leading axis split over the mesh."""
+    return NamedSharding(mesh, PartitionSpec(AXIS))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def put_rows(mesh: Mesh, x: np.ndarray) -> jax.Array:
+    """A host array known to every process, split along its leading axis over the mesh."""
+    sharding = rows(mesh)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def put_replicated(mesh: Mesh, tree):
+    """Copies of a pytree on every device (every process must pass the same values)."""
+    return jax.device_put(tree, replicated(mesh))
+
+
+def local_rows(x: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(row indices, values) of the rows of a row-split array that live on this process."""
+    shards = sorted({(s.index[0].start or 0, s.index[0].stop or x.shape[0]): s for s in x.addressable_shards}.items())
+    idx = np.concatenate([np.arange(a, b) for (a, b), _ in shards])
+    vals = np.concatenate([np.asarray(s.data) for _, s in shards])
+    return idx, vals
+
+
+def gather_to_all(local: np.ndarray, idx: np.ndarray, total: int) -> np.ndarray:
+    """Assemble a [total, ...] array from each process's disjoint (idx, values); every process gets all of it."""
+    full = np.zeros((total,) + local.shape[1:], local.dtype)
+    full[idx] = local
+    return full if jax.process_count() == 1 else multihost_utils.process_allgather(full).sum(0)

@@ -1,0 +1,72 @@
+"""What every method shares to turn prompts into rewards: the model, tokenizer, prompt formatting and scoring."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from esroll.config import ExperimentConfig
+from esroll.data import Example, format_prompt, score
+from esroll.models import load_hf
+
+
+class Task(NamedTuple):
+    """Everything a method needs to turn prompts into rewards."""
+
+    cfg: Any  # ModelConfig
+    tokenizer: Any
+    prompt_ids: Callable[[list[Example]], list[list[int]]]
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    prompt_multiple: int
+
+    def rewards(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Reward of each generated row; row j answers examples[j]."""
+        texts = self.tokenizer.batch_decode([t[:n] for t, n in zip(tokens, lengths)], skip_special_tokens=True)
+        return np.array([score(e, s) for e, s in zip(examples, texts)], np.float32)
+
+
+class Method(NamedTuple):
+    """A training method: its initial state and one step. `step` returns (params, state, metrics, tokens generated)."""
+
+    init: Callable[[dict, jax.Array], Any]
+    step: Callable[..., tuple[dict, Any, dict, int]]
+
+
+def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Example]) -> tuple[Task, dict]:
+    from transformers import AutoTokenizer
+
+    path = Path(cfg.model.path)
+    if not path.exists():
+        raise FileNotFoundError(f"config: model.path {cfg.model.path!r}: model folder not found")
+    model_cfg, params = load_hf(path, dtype=jnp.dtype(cfg.model.dtype))
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    system = cfg.data.system or None
+    cache: dict[str, list[int]] = {}
+
+    def prompt_ids(examples: list[Example]) -> list[list[int]]:
+        out = []
+        for e in examples:
+            if e.prompt not in cache:
+                text = format_prompt(e.prompt, tokenizer, cfg.data.template, system)
+                cache[e.prompt] = tokenizer.encode(text, add_special_tokens=False)
+            out.append(cache[e.prompt])
+        return out
+
+    eos = {tokenizer.eos_token_id, *_config_eos(model_cfg)}
+    longest = max(len(p) for p in prompt_ids(train[:2000] + held_out))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    multiple = 8 * -(-longest // 8)  # one bucket for the whole dataset: a training run compiles generate once
+    return Task(model_cfg, tokenizer, prompt_ids, tuple(sorted(e for e in eos if e is not None)), pad, multiple), params
+
+
+def _config_eos(model_cfg) -> list[int]:
+    e = json.loads(model_cfg.hf_json).get("eos_token_id")
+    return [] if e is None else ([e] if isinstance(e, int) else list(e))
+
+
