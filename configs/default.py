@@ -36,7 +36,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.data.system = ""
 
     c.es = ConfigDict()
-    c.es.population = 128
+    c.es.population = 64
     c.es.rank = 1
     c.es.sigma = 0.005
     c.es.shaping = "raw"  # raw | zscore | centered_ranks
@@ -49,9 +49,9 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.optimizer.max_grad_norm = 0.0  # 0 = no clipping
 
     c.train = ConfigDict()
-    c.train.steps = 60
+    c.train.steps = 70
     c.train.time_budget_s = 0.0  # stop after this much wall time (0 = no limit); evaluation time excluded
-    c.train.prompts_per_step = 64
+    c.train.prompts_per_step = 32
     c.train.max_new_tokens = 6
     c.train.temperature = 0.0  # ES members answer greedily; the perturbation is the exploration
     c.train.eval_every = 10

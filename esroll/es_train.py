@@ -34,8 +34,8 @@ def make_es_method(cfg: ExperimentConfig, task, optimizer: optax.GradientTransfo
     member_B = parallel.put_rows(mesh, np.repeat(np.arange(N, dtype=np.int32), P))
     # Outputs pinned to the replicated sharding the inputs have, so step 2 hits the jit cache of step 1.
     same = parallel.replicated(mesh)
-    ask = jax.jit(lambda state, params: es.ask(es_cfg, state, params), out_shardings=same)
-    tell = jax.jit(lambda state, params, fitness: es.tell(es_cfg, state, params, fitness, optimizer), out_shardings=same)
+    ask = jax.jit(es.ask, static_argnums=0, out_shardings=same)
+    tell = jax.jit(es.tell, static_argnums=(0, 4), out_shardings=same)
     sample_key = jax.random.key(cfg.seed + 1)
 
     def init(params, key):
@@ -45,7 +45,7 @@ def make_es_method(cfg: ExperimentConfig, task, optimizer: optax.GradientTransfo
         tokens, mask = pad_prompts(task.prompt_ids(examples), multiple=task.prompt_multiple, rows=P, pad_id=task.pad_id)
         tokens_R = parallel.put_rows(mesh, np.tile(tokens, (N, 1)))
         mask_R = parallel.put_rows(mesh, np.tile(mask, (N, 1)))
-        perturb = Perturbation(ask(state, params), member_B)
+        perturb = Perturbation(ask(es_cfg, state, params), member_B)
         gen = generate(task.cfg, params, tokens_R, jax.random.fold_in(sample_key, step_index),
                        max_new_tokens=cfg.train.max_new_tokens, temperature=cfg.train.temperature,
                        eos_ids=task.eos_ids, prompt_mask=mask_R, perturb=perturb, pad_id=task.pad_id)  # fmt: skip
@@ -54,7 +54,7 @@ def make_es_method(cfg: ExperimentConfig, task, optimizer: optax.GradientTransfo
         local_rewards = task.rewards([examples[i % P] for i in idx], out_tokens, lengths)
         rewards_NxP = parallel.gather_to_all(local_rewards, idx, N * P).reshape(N, P)
         fitness_N = rewards_NxP.mean(axis=1)
-        params, state, metrics = tell(state, params, parallel.put_replicated(mesh, fitness_N))
+        params, state, metrics = tell(es_cfg, state, params, parallel.put_replicated(mesh, fitness_N), optimizer)
         n_tokens = int(parallel.gather_to_all(lengths.astype(np.float32), idx, N * P).sum())
         return params, state, metrics, n_tokens
 

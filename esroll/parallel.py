@@ -22,7 +22,7 @@ def maybe_initialize_distributed(enabled: bool) -> None:
 
     On CPU the cross-process collectives use gloo.
     """
-    if not (enabled or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+    if not (enabled or os.environ.get("JAX_COORDINATOR_ADDRESS")) or jax.distributed.is_initialized():
         return
     if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS", "") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -64,7 +64,17 @@ def put_rows(mesh: Mesh, x: np.ndarray) -> jax.Array:
 
 def put_replicated(mesh: Mesh, tree):
     """Copies of a pytree on every device (every process must pass the same values)."""
-    return jax.device_put(tree, replicated(mesh))
+    sharding = replicated(mesh)
+
+    def put(x):
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    return jax.tree.map(put, tree)
 
 
 def local_rows(x: jax.Array) -> tuple[np.ndarray, np.ndarray]:

@@ -3,7 +3,7 @@
 Pure Python: no JAX, and model output is never executed. Completions are hostile input, so every function here
 returns within bounded time and never raises on any string:
 - only the last `TAIL_CHARS` characters of a completion are searched (final answers come last), and every regex is
-  linear with bounded quantifiers;
+  linear-time;
 - numbers longer than `MAX_NUMBER_DIGITS` digits are not numbers;
 - Countdown expressions longer than `MAX_EXPR_CHARS` are rejected before `ast.parse`, and the tree is walked by hand.
 Only ASCII digits count as digits (`str.isdigit` and `\\d` would accept '５' or Arabic-Indic digits).
@@ -11,6 +11,7 @@ Only ASCII digits count as digits (`str.isdigit` and `\\d` would accept '５' or
 
 import ast
 import collections
+import operator
 import re
 from fractions import Fraction
 from typing import Sequence
@@ -24,7 +25,7 @@ MAX_EXPR_CHARS = 200
 _NUMBER = re.compile(
     r"(?:(?<![0-9A-Za-z_)\]])[-+])?[$€£]?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?%?"
 )
-_WINDOW = 40  # characters after an answer marker in which the number must start
+_WINDOW = 40  # characters after an answer marker that may hold its number
 # (marker, end of its window), in priority order; within a kind, the last marker with a number wins. The number must
 # follow the marker directly, except inside a delimited window such as \boxed{...}, where it may appear anywhere.
 _MARKERS = (
@@ -33,8 +34,7 @@ _MARKERS = (
     (re.compile(r"(?i)\banswer(?:[ \t]{1,5}is\b|[ \t]{0,5}[:=])"), None),
 )
 _EXPR_CHARS = frozenset("0123456789+-*/() ")
-_ALLOWED_OPS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__,
-                ast.Div: Fraction.__truediv__}
+_ALLOWED_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
 def _canonical(token: str) -> str | None:
@@ -47,11 +47,6 @@ def _canonical(token: str) -> str | None:
     whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")
     text = whole + ("." + frac if frac else "")
     return "-" + text if negative and text != "0" else text
-
-
-def _numbers(text: str) -> list[str]:
-    found = (_canonical(m.group()) for m in _NUMBER.finditer(text))
-    return [n for n in found if n is not None]
 
 
 def parse_number(text: str) -> str | None:
@@ -78,7 +73,7 @@ def extract_answer(completion: str) -> str | None:
             first = _NUMBER.search(window) if stop is not None else _NUMBER.match(window)
             if first and (number := _canonical(first.group())) is not None:
                 return number
-    numbers = _numbers(tail)
+    numbers = [n for m in _NUMBER.finditer(tail) if (n := _canonical(m.group())) is not None]
     return numbers[-1] if numbers else None
 
 

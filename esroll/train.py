@@ -8,6 +8,7 @@ logs are the same code for all of them, so comparisons are like for like.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from esroll.models import save_hf
 from esroll.sampling import generate, pad_prompts
 
 
+@functools.cache  # one object per config, so jitted steps that take it as a static argument share their cache
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     if cfg.name == "sgd":
         opt = optax.sgd(cfg.lr)

@@ -1,0 +1,144 @@
+"""The training loop: outputs, exact resumption, sharded == unsharded, multi-process == single-process, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from configs.default import get_config
+from esroll.config import from_config_dict
+from esroll.train import train_and_evaluate
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def quick(**train_overrides):
+    cd = get_config("quick")
+    cd.model.path = str(REPO / "assets/tiny-qwen3-arith")
+    for k, v in train_overrides.items():
+        cd.train[k] = v
+    return from_config_dict(cd.to_dict())
+
+
+def assert_trees_equal(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+def test_quick_run_writes_everything(tmp_path):
+    import torch
+    import transformers
+
+    out = train_and_evaluate(quick(), tmp_path, progress=False)
+    records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for r in steps:
+        assert {"step", "wall_time", "fitness_mean", "fitness_std", "tokens_per_s"} <= set(r)
+    assert [r["step"] for r in records if "eval_accuracy" in r] == [0, 2, 3]
+    assert (tmp_path / "eval_accuracy.png").stat().st_size > 0
+    assert any((tmp_path / "tb").iterdir())
+    # The exported model loads in transformers and agrees with the trained parameters.
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"), dtype=torch.float32).eval()
+    from esroll.models import forward, load_hf
+
+    cfg, params = load_hf(tmp_path / "final")
+    assert_trees_equal(params, jax.device_get(out["params"]))
+    ids = np.array([[5, 9, 17, 3, 40]])
+    ours, _ = forward(cfg, params, ids)
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)).logits.numpy()
+    assert np.abs(np.asarray(ours) - ref).max() < 1e-4
+
+
+def test_resume_is_exact(tmp_path):
+    cfg = quick(steps=4, checkpoint_every=2, eval_every=2)
+    full = train_and_evaluate(cfg, tmp_path / "full", progress=False)
+    first = train_and_evaluate(cfg, tmp_path / "split", stop_after_steps=2, progress=False)
+    assert first["stopped_at"] == 2
+    resumed = train_and_evaluate(cfg, tmp_path / "split", progress=False)
+    assert resumed["resumed_from"] == 2
+    assert_trees_equal(full["params"], resumed["params"])
+    records = [json.loads(l) for l in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["step"] > 0 and "fitness_mean" in r] == [1, 2, 3, 4]
+
+
+def test_sharded_equals_unsharded(tmp_path):
+    """8 fake CPU devices split the population; the parameters after two steps match one device to 1e-6."""
+    cfg = quick(steps=2, eval_every=100, checkpoint_every=100, export=False)
+    one = train_and_evaluate(cfg, tmp_path / "one", mesh_devices=1, progress=False)
+    eight = train_and_evaluate(cfg, tmp_path / "eight", mesh_devices=8, progress=False)
+    assert len(jax.devices()) == 8
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6),
+                 one["params"], eight["params"])  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one(tmp_path):
+    """Two processes with two CPU devices each (gloo collectives on localhost) match one process with four."""
+    script = REPO / "tests" / "multiprocess_worker.py"
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2"}  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(tmp_path / "multi"), str(tmp_path / f"p{i}.npz")],
+                         env={**env, "JAX_PROCESS_ID": str(i)}, cwd=REPO)  # fmt: skip
+        for i in range(2)
+    ]
+    assert all(p.wait(timeout=600) == 0 for p in procs)
+    cfg = quick(steps=2, eval_every=100, checkpoint_every=100, export=False)
+    single = train_and_evaluate(cfg, tmp_path / "single", mesh_devices=4, progress=False)
+    flat_single = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(single["params"])}
+    for i in range(2):
+        got = np.load(tmp_path / f"p{i}.npz")
+        assert set(got.files) == set(flat_single)
+        for k in got.files:
+            np.testing.assert_allclose(got[k], flat_single[k], rtol=0, atol=1e-6)
+
+
+def test_config_errors(tmp_path):
+    cd = get_config("quick")
+    cd.es.sigmaa = 0.1
+    with pytest.raises(ValueError, match="unknown key 'es.sigmaa'"):
+        from_config_dict(cd.to_dict())
+    cd = get_config("quick")
+    cd.es.sigma = -1.0
+    with pytest.raises(ValueError, match="invalid value for 'es.sigma'"):
+        from_config_dict(cd.to_dict())
+    cd = get_config("quick")
+    cd.train.steps = "ten"
+    with pytest.raises(ValueError, match="key 'train.steps' must be int"):
+        from_config_dict(cd.to_dict())
+    cd = get_config("eggroll")
+    cd.es.population = 7
+    with pytest.raises(ValueError, match="es.population.*even"):
+        from_config_dict(cd.to_dict())
+    cfg = dataclasses.replace(quick(), model=dataclasses.replace(quick().model, path=str(tmp_path / "no-model")))
+    with pytest.raises(FileNotFoundError, match="no-model"):
+        train_and_evaluate(cfg, tmp_path / "w", progress=False)
+
+
+def test_workdir_with_other_config_is_refused(tmp_path):
+    from esroll.checkpoint import guard_workdir
+
+    assert guard_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.1}}, overwrite=False) is False
+    (tmp_path / "metrics.jsonl").write_text("precious\n")
+    assert guard_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.1}}, overwrite=False) is True
+    with pytest.raises(ValueError, match=r"config\.json.*'es\.sigma' was 0\.1, now 0\.2.*--overwrite"):
+        guard_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.2}}, overwrite=False)
+    assert (tmp_path / "metrics.jsonl").read_text() == "precious\n"
+    guard_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.2}}, overwrite=True)
+    assert (tmp_path / "replaced-1" / "metrics.jsonl").read_text() == "precious\n"
