@@ -18,7 +18,7 @@ leaks into the others. Standard deviations are population ones (ddof = 0).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -65,6 +65,9 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GRPOSection:
+    """GRPO (esroll.grpo). Each step samples group_size completions per prompt, then takes inner_iterations ×
+    minibatches optimizer steps; each minibatch's gradient is summed over microbatches (a memory knob only)."""
+
     group_size: int = 8
     advantage: str = "grpo"
     epsilon_low: float = 0.2
@@ -91,6 +94,7 @@ class ExperimentConfig:
     distributed: bool = False
 
     def validate(self) -> ExperimentConfig:
+        grpo_rows = self.train.prompts_per_step * self.grpo.group_size  # completions sampled per GRPO step
         checks = [
             ("method", self.method in METHODS, f"one of {METHODS}"),
             ("model.dtype", self.model.dtype in ("float32", "bfloat16"), "float32 or bfloat16"),
@@ -115,6 +119,15 @@ class ExperimentConfig:
             ("grpo.aggregation", self.grpo.aggregation in ("seq_mean_token_mean", "token_mean", "constant_length"),
              "seq_mean_token_mean, token_mean or constant_length"),
             ("grpo.temperature", self.grpo.temperature > 0, "> 0"),
+            ("grpo.epsilon_low", 0 <= self.grpo.epsilon_low < 1, "in [0, 1)"),
+            ("grpo.epsilon_high", self.grpo.epsilon_high >= 0, ">= 0"),
+            ("grpo.inner_iterations", self.grpo.inner_iterations >= 1, ">= 1"),
+            ("grpo.beta", self.grpo.beta >= 0, ">= 0"),
+            ("grpo.minibatches", self.grpo.minibatches >= 1 and grpo_rows % self.grpo.minibatches == 0,
+             f"a divisor of train.prompts_per_step × grpo.group_size = {grpo_rows}"),
+            ("grpo.microbatches", self.grpo.microbatches >= 1
+             and grpo_rows % (self.grpo.minibatches * self.grpo.microbatches) == 0,
+             f"a divisor of the minibatch size, {grpo_rows} / grpo.minibatches"),
         ]  # fmt: skip
         for key, ok, expected in checks:
             if not ok:

@@ -5,8 +5,8 @@ forward, prefill and decode alike, so each row sees its member's weights in ever
 are whatever the caller built, once per call; nothing here draws or rebuilds them.
 
 Shapes (batch, padded prompt length, `max_new_tokens`) and the sampling settings are static; parameters, factors,
-keys, EOS ids and the pad id are traced. A training run thus compiles `generate` once per prompt-length bucket (`pad_prompts`),
-not once per step.
+keys, EOS ids and the pad id are traced. A training run thus compiles `generate` once per prompt-length bucket
+(`pad_prompts`), not once per step.
 """
 
 from __future__ import annotations
@@ -104,8 +104,7 @@ def _generate(cfg, params, prompt_BxP, mask_BxP, key, perturb, *, eos_E, pad_id,
     cache = init_cache(cfg, B, P - 1 + N, cache_dtype)
     # Prefill all but the last prompt token; its logits go unused, so XLA drops the [B, P, V] head. The last prompt
     # token is the first decode step's input (left padding makes it real in every non-empty row).
-    if P > 1:
-        _, cache = forward(cfg, params, prompt_BxP[:, :-1], mask_BxT=mask_BxP[:, :-1], cache=cache, perturb=perturb)
+    _, cache = forward(cfg, params, prompt_BxP[:, :-1], mask_BxT=mask_BxP[:, :-1], cache=cache, perturb=perturb)
 
     def step(state):
         t, cache, token_B, tokens_BxN, logprobs_BxN, length_B, done_B = state

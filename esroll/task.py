@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -13,6 +12,7 @@ import numpy as np
 from esroll.config import ExperimentConfig
 from esroll.data import Example, format_prompt, score
 from esroll.models import load_hf
+from esroll.models.hf import resolve
 
 
 class Task(NamedTuple):
@@ -41,9 +41,10 @@ class Method(NamedTuple):
 def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Example]) -> tuple[Task, dict]:
     from transformers import AutoTokenizer
 
-    path = Path(cfg.model.path)
-    if not path.exists():
-        raise FileNotFoundError(f"config: model.path {cfg.model.path!r}: model folder not found")
+    try:
+        path = resolve(cfg.model.path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"config: 'model.path': {e}") from None
     model_cfg, params = load_hf(path, dtype=jnp.dtype(cfg.model.dtype))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     system = cfg.data.system or None

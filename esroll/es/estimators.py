@@ -19,7 +19,8 @@ Non-finite fitness never reaches the parameters:
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

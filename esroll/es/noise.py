@@ -13,13 +13,15 @@ a low-rank perturbation of a vocabulary table moves every token's embedding), pe
 freeze vectors (norm scales, biases: few parameters, and they rescale whole activations); opt vectors in with e.g.
 dense_patterns=(".*norm", ".*bias").
 
-Keys: key → fold_in(step) → fold_in(crc32(path)) → fold_in(layer) → fold_in(direction) → one N(0, 1) draw of
-[in + out, r] whose first `in` rows are A and the rest B. No draw
-depends on the device count, the batch layout, chunking or sharding, and adding a leaf does not change the others.
+Keys: key → fold_in(step) → fold_in(crc32(path)) → fold_in(layer) → fold_in(direction) → fold_in(block b); the draw
+of one (leaf, layer, direction) is its N(0, 1) blocks of BLOCK numbers, concatenated and cut to [in + out, r]
+(row-major: the first `in` rows are A, the rest B) or to [D]. No draw depends on the device count, the batch layout,
+chunking or sharding, and adding a leaf does not change the others.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import zlib
 from typing import Any
@@ -31,6 +33,7 @@ from esroll.models import LowRank
 
 Array = jax.Array
 LOWRANK, DENSE = "lowrank", "dense"
+BLOCK = 128  # noise is drawn in blocks of this many numbers (part of the definition of the stream)
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -79,61 +82,69 @@ def plan(params: dict, lowrank_patterns=(".*",), dense_patterns=(), frozen_patte
     return kinds
 
 
-def _direction_keys(key: Array, step, path: str, layers: int, directions_K: Array) -> Array:
-    """Keys [layers, K]: key → step → leaf → layer → direction."""
-    leaf_key = jax.random.fold_in(jax.random.fold_in(key, step), zlib.crc32(path.encode()) & 0x7FFFFFFF)
-    layer_keys = jax.vmap(lambda l: jax.random.fold_in(leaf_key, l))(jnp.arange(layers))
-    return jax.vmap(lambda k: jax.vmap(lambda d: jax.random.fold_in(k, d))(directions_K))(layer_keys)
-
-
-def _normal(keys_LxK: Array, shape: tuple[int, ...]) -> Array:
-    L, K = keys_LxK.shape  # one flat vmap: nested vmaps of the generator compile twice as slowly on CPU
-    draws = jax.vmap(lambda k: jax.random.normal(k, shape, jnp.float32))(keys_LxK.reshape(L * K))
-    return draws.reshape((L, K) + shape)
-
-
 def factors(key: Array, step, params: dict, kinds: dict[str, str], rank: int, directions_K: Array) -> dict:
     """Unscaled N(0, 1) noise of directions `directions_K` (int array), generated once per step, float32.
 
     Mirrors `params` for perturbed leaves: LowRank(a [L, K, in, r], b [L, K, out, r]) or ε [L, K, D] for stacked
-    leaves, without the L axis for single leaves.
+    leaves, without the L axis for single leaves. Every draw is cut from blocks of BLOCK numbers, and all blocks of
+    all leaves come from one vmapped generator call: XLA compiles one generator, not one per leaf.
     """
     flat = flatten(params)
-    out = {}
+    leaves = []  # (path, layers, draw shape, blocks per draw)
     for path, kind in kinds.items():
         shape = flat[path].shape
-        stacked = is_stacked(path)
-        keys_LxK = _direction_keys(key, step, path, shape[0] if stacked else 1, directions_K)
-        per_layer = shape[1:] if stacked else shape
-        if kind == LOWRANK:
-            m, n = per_layer
-            ab = _normal(keys_LxK, (m + n, rank))  # one draw per (layer, direction): A its first m rows, B the rest
-            noise = LowRank(ab[:, :, :m], ab[:, :, m:])
-        else:
-            noise = _normal(keys_LxK, per_layer)
-        out[path] = noise if stacked else jax.tree.map(lambda x: x[0], noise)
+        layers, per_layer = (shape[0], shape[1:]) if is_stacked(path) else (1, shape)
+        draw = (per_layer[0] + per_layer[1], rank) if kind == LOWRANK else tuple(per_layer)  # A: first `in` rows
+        leaves.append((path, layers, draw, -(-math.prod(draw) // BLOCK)))
+    # One row per (leaf, layer, direction, block), leaf-major; one flat vmap (nested vmaps compile slowly on CPU).
+    K = directions_K.shape[0]
+    ids = []
+    for path, layers, _, nb in leaves:
+        shape = (layers, K, nb)
+        leaf = jnp.full(shape, zlib.crc32(path.encode()) & 0x7FFFFFFF, jnp.int32)
+        layer = jnp.broadcast_to(jnp.arange(layers)[:, None, None], shape)
+        direction = jnp.broadcast_to(directions_K[None, :, None], shape)
+        block = jnp.broadcast_to(jnp.arange(nb)[None, None, :], shape)
+        ids.append(jnp.stack([leaf, layer, direction, block], -1).reshape(-1, 4))
+    step_key = jax.random.fold_in(key, step)
+
+    def block_noise(ids_4: Array) -> Array:
+        k = step_key
+        for i in range(4):
+            k = jax.random.fold_in(k, ids_4[i])
+        return jax.random.normal(k, (BLOCK,), jnp.float32)
+
+    values_XxB = jax.vmap(block_noise)(jnp.concatenate(ids))
+
+    out, x = {}, 0
+    for path, layers, draw, nb in leaves:
+        v = values_XxB[x : x + layers * K * nb].reshape(layers, K, nb * BLOCK)[:, :, : math.prod(draw)]
+        x += layers * K * nb
+        v = v.reshape((layers, K) + draw)
+        if kinds[path] == LOWRANK:
+            m = flat[path].shape[-2]
+            v = LowRank(v[..., :m, :], v[..., m:, :])
+        out[path] = v if is_stacked(path) else jax.tree.map(lambda a: a[0], v)
     return unflatten(out)
 
 
-def member_deltas(
-    factors_tree: dict, params: dict, direction_N: Array, scale_N: Array, rank: int
-) -> dict:
+def member_deltas(factors_tree: dict, params: dict, direction_N: Array, scale_N: Array, rank: int) -> dict:
     """Member-level deltas for `Perturbation`: member i is θ + scale_i·E_{direction_i}.
 
     Low-rank: a_i = scale_i/√r · A, b_i = B; dense: scale_i · ε. Cast to each leaf's dtype.
     """
     flat_params = flatten(params)
+
+    def scaled(x, s_N, axis, dtype):  # gather each member's direction along `axis`, times its scale
+        s = s_N.reshape((1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1))
+        return (jnp.take(x, direction_N, axis=axis) * s).astype(dtype)
+
     out = {}
-    for path, noise in flatten(factors_tree).items():
-        axis = 1 if is_stacked(path) else 0  # the direction axis
-        dtype = flat_params[path].dtype
-
-        def scaled(x, s_N):
-            s = s_N.reshape((1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1))
-            return (jnp.take(x, direction_N, axis=axis) * s).astype(dtype)
-
-        if isinstance(noise, LowRank):
-            out[path] = LowRank(scaled(noise.a, scale_N / jnp.sqrt(rank)), scaled(noise.b, jnp.ones_like(scale_N)))
+    for path, f in flatten(factors_tree).items():
+        axis, dtype = (1 if is_stacked(path) else 0), flat_params[path].dtype  # the direction axis
+        if isinstance(f, LowRank):
+            a = scaled(f.a, scale_N / math.sqrt(rank), axis, dtype)
+            out[path] = LowRank(a, scaled(f.b, jnp.ones_like(scale_N), axis, dtype))
         else:
-            out[path] = scaled(noise, scale_N)
+            out[path] = scaled(f, scale_N, axis, dtype)
     return unflatten(out)

@@ -6,8 +6,9 @@
     params, state, metrics = tell(cfg, state, params, fitness_N, optimizer)
 
 `tell` regenerates the step's noise from (key, step) instead of receiving it, so across devices only the N fitness
-scalars travel. All three are jit-able with `cfg` static (close over `optimizer`). Frozen leaves get a zero
-gradient: wrap the optimizer in `optax.masked` if it applies weight decay.
+scalars travel. All three are jit-able with `cfg` static (close over `optimizer`). Members with non-finite fitness
+are dropped and a step with too few left is skipped (parameters and optimizer state kept): see `estimators`.
+Frozen leaves get a zero gradient: wrap the optimizer in `optax.masked` if it applies weight decay.
 """
 
 from __future__ import annotations
@@ -32,9 +33,13 @@ class ESConfig:
     """What an ES step does; frozen and hashable, so it is a static jit argument.
 
     method: "eggroll" (antithetic pairs, population even) or "looroll" (one evaluation per direction, LOO baseline).
+    sigma: perturbation radius (member i is θ ± σ·E_i). rank: r of E = ABᵀ/√r.
+    shaping: a name in `esroll.advantages`, applied to the fitness before the estimator (raw keeps it unbiased;
+    zscore makes the update independent of the reward scale).
     Leaf selection by path regex (see `noise`): defaults freeze embed / lm_head and vectors, perturb other matrices.
     chunk_size: directions per chunk when `tell` sums the update (None: all at once).
-    min_valid_fraction: a step with fewer finite members than this fraction of the population is skipped.
+    min_valid_fraction: non-finite fitness is dropped (see `estimators`); a step keeping fewer members than this
+    fraction of the population is skipped.
     """
 
     method: str = "looroll"
@@ -86,7 +91,9 @@ def leaf_kinds(cfg: ESConfig, params: dict) -> dict[str, str]:
 
 def init(cfg: ESConfig, params: dict, optimizer: optax.GradientTransformation, key: Array) -> ESState:
     if not leaf_kinds(cfg, params):
-        raise ValueError("ESConfig: no parameter leaf is perturbed; check lowrank_patterns / dense_patterns / frozen_patterns")
+        raise ValueError(
+            "ESConfig: no parameter leaf is perturbed; check lowrank_patterns / dense_patterns / frozen_patterns"
+        )
     return ESState(jnp.zeros((), jnp.int32), key, optimizer.init(params))
 
 
@@ -125,20 +132,20 @@ def tell(
     grad, weights = estimate(cfg, state.key, state.step, params, fitness_N)
     updates, opt_state = optimizer.update(jax.tree.map(jnp.negative, grad), state.opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(weights.skipped, o, n), new, old)  # noqa: E731
-    finite_N = jnp.isfinite(fitness_N)
-    f_N = jnp.where(finite_N, fitness_N, 0.0)
-    count = jnp.maximum(finite_N.sum(), 1)
-    mean = f_N.sum() / count
+
+    def unless_skipped(new, old):
+        return jax.tree.map(lambda n, o: jnp.where(weights.skipped, o, n), new, old)
+
+    finite_N = jnp.where(jnp.isfinite(fitness_N), fitness_N, jnp.nan)
     metrics = {
-        "fitness_mean": mean,
-        "fitness_std": jnp.sqrt((jnp.where(finite_N, f_N - mean, 0.0) ** 2).sum() / count),
-        "fitness_max": jnp.where(finite_N, fitness_N, -jnp.inf).max(),
+        "fitness_mean": jnp.nanmean(finite_N),  # over finite members (NaN if there are none)
+        "fitness_std": jnp.nanstd(finite_N),
+        "fitness_max": jnp.nanmax(finite_N),
         "num_nonfinite": weights.num_nonfinite,
         "num_dropped": weights.num_dropped,
         "skipped": weights.skipped,
         "grad_norm": optax.tree.norm(grad),
         "update_norm": jnp.where(weights.skipped, 0.0, optax.tree.norm(updates)),
     }
-    new_state = ESState(state.step + 1, state.key, keep(opt_state, state.opt_state))
-    return keep(new_params, params), new_state, metrics
+    new_state = ESState(state.step + 1, state.key, unless_skipped(opt_state, state.opt_state))
+    return unless_skipped(new_params, params), new_state, metrics

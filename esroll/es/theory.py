@@ -13,7 +13,7 @@ so the LOO / antithetic ratio is 1/2 + V_dense/(2V(N−1)) → 1/2.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ Array = jax.Array
 
 def per_sample_mse(cfg: strategy.ESConfig, params: dict, grad: dict) -> tuple[Array, Array]:
     """(V at cfg.rank, V_dense) for gradient `grad` restricted to the leaves cfg perturbs."""
-    flat_p, flat_g = noise.flatten(params), noise.flatten(grad)
+    flat_g = noise.flatten(grad)
     dim, sq, excess = 0, 0.0, 0.0
     for path, kind in strategy.leaf_kinds(cfg, params).items():
         g = flat_g[path].astype(jnp.float32)
@@ -60,6 +60,26 @@ def affine_fitness(grad: dict, deltas: dict) -> Array:
         else:
             total = total + jnp.einsum("lnd,ld->n" if stacked else "nd,d->n", d.astype(jnp.float32), g)
     return total
+
+
+def inner_and_sqnorm(factors: dict, grad: dict, rank: int) -> dict[str, tuple[Array, Array]]:
+    """Per unit and direction, from unscaled factors without forming E: (⟨G_u, E_k⟩, ‖E_k‖²), each [L, K] or [K].
+
+    The per-sample squared error of one unit is then X²‖E‖² − 2X² + ‖G‖² (under the affine model).
+    """
+    flat_g = noise.flatten(grad)
+    out = {}
+    for path, f in noise.flatten(factors).items():
+        g = flat_g[path].astype(jnp.float32)
+        lead = "l" if noise.is_stacked(path) else ""
+        if isinstance(f, LowRank):
+            x = jnp.einsum(f"{lead}kir,{lead}io,{lead}kor->{lead}k", f.a, g, f.b) / jnp.sqrt(rank)
+            gram_a = jnp.einsum(f"{lead}kir,{lead}kis->{lead}krs", f.a, f.a)
+            gram_b = jnp.einsum(f"{lead}kor,{lead}kos->{lead}krs", f.b, f.b)
+            out[path] = (x, jnp.sum(gram_a * gram_b, (-2, -1)) / rank)  # ‖ABᵀ‖² = tr(AᵀA·BᵀB)
+        else:
+            out[path] = (jnp.einsum(f"{lead}kd,{lead}d->{lead}k", f, g), jnp.sum(f**2, -1))
+    return out
 
 
 def materialize(params: dict, deltas: dict) -> dict:

@@ -70,7 +70,8 @@ def _hf_names(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
     return names
 
 
-def _resolve(path: str | Path) -> Path:
+def resolve(path: str | Path) -> Path:
+    """A local model folder, or a Hub id such as Qwen/Qwen3-0.6B fetched with huggingface_hub (network needed)."""
     p = Path(path)
     if p.exists():
         return p
@@ -106,7 +107,7 @@ def load_hf(path: str | Path, dtype=None) -> tuple[ModelConfig, dict]:
     Every tensor is checked: a missing, unexpected or wrongly shaped tensor is an error naming it and its file.
     Weights keep the checkpoint's dtype unless `dtype` is given.
     """
-    folder = _resolve(path)
+    folder = resolve(path)
     cfg = ModelConfig.from_json_file(folder / "config.json")
     expected = _hf_names(cfg)
     # A tied checkpoint may still carry a copy of the embedding as lm_head.weight: accept and ignore it.

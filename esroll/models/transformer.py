@@ -81,23 +81,24 @@ def forward(
 
     x = params["embed"][tokens_BxT]
     layer_deltas = deltas.get("layers", {})
-    if cache is None:
-        cache_kv = None
-    else:
-        cache_kv = (cache.k, cache.v)
+    # The whole stacked cache rides in the scan carry and each layer writes its slice in place; passing it as scan
+    # xs/ys instead would copy every layer's keys and values on every decode step.
+    cache_kv = None if cache is None else (cache.k, cache.v)
 
-    def block(x_BxTxD, xs):
-        p, d, kv = xs
+    def block(carry, xs):
+        x_BxTxD, kv = carry
+        p, d, layer = xs
         h = rms_norm(x_BxTxD, row_vector(p["attn_norm"], d.get("attn_norm"), member_B), cfg.rms_norm_eps)
-        h, new_kv = _attention(cfg, p, d, member_B, h, positions_BxT, inv_freq, visible_BxTxS, kv, cache)
+        h, kv = _attention(cfg, p, d, member_B, h, positions_BxT, inv_freq, visible_BxTxS, kv, layer, cache)
         x_BxTxD = x_BxTxD + h
         h = rms_norm(x_BxTxD, row_vector(p["mlp_norm"], d.get("mlp_norm"), member_B), cfg.rms_norm_eps)
         gate = linear(h, p["gate"], d.get("gate"), member_B)
         up = linear(h, p["up"], d.get("up"), member_B)
         x_BxTxD = x_BxTxD + linear(jax.nn.silu(gate) * up, p["down"], d.get("down"), member_B)
-        return x_BxTxD, new_kv
+        return (x_BxTxD, kv), None
 
-    x, new_kv = jax.lax.scan(block, x, (params["layers"], layer_deltas, cache_kv))
+    layers = jnp.arange(cfg.num_layers)
+    (x, new_kv), _ = jax.lax.scan(block, (x, cache_kv), (params["layers"], layer_deltas, layers))
     x = rms_norm(x, row_vector(params["final_norm"], deltas.get("final_norm"), member_B), cfg.rms_norm_eps)
     if cfg.tie_word_embeddings:
         logits = jnp.einsum("btd,vd->btv", x, params["embed"])
@@ -111,7 +112,7 @@ def forward(
     return logits, KVCache(k=k, v=v, valid_BxS=key_valid_BxS, index=cache.index + T)
 
 
-def _attention(cfg, p, d, member_B, h_BxTxD, positions_BxT, inv_freq, visible_BxTxS, kv, cache):
+def _attention(cfg, p, d, member_B, h_BxTxD, positions_BxT, inv_freq, visible_BxTxS, kv, layer, cache):
     B, T, _ = h_BxTxD.shape
     H, Nq, Nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
 
@@ -132,12 +133,11 @@ def _attention(cfg, p, d, member_B, h_BxTxD, positions_BxT, inv_freq, visible_Bx
 
     if kv is not None:
         k_all, v_all = kv
-        k_all = jax.lax.dynamic_update_slice(k_all, k.astype(k_all.dtype), (0, cache.index, 0, 0))
-        v_all = jax.lax.dynamic_update_slice(v_all, v.astype(v_all.dtype), (0, cache.index, 0, 0))
-        new_kv = (k_all, v_all)
-        k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
-    else:
-        new_kv = None
+        k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), (layer, 0, cache.index, 0, 0))
+        v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), (layer, 0, cache.index, 0, 0))
+        kv = (k_all, v_all)
+        k = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False).astype(q.dtype)
+        v = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False).astype(q.dtype)
 
     q = q.reshape(B, T, Nkv, Nq // Nkv, H)
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k).astype(jnp.float32) / np.sqrt(H)
@@ -147,4 +147,4 @@ def _attention(cfg, p, d, member_B, h_BxTxD, positions_BxT, inv_freq, visible_Bx
     out = linear(out, p["o"], d.get("o"), member_B)
     if "o_bias" in p:
         out = out + row_vector(p["o_bias"], d.get("o_bias"), member_B)
-    return out, new_kv
+    return out, kv

@@ -1,0 +1,198 @@
+"""The matched wall-time comparison: statistics on cases with known answers, the configs, and the quick comparison end
+to end (its tables recomputed from the runs' metrics.jsonl), including resumption."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from configs.compare import get_config
+from esroll.compare import area_under_curve, comparison_from_dict, paired_test, run_comparison, write_report
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- statistics with known answers
+
+
+def test_paired_test_known_mean_and_sd():
+    """d = (1, 2, 3): mean 2, sd 1, t = 2√3. With 2 degrees of freedom the t distribution has closed forms:
+    sf(t) = (1 − t/√(t² + 2))/2 and the 0.975 quantile is 0.95·√(2/(4·0.975·0.025))."""
+    out = paired_test([1.0, 2.0, 3.0])
+    t = 2 * math.sqrt(3)
+    q = 0.95 * math.sqrt(2 / (4 * 0.975 * 0.025))
+    assert out["n"] == 3 and out["mean"] == pytest.approx(2.0) and out["sd"] == pytest.approx(1.0)
+    assert out["t"] == pytest.approx(t)
+    assert out["p_t"] == pytest.approx(1 - t / math.sqrt(t**2 + 2))
+    assert out["ci_low"] == pytest.approx(2 - q / math.sqrt(3))
+    assert out["ci_high"] == pytest.approx(2 + q / math.sqrt(3))
+
+
+@pytest.mark.parametrize("n", [3, 5, 8])
+def test_all_positive_differences_give_the_smallest_exact_p(n):
+    out = paired_test(np.linspace(0.01, 0.2, n)[::-1])
+    assert out["p_sign"] == pytest.approx(2 * 0.5**n)
+    assert out["p_wilcoxon"] == pytest.approx(2 * 0.5**n)  # all ranks positive: the most extreme of 2^n sign patterns
+
+
+def test_paired_test_zeros_and_small_n():
+    out = paired_test([0.0, 0.5, -0.5])  # zeros dropped: one positive, one negative
+    assert out["p_sign"] == pytest.approx(1.0) and out["mean"] == pytest.approx(0.0)
+    assert paired_test([0.0, 0.0, 0.0])["p_sign"] == 1.0
+    assert math.isnan(paired_test([0.3])["p_t"]) and paired_test([0.3])["mean"] == pytest.approx(0.3)
+
+
+def test_area_under_curve_of_known_curves():
+    # Trapezoids 0-10 and 10-20, then held at 0.6 until the budget: (3 + 5 + 6) / 30.
+    assert area_under_curve([0, 10, 20], [0.2, 0.4, 0.6], 30) == pytest.approx(14 / 30)
+    # An evaluation past the budget is interpolated at the budget: the triangle up to (5, 0.5), over 5 s.
+    assert area_under_curve([0, 10], [0.0, 1.0], 5) == pytest.approx(0.25)
+    # A constant curve has its constant as AUC, whatever the evaluation times.
+    assert area_under_curve([0, 3, 4.5, 9], [0.7] * 4, 8) == pytest.approx(0.7)
+
+
+# ---- configs
+
+
+@pytest.mark.parametrize("variant", ["default", "quick", "countdown", "gsm8k_qwen3_0.6b", "gsm8k_qwen3_8b"])
+def test_variants_build_valid_comparisons(variant):
+    comp = comparison_from_dict(get_config(variant).to_dict())
+    assert comp.reference == "looroll" and comp.reference in comp.configs
+    for cfg in comp.configs.values():
+        assert cfg.train.time_budget_s == comp.time_budget_s and cfg.train.steps >= 3
+
+
+def test_methods_follow_their_training_configs_and_seeds_pair_them():
+    from configs.default import get_config as default_config
+    from esroll.config import from_config_dict
+
+    cd = get_config()
+    cd.methods = "looroll,eggroll,grpo,looroll_r8"
+    comp = comparison_from_dict(cd.to_dict())
+    grpo = from_config_dict(default_config("grpo").to_dict())
+    # configs/default.py:grpo, but for the learning rate (see configs/compare.py) and what the comparison sets.
+    assert comp.configs["grpo"].grpo == grpo.grpo and comp.configs["grpo"].model == grpo.model
+    assert comp.configs["grpo"].optimizer == dataclasses.replace(grpo.optimizer, lr=1e-4)
+    assert comp.configs["grpo"].train.prompts_per_step == grpo.train.prompts_per_step
+    assert comp.configs["eggroll"].method == "eggroll" and comp.configs["looroll_r8"].es.rank == 8
+    runs = [comp.run_config(m, 2) for m in comp.configs]
+    assert {(c.seed, c.data.seed) for c in runs} == {(2, 2)}
+    cd.methods = "looroll,sgd"
+    with pytest.raises(ValueError, match="method 'sgd' has no entry"):
+        comparison_from_dict(cd.to_dict())
+
+
+# ---- the quick comparison, end to end
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def _auc_by_segments(times, accs, budget):
+    """Independent of the library: sum of trapezoids, each clipped at the budget, then the last value held."""
+    area, t_prev, a_prev = 0.0, times[0], accs[0]
+    for t, a in zip(times[1:], accs[1:]):
+        if t_prev >= budget:
+            break
+        end = min(t, budget)
+        a_end = a_prev + (a - a_prev) * (end - t_prev) / (t - t_prev)
+        area += (end - t_prev) * (a_prev + a_end) / 2
+        t_prev, a_prev = end, a_end
+    return (area + max(budget - t_prev, 0.0) * a_prev) / budget
+
+
+@pytest.fixture(scope="module")
+def quick_comparison(tmp_path_factory):
+    cd = get_config("quick")
+    cd.experiment.model.path = str(REPO / "assets/tiny-qwen3-arith")
+    comp = comparison_from_dict(cd.to_dict())
+    workdir = tmp_path_factory.mktemp("compare")
+    statuses = run_comparison(comp, workdir, mesh_devices=1, progress=False)
+    return comp, workdir, statuses
+
+
+def test_quick_comparison_tables_match_the_runs(quick_comparison):
+    comp, workdir, statuses = quick_comparison
+    assert statuses == [(m, s, "ran") for s in comp.seeds for m in comp.configs]
+    paths = write_report(workdir)
+    assert paths["figure"].stat().st_size > 0 and "Wilcoxon" in paths["results_md"].read_text()
+
+    runs = {(r["method"], int(r["seed"])): r for r in _rows(paths["runs_csv"])}
+    assert set(runs) == {(m, s) for m in comp.configs for s in comp.seeds}
+    finals, aucs = {}, {}
+    for (method, seed), row in runs.items():
+        run = workdir / method / f"seed{seed}"
+        cfg = json.loads((run / "config.json").read_text())
+        assert (cfg["method"], cfg["seed"], cfg["data"]["seed"]) == (method, seed, seed)
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in records if "eval_accuracy" in r]
+        steps = records[-1]["step"]
+        finals[method, seed] = evals[-1]["eval_accuracy"]
+        assert row["complete"] == "True" and int(row["steps"]) == steps
+        assert records[-1]["wall_time"] >= comp.time_budget_s or steps == cfg["train"]["steps"]
+        assert float(row["final_accuracy"]) == evals[-1]["eval_accuracy"]
+        assert float(row["initial_accuracy"]) == evals[0]["eval_accuracy"]
+        auc = _auc_by_segments([r["wall_time"] for r in evals], [r["eval_accuracy"] for r in evals], comp.time_budget_s)
+        assert float(row["auc"]) == pytest.approx(auc, abs=1e-12)
+        aucs[method, seed] = auc
+        assert int(row["evaluations"]) == cfg["es"]["population"] * steps
+        assert int(row["completions"]) == cfg["es"]["population"] * cfg["train"]["prompts_per_step"] * steps
+    # Paired runs start from the same model on the same held-out set.
+    for seed in comp.seeds:
+        assert runs["eggroll", seed]["initial_accuracy"] == runs["looroll", seed]["initial_accuracy"]
+
+    results = {r["method"]: r for r in _rows(paths["results_csv"])}
+    diffs = [finals["eggroll", s] - finals["looroll", s] for s in comp.seeds]
+    for method in comp.configs:
+        mine = [finals[method, s] for s in comp.seeds]
+        assert float(results[method]["final_accuracy_mean"]) == pytest.approx(np.mean(mine))
+        assert float(results[method]["final_accuracy_sd"]) == pytest.approx(np.std(mine, ddof=1))
+        assert float(results[method]["auc_mean"]) == pytest.approx(np.mean([aucs[method, s] for s in comp.seeds]))
+    egg = results["eggroll"]
+    assert int(egg["n_pairs"]) == len(comp.seeds)
+    assert float(egg["final_accuracy_diff_mean"]) == pytest.approx(np.mean(diffs))
+    assert float(egg["final_accuracy_diff_sd"]) == pytest.approx(np.std(diffs, ddof=1))
+    nonzero = [d for d in diffs if d != 0]
+    m, k = len(nonzero), sum(d > 0 for d in nonzero)
+    sign_p = min(1.0, 2 * sum(math.comb(m, i) for i in range(min(k, m - k) + 1)) / 2**m)
+    assert float(egg["final_accuracy_diff_p_sign"]) == pytest.approx(sign_p)
+
+
+def test_rerun_skips_finished_runs_and_resumes_an_interrupted_one(quick_comparison):
+    comp, workdir, _ = quick_comparison
+    files = sorted(workdir.glob("*/seed*/metrics.jsonl"))
+    before = {p: p.read_text() for p in files}
+    statuses = run_comparison(comp, workdir, mesh_devices=1, progress=False)
+    assert statuses == [(m, s, "skipped") for s in comp.seeds for m in comp.configs]
+    assert {p: p.read_text() for p in files} == before
+
+    # Interrupt looroll seed 1 before its final evaluation was written: only that run runs again, and it resumes
+    # (the records it kept are unchanged) instead of starting over.
+    interrupted = workdir / "looroll" / "seed1" / "metrics.jsonl"
+    kept = before[interrupted].splitlines(keepends=True)[:-1]
+    interrupted.write_text("".join(kept))
+    statuses = run_comparison(comp, workdir, mesh_devices=1, progress=False)
+    assert [s for s in statuses if s[2] == "ran"] == [("looroll", 1, "ran")]
+    resumed = interrupted.read_text().splitlines(keepends=True)
+    assert resumed[: len(kept)] == kept and "eval_accuracy" in json.loads(resumed[-1])
+
+
+def test_entry_script_writes_the_report(quick_comparison):
+    _, workdir, _ = quick_comparison
+    (workdir / "results.md").unlink(missing_ok=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.compare", "--config", "configs/compare.py:quick", "--workdir", str(workdir),
+         "--report_only"], cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (workdir / "results.md").read_text() in out.stdout

@@ -1,0 +1,316 @@
+"""ES mechanics: shaping, noise layout and determinism, perturbed forward, update = Σ w_i E_i, chunks, devices, NaNs."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from esroll import advantages, es
+from esroll.es import estimators, noise
+from esroll.models import LowRank, Perturbation, forward, load_hf
+
+from conftest import build_tiny_hf
+
+# Jitted once per (config, tree structure) and shared by the tests: compiling the generator dominates their runtime.
+member_deltas = jax.jit(es.member_deltas, static_argnums=0)
+estimate = jax.jit(es.estimate, static_argnums=0)
+TOY = es.ESConfig(method="eggroll", population=8, rank=2, sigma=0.1, shaping="raw", dense_patterns=("bias", ".*norm"))
+
+
+def toy_params(seed=0):
+    """Single matrices, a layer-stacked matrix and vectors (stacked and single)."""
+    rng = np.random.default_rng(seed)
+    shapes = {"w1": (5, 7), "bias": (7,), "embed": (11, 5), "layers": {"w": (3, 7, 6), "norm": (3, 7)}}
+    return jax.tree.map(
+        lambda s: jnp.asarray(rng.normal(size=s), jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+
+
+def with_factors(cfg, fn):
+    """jit(fn) that also returns the step's regenerated factors (one compile: XLA draws them once for both)."""
+
+    def both(state, params, *args):
+        directions = jnp.arange(cfg.num_directions)
+        return fn(state, params, *args), es.step_factors(cfg, state.key, state.step, params, directions)
+
+    return jax.jit(both)
+
+
+def explicit_E(cfg, factors):
+    """{path: E [K, (L,) *shape]} in numpy from factors: A Bᵀ/√r, or ε."""
+    out = {}
+    for path, f in noise.flatten(factors).items():
+        if isinstance(f, LowRank):
+            a, b = np.asarray(f.a, np.float64), np.asarray(f.b, np.float64)
+            spec = "lkir,lkor->klio" if noise.is_stacked(path) else "kir,kor->kio"
+            out[path] = np.einsum(spec, a, b) / np.sqrt(cfg.rank)
+        else:
+            out[path] = np.moveaxis(np.asarray(f, np.float64), 1, 0) if noise.is_stacked(path) else np.asarray(f)
+    return out
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def test_advantages_values():
+    r = np.array([[1.0, 2.0, 4.0, 4.0], [0.0, 0.0, 0.0, 3.0]])
+    np.testing.assert_allclose(advantages.get("dr_grpo")(r), r - r.mean(1, keepdims=True), atol=1e-6)
+    np.testing.assert_allclose(
+        advantages.get("grpo")(r), (r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4), atol=1e-5
+    )
+    np.testing.assert_allclose(advantages.get("zscore")(r[0]), (r[0] - r[0].mean()) / r[0].std(), atol=1e-5)
+    loo = r - (r.sum(1, keepdims=True) - r) / 3
+    np.testing.assert_allclose(advantages.get("rloo")(r), loo, atol=1e-6)
+    # ties share their mean rank: [0, 1, 2.5, 2.5] / 3 - 1/2
+    np.testing.assert_allclose(advantages.get("centered_ranks")(r[0]), [-0.5, -1 / 6, 1 / 3, 1 / 3], atol=1e-6)
+    np.testing.assert_allclose(advantages.get("raw")(r), r)
+    with pytest.raises(ValueError, match="unknown fitness shaping / advantage 'bogus'"):
+        advantages.get("bogus")
+
+
+@pytest.mark.parametrize("name", sorted(advantages.SHAPINGS))
+def test_advantages_ignore_invalid_entries(name):
+    """A NaN or masked entry comes out 0 and the others are shaped as if it were absent."""
+    fn = advantages.get(name)
+    r = np.array([3.0, np.nan, -1.0, 0.5, 7.0])
+    valid = np.array([True, True, True, False, True])
+    out = np.asarray(fn(r, valid))
+    assert out[1] == 0 and out[3] == 0
+    np.testing.assert_allclose(out[[0, 2, 4]], fn(r[[0, 2, 4]]), atol=1e-6)
+
+
+# ---------------------------------------------------------------- config and leaf selection
+
+
+def test_config_errors_name_the_field():
+    for kwargs, field in [({"method": "eggroll", "population": 5}, "population"), ({"method": "cma"}, "method"),
+                          ({"sigma": 0.0}, "sigma"), ({"rank": 0}, "rank"), ({"shaping": "softmax"}, "shaping"),
+                          ({"chunk_size": 0}, "chunk_size"), ({"frozen_patterns": ("(",)}, "frozen_patterns")]:  # fmt: skip
+        with pytest.raises(ValueError, match=rf"ESConfig\.{field} = "):
+            es.ESConfig(**kwargs)
+    with pytest.raises(ValueError, match="no parameter leaf is perturbed"):
+        es.init(es.ESConfig(frozen_patterns=(".*",)), toy_params(), optax.sgd(1.0), jax.random.key(0))
+
+
+def test_leaf_kinds_defaults_and_patterns():
+    params = toy_params()
+    assert es.strategy.leaf_kinds(es.ESConfig(), params) == {"w1": "lowrank", "layers/w": "lowrank"}
+    cfg = es.ESConfig(dense_patterns=(".*norm", "bias"), frozen_patterns=("embed", "w1"))
+    assert es.strategy.leaf_kinds(cfg, params) == {"bias": "dense", "layers/w": "lowrank", "layers/norm": "dense"}
+
+
+# ---------------------------------------------------------------- noise
+
+
+def test_antithetic_pairs_and_determinism():
+    params = toy_params()
+    d = member_deltas(TOY, jax.random.key(3), 5, params)
+    for x, member_axis in [(d["w1"].a, 0), (d["layers"]["w"].a, 1), (d["bias"], 0), (d["layers"]["norm"], 1)]:
+        x = np.moveaxis(np.asarray(x), member_axis, 0)
+        np.testing.assert_array_equal(x[0::2], -x[1::2])
+        assert np.all(x[0::2] != np.roll(x[0::2], 1, axis=0))  # directions differ
+    np.testing.assert_array_equal(d["w1"].b[0::2], d["w1"].b[1::2])
+
+    other_step = member_deltas(TOY, jax.random.key(3), 6, params)
+    assert not np.any(np.asarray(other_step["w1"].a) == np.asarray(d["w1"].a))
+    # A leaf's noise does not depend on which other leaves exist.
+    alone = member_deltas(TOY, jax.random.key(3), 5, {"w1": params["w1"]})
+    np.testing.assert_array_equal(alone["w1"].a, d["w1"].a)
+    # LOO-ROLL: member i uses direction i with sign +, bit for bit antithetic direction i, though drawn with
+    # fewer directions (a direction's draw does not depend on how many are drawn, hence chunking is exact).
+    loo = member_deltas(dataclasses.replace(TOY, method="looroll", population=2), jax.random.key(3), 5, params)
+    np.testing.assert_array_equal(loo["w1"].a, d["w1"].a[0:4:2])
+    np.testing.assert_array_equal(loo["layers"]["w"].b, d["layers"]["w"].b[:, 0:4:2])
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("es_qwen3")
+    build_tiny_hf("qwen3", folder)
+    return load_hf(folder)
+
+
+@pytest.mark.parametrize("rank", [1, 4])
+def test_perturbed_forward_equals_explicit(tiny_qwen3, rank):
+    """ask -> Perturbation -> forward equals forward with W ± σ·A Bᵀ/√r built from the regenerated factors."""
+    model_cfg, params = tiny_qwen3
+    dense = ("layers/.*norm",) if rank == 4 else ()
+    cfg = es.ESConfig(method="eggroll", population=4, rank=rank, sigma=0.05, dense_patterns=dense)
+    state = es.init(cfg, params, optax.sgd(1.0), jax.random.key(1))
+    deltas, factors = with_factors(cfg, functools.partial(es.ask, cfg))(state, params)
+    assert "embed" not in deltas and "lm_head" not in deltas
+    assert ("q_norm" in deltas["layers"]) == bool(dense)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, model_cfg.vocab_size, (4 * 2, 6)))
+    member_B = jnp.repeat(jnp.arange(4), 2)
+    fwd = jax.jit(lambda p, perturb=None: forward(model_cfg, p, tokens, perturb=perturb)[0])
+    ours = fwd(params, Perturbation(deltas, member_B))
+    E = explicit_E(cfg, factors)
+    for i in range(4):
+        sign = 1 if i % 2 == 0 else -1
+        flat = noise.flatten(params)
+        for path, e in E.items():
+            flat[path] = flat[path] + sign * cfg.sigma * jnp.asarray(e[i // 2], jnp.float32)
+        rows = slice(2 * i, 2 * i + 2)
+        np.testing.assert_allclose(ours[rows], fwd(noise.unflatten(flat))[rows], atol=2e-4, rtol=1e-4)
+    assert np.abs(np.asarray(ours - fwd(params))).max() > 1e-3  # the perturbation is visible
+
+
+# ---------------------------------------------------------------- the update
+
+
+@pytest.mark.parametrize("method", ["eggroll", "looroll"])
+def test_update_equals_explicit_sum(method):
+    """ĝ equals THEORY's formula with E_i built densely, on the members left after dropping non-finite ones."""
+    params = toy_params()
+    cfg = dataclasses.replace(TOY, method=method)
+    state = es.ESState(jnp.asarray(2), jax.random.key(7), None)
+    f = np.random.default_rng(0).normal(size=8)
+    f[3] = np.nan  # drops member 3 (and, for eggroll, its partner 2)
+    estimate_fn = lambda s, p, f: es.estimate(cfg, s.key, s.step, p, f)
+    (grad, w), factors = with_factors(cfg, estimate_fn)(state, params, jnp.asarray(f))
+    E = explicit_E(cfg, factors)
+    if method == "eggroll":
+        pairs = [k for k in range(4) if k != 1]
+        coef = {k: (f[2 * k] - f[2 * k + 1]) / (2 * len(pairs) * cfg.sigma) for k in pairs}
+        assert int(w.num_dropped) == 2
+    else:
+        kept = [i for i in range(8) if i != 3]
+        mean = f[kept].mean()
+        coef = {i: (f[i] - mean) / ((len(kept) - 1) * cfg.sigma) for i in kept}
+        assert int(w.num_dropped) == 1
+    assert int(w.num_nonfinite) == 1 and not bool(w.skipped)
+    flat = noise.flatten(grad)
+    assert set(E) == {"w1", "bias", "layers/w", "layers/norm"}
+    for path, e in E.items():
+        expected = sum(c * e[k] for k, c in coef.items())
+        np.testing.assert_allclose(flat[path], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(flat["embed"], 0)
+
+
+def test_weights_use_the_shaped_fitness():
+    """Shaping happens before the estimator: antithetic weights are differences of centered ranks."""
+    f = jnp.array([3.0, 1.0, 0.0, 2.0])  # centered ranks [1/2, -1/6, -1/2, 1/6]
+    w = estimators.direction_weights("eggroll", f, 0.5, "centered_ranks").w_K
+    np.testing.assert_allclose(w, np.array([2 / 3, -2 / 3]) / (2 * 2 * 0.5), rtol=1e-6)
+    w = estimators.direction_weights("looroll", f, 0.5, "zscore").w_K
+    z = (np.asarray(f) - 1.5) / np.sqrt(1.25)
+    np.testing.assert_allclose(w, z / (3 * 0.5), rtol=1e-5)
+
+
+def test_chunked_update_equals_one_batch():
+    """Chunks that do not divide the directions (the last one padded) give the one-batch update."""
+    params = toy_params()
+    cfg = dataclasses.replace(TOY, population=14)
+    f = jnp.asarray(np.random.default_rng(1).normal(size=14))
+    whole, _ = estimate(cfg, jax.random.key(0), 3, params, f)
+    part, _ = estimate(dataclasses.replace(cfg, chunk_size=3), jax.random.key(0), 3, params, f)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), whole, part)
+
+
+def _member_sharded(tree, mesh):
+    """Constrain every member-level array to be split over the mesh's 'pop' axis."""
+    flat = noise.flatten(tree)
+    for path, x in flat.items():
+        sharding = NamedSharding(mesh, P(None, "pop") if noise.is_stacked(path) else P("pop"))
+        flat[path] = jax.tree.map(functools.partial(jax.lax.with_sharding_constraint, shardings=sharding), x)
+    return noise.unflatten(flat)
+
+
+def test_same_result_on_1_and_8_devices():
+    """Factors bit-identical and the applied update equal whether the population is split over 8 devices or not."""
+    assert len(jax.devices()) >= 8
+    params = toy_params()
+    cfg = dataclasses.replace(TOY, population=16)
+    opt = optax.adam(1e-2)
+    state = es.init(cfg, params, opt, jax.random.key(4))
+    f = jnp.asarray(np.random.default_rng(2).normal(size=16), jnp.float32)
+    results = []
+    for n in (1, 8):
+        mesh = Mesh(np.array(jax.devices()[:n]), ("pop",))
+
+        @functools.partial(jax.jit, static_argnums=0)
+        def ask_and_tell(mesh, state, params, f):
+            deltas = _member_sharded(es.ask(cfg, state, params), mesh)  # the factors, scaled per member
+            return deltas, es.tell(cfg, state, params, f, opt)[0]
+
+        deltas, new_params = ask_and_tell(mesh, state, params, jax.device_put(f, NamedSharding(mesh, P("pop"))))
+        assert len(deltas["layers"]["w"].a.sharding.device_set) == n
+        results.append((deltas, new_params))
+    (d1, p1), (d8, p8) = results
+    jax.tree.map(np.testing.assert_array_equal, d1, d8)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), p1, p8)
+    assert np.abs(np.asarray(p1["w1"] - params["w1"])).max() > 1e-3  # the step did move the parameters
+
+
+def test_nonfinite_step_is_skipped():
+    params = toy_params()
+    cfg = dataclasses.replace(TOY, method="looroll", min_valid_fraction=0.5)
+    opt = optax.adam(1e-2)
+    tell = jax.jit(functools.partial(es.tell, cfg, optimizer=opt))
+    state = es.init(cfg, params, opt, jax.random.key(0))
+    f = jnp.array([1.0, np.nan, np.inf, -np.inf, np.nan, 2.0, 0.0, 3.0])  # 4 finite members: exactly the minimum
+    new, state1, m = tell(state, params, f)
+    assert not bool(m["skipped"]) and int(m["num_nonfinite"]) == 4 and float(m["update_norm"]) > 0
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new))
+    f = f.at[0].set(np.nan)  # 3 finite: skip
+    new, state2, m = tell(state1, params, f)
+    assert bool(m["skipped"]) and int(m["num_dropped"]) == 5 and float(m["update_norm"]) == 0
+    jax.tree.map(np.testing.assert_array_equal, new, params)
+    jax.tree.map(np.testing.assert_array_equal, state2.opt_state, state1.opt_state)
+    assert int(state2.step) == 2
+    np.testing.assert_allclose(m["fitness_mean"], 5 / 3, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def mlp_problem(seed=0, d=4, h=16, T=64):
+    """Regression onto a random two-layer tanh teacher; the student starts at a different random point."""
+    rng = np.random.default_rng(seed)
+    x_TxD = rng.normal(size=(T, d)).astype(np.float32)
+    y_T = np.tanh(x_TxD @ rng.normal(size=(d, h)) / np.sqrt(d)) @ rng.normal(size=h)
+    params = {"w1": rng.normal(size=(d, h)) / np.sqrt(d), "w2": rng.normal(size=(h, 1)) / np.sqrt(h)}
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+
+    def loss(params, deltas=None, N=1):
+        """MSE per member; members see the same data (common random numbers)."""
+        from esroll.models import linear
+
+        member_B = jnp.arange(N)
+        d = deltas or {}
+        x_NxTxD = jnp.broadcast_to(x_TxD, (N,) + x_TxD.shape)
+        hid = jnp.tanh(linear(x_NxTxD, params["w1"], d.get("w1"), member_B))
+        pred_NxT = linear(hid, params["w2"], d.get("w2"), member_B)[..., 0]
+        return jnp.mean((pred_NxT - y_T) ** 2, axis=-1)
+
+    return params, loss
+
+
+@pytest.mark.parametrize("method", ["eggroll", "looroll"])
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+def test_es_trains_mlp(method, opt_name):
+    """Rank-one ES fits a two-layer MLP: MSE from 0.88 to below 0.1 in 200 steps (all four reach 0.05 or less)."""
+    params, loss = mlp_problem()
+    cfg = es.ESConfig(
+        method=method, population=32, rank=1, sigma=0.05, shaping="zscore" if opt_name == "adam" else "raw"
+    )
+    opt = optax.adam(0.03) if opt_name == "adam" else optax.sgd(0.005, momentum=0.9)
+    state = es.init(cfg, params, opt, jax.random.key(0))
+
+    def step(carry, _):
+        params, state = carry
+        fitness = -loss(params, es.ask(cfg, state, params), cfg.population)
+        params, state, metrics = es.tell(cfg, state, params, fitness, opt)
+        return (params, state), metrics["fitness_mean"]
+
+    (final, state), fit = jax.jit(lambda p, s: jax.lax.scan(step, (p, s), length=200))(params, state)
+    start, end = float(loss(params)[0]), float(loss(final)[0])
+    assert int(state.step) == 200 and np.isfinite(np.asarray(fit)).all()
+    assert start > 0.85 and end < 0.1, f"{method}/{opt_name}: loss {start:.3f} -> {end:.3f}"

@@ -1,0 +1,197 @@
+"""GRPO: the loss against a loop-by-loop reference, exact microbatch accumulation, ρ = 1 on the first update, KL = 0
+at the reference, FSDP on 8 devices == 1 device, exact resumption."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs.default import get_config
+from esroll import parallel
+from esroll.config import from_config_dict
+from esroll.data import get_batch, make_splits
+from esroll.grpo import AGGREGATIONS, make_grpo_method, token_weights
+from esroll.grpo import grpo_loss as _grpo_loss
+from esroll.models import load_hf
+from esroll.task import load_task
+from esroll.train import make_optimizer, train_and_evaluate
+
+from test_train import REPO, assert_trees_equal
+
+EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.1
+grpo_loss = jax.jit(_grpo_loss, static_argnames=("eps_low", "eps_high", "beta", "aggregation"))
+
+
+# The 8-device runs also accumulate gradients over 2 microbatches and rematerialise, so that comparing them with
+# 1 device (1 microbatch, no remat) checks all three; the 8-device tests share one config, hence their compiled steps.
+EIGHT = dict(microbatches=2, remat=True)
+
+
+def strict_quick(grpo: dict | None = None, **train_overrides):
+    """grpo_quick with ε_low = ε_high = 0, so that any ratio ρ ≠ 1 clips. With μ = 1 and one minibatch every update
+    is on-policy, so training is unchanged."""
+    cd = get_config("grpo_quick")
+    cd.model.path = str(REPO / "assets/tiny-qwen3-arith")
+    cd.grpo.epsilon_low = cd.grpo.epsilon_high = 0.0
+    cd.grpo.update(grpo or {})
+    cd.train.update(train_overrides)
+    return from_config_dict(cd.to_dict())
+
+
+def hand_built(seed=0):
+    """3 completions of lengths 3, 1, 4 (N = 5), advantages of both signs, ratios inside and outside the clip range."""
+    rng = np.random.default_rng(seed)
+    mask = np.arange(5)[None, :] < np.array([3, 1, 4])[:, None]
+    logp_old = -rng.uniform(0.1, 3.0, (3, 5))
+    logp_new = logp_old + rng.choice([-0.6, -0.1, 0.05, 0.15, 0.5], (3, 5))
+    logp_ref = logp_old + rng.normal(0, 0.3, (3, 5))
+    advantage = np.array([1.3, -0.7, -1.1])
+    return logp_new, logp_old, logp_ref, advantage, mask
+
+
+def reference(logp_new, logp_old, logp_ref, advantage, mask, aggregation):
+    """Loss and d loss / d logp_new, token by token in float64, with the aggregation written out per mode."""
+    B, N = mask.shape
+    loss_t, grad_t = np.zeros((B, N)), np.zeros((B, N))
+    for i in range(B):
+        a = advantage[i]
+        for t in range(N):
+            ratio = np.exp(logp_new[i, t] - logp_old[i, t])
+            clipped = min(max(ratio, 1 - EPS_LOW), 1 + EPS_HIGH)
+            unclipped_active = ratio * a <= clipped * a
+            d = logp_ref[i, t] - logp_new[i, t]
+            loss_t[i, t] = -min(ratio * a, clipped * a) + BETA * (np.exp(d) - d - 1)
+            grad_t[i, t] = (-ratio * a if unclipped_active else 0.0) + BETA * (1 - np.exp(d))
+    lengths = mask.sum(1)
+    if aggregation == "seq_mean_token_mean":
+        scale = np.array([[1 / (lengths[i] * B)] * N for i in range(B)])
+    elif aggregation == "token_mean":
+        scale = np.full((B, N), 1 / lengths.sum())
+    else:
+        scale = np.full((B, N), 1 / (B * N))
+    return float((loss_t * scale * mask).sum()), grad_t * scale * mask
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_loss_and_gradient_match_reference(aggregation):
+    logp_new, logp_old, logp_ref, advantage, mask = hand_built()
+    kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA, aggregation=aggregation)
+
+    def loss_fn(new):
+        return grpo_loss(new, jnp.asarray(logp_old, jnp.float32), jnp.asarray(logp_ref, jnp.float32), advantage,
+                         mask, **kw)  # fmt: skip
+
+    (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(logp_new, jnp.float32))
+    ref_loss, ref_grad = reference(logp_new, logp_old, logp_ref, advantage, mask, aggregation)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-5, atol=1e-7)
+    ratio = np.exp(logp_new - logp_old)
+    clipped = ((ratio < 1 - EPS_LOW) & (advantage[:, None] < 0)) | ((ratio > 1 + EPS_HIGH) & (advantage[:, None] > 0))
+    assert 0 < (clipped & mask).sum() < mask.sum()  # the hand-built case exercises both branches
+    np.testing.assert_allclose(float(metrics["clip_fraction"]), (clipped & mask).sum() / mask.sum(), rtol=1e-6)
+    d = logp_ref - logp_new
+    np.testing.assert_allclose(float(metrics["kl"]), ((np.exp(d) - d - 1) * mask).sum() / mask.sum(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_microbatch_losses_sum_to_minibatch_loss(aggregation):
+    """Weights from the whole minibatch make the split exact, token_mean included (a mean of means would not be)."""
+    logp_new, logp_old, logp_ref, advantage, mask = (jnp.asarray(x) for x in hand_built(1))
+    kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA, aggregation=aggregation)
+    whole, _ = grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, **kw)
+    w = token_weights(mask, aggregation)
+    parts = [grpo_loss(logp_new[s], logp_old[s], logp_ref[s], advantage[s], mask[s], weights_BxN=w[s], **kw)[0]
+             for s in (slice(0, 1), slice(1, 3))]  # fmt: skip
+    np.testing.assert_allclose(float(sum(parts)), float(whole), rtol=1e-6)
+
+
+def test_kl_is_zero_when_policy_equals_reference():
+    logp_new, logp_old, _, advantage, mask = (jnp.asarray(x, jnp.float32) for x in hand_built(2))
+    kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, aggregation="token_mean")
+
+    def loss_fn(new, beta, ref):
+        return grpo_loss(new, logp_old, ref, advantage, mask, beta=beta, **kw)
+
+    (with_kl, metrics), g_kl = jax.value_and_grad(loss_fn, has_aux=True)(logp_new, BETA, logp_new)
+    (without, _), g = jax.value_and_grad(loss_fn, has_aux=True)(logp_new, 0.0, None)
+    assert float(metrics["kl"]) == 0.0 and float(with_kl) == float(without)
+    np.testing.assert_array_equal(np.asarray(g_kl), np.asarray(g))
+
+
+def test_first_update_has_ratio_exactly_one():
+    """μ = 1, one minibatch: nothing clips even at ε = 0, the gradient flows, the KL to the (equal) reference is zero,
+    and parameters, optimizer state and reference come back sharded over the 8 devices. (Taking π_old from
+    generate's KV-cache log-probabilities, ~1e-6 off a full forward, instead clips 7% of this batch's tokens at ε = 0
+    and cuts the gradient norm tenfold: measured once, by hand.)"""
+    cfg = strict_quick(EIGHT)
+    assert cfg.grpo.inner_iterations == cfg.grpo.minibatches == 1 and cfg.grpo.beta > 0
+    train, held_out = make_splits(cfg.data)
+    task, params = load_task(cfg, train, held_out)
+    mesh = parallel.make_mesh(8)
+    method = make_grpo_method(cfg, task, make_optimizer(cfg.optimizer), mesh)
+    params = parallel.put_replicated(mesh, params)
+    state = parallel.put_replicated(mesh, method.init(params, jax.random.key(0)))
+    examples = get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, 0)
+    new_params, state, metrics, _ = method.step(params, state, examples, 0)
+    assert 0 < metrics["fitness_mean"] < 1 and metrics["frac_groups_all_equal"] < 1  # some advantage is nonzero
+    assert float(metrics["clip_fraction"]) == 0.0 and float(metrics["grad_norm"]) > 0
+    assert abs(float(metrics["kl"])) < 1e-6
+    for leaf in (new_params["layers"]["gate"], state.opt_state[1][0].mu["layers"]["gate"], state.ref_params["embed"]):
+        assert parallel.AXIS in leaf.sharding.spec and leaf.addressable_shards[0].data.size * 8 == leaf.size
+
+
+def test_sharded_equals_unsharded(tmp_path):
+    """One step on 8 fake CPU devices (FSDP parameters and optimizer state, rows split; 2 microbatches, remat) against
+    1 device (1 microbatch, no remat): the same completions and rewards, the gradient norm to 1e-5 relative, and the
+    parameters to 1e-7 wherever the gradient is not float noise. AdamW's first step is lr·g/(|g| + 1e-8), so an entry
+    whose gradient is ~1e-8 (tied-embedding rows of tokens the model never predicts, cancellations) moves by a
+    fraction of lr that depends on the summation order; the comparison covers the entries whose 1-device step is at
+    least 0.99·lr (|g| ≳ 1e-6), about 90% of them."""
+    train = dict(steps=1, eval_every=100, checkpoint_every=100, export=False)
+    cfg = strict_quick(**train)
+    one = train_and_evaluate(cfg, tmp_path / "one", mesh_devices=1, progress=False)
+    eight = train_and_evaluate(strict_quick(EIGHT, **train), tmp_path / "eight", mesh_devices=8, progress=False)
+    assert parallel.AXIS in eight["params"]["layers"]["up"].sharding.spec
+    _, initial = load_hf(cfg.model.path)
+    compared = 0
+    for before, x, y in zip(*(jax.tree.leaves(p) for p in (initial, one["params"], eight["params"]))):
+        before, x, y = np.asarray(before), np.asarray(x), np.asarray(y)
+        solid = np.abs(before - x) >= 0.99 * cfg.optimizer.lr
+        np.testing.assert_allclose(x[solid], y[solid], rtol=0, atol=1e-7)
+        compared += solid.sum()
+    assert compared > 0.8 * sum(x.size for x in jax.tree.leaves(initial))
+    rec = [json.loads((tmp_path / d / "metrics.jsonl").read_text().splitlines()[1]) for d in ("one", "eight")]
+    assert rec[0]["fitness_mean"] == rec[1]["fitness_mean"] and rec[0]["frac_groups_all_equal"] < 1
+    np.testing.assert_allclose(rec[0]["grad_norm"], rec[1]["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(rec[0]["loss"], rec[1]["loss"], atol=1e-6)  # ≈ 0 at ρ = 1: advantages are centred
+    assert rec[1]["clip_fraction"] == 0.0
+
+
+def test_resume_is_exact(tmp_path):
+    cfg = strict_quick(EIGHT, steps=4, checkpoint_every=2, eval_every=2)
+    full = train_and_evaluate(cfg, tmp_path / "full", progress=False)
+    first = train_and_evaluate(cfg, tmp_path / "split", stop_after_steps=2, progress=False)
+    assert first["stopped_at"] == 2
+    resumed = train_and_evaluate(cfg, tmp_path / "split", progress=False)
+    assert resumed["resumed_from"] == 2
+    assert_trees_equal(full["params"], resumed["params"])
+    records = [json.loads(l) for l in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["step"] > 0 and "fitness_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    keys = {"fitness_mean", "fitness_std", "loss", "kl", "clip_fraction", "frac_groups_all_equal", "grad_norm"}
+    assert all(keys <= set(r) for r in steps)
+
+
+def test_config_errors():
+    cd = get_config("grpo_quick")
+    cd.grpo.minibatches = 3  # 4 prompts × 4 completions = 16 rows
+    with pytest.raises(ValueError, match="invalid value for 'grpo.minibatches': 3"):
+        from_config_dict(cd.to_dict())
+    cd = get_config("grpo_quick")
+    cd.grpo.aggregation = "sum"
+    with pytest.raises(ValueError, match="invalid value for 'grpo.aggregation'"):
+        from_config_dict(cd.to_dict())

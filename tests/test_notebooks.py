@@ -1,0 +1,25 @@
+"""The notebooks execute from top to bottom (in their FAST mode: small sample counts) without an error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+@pytest.mark.parametrize("name", ["variance_analysis.ipynb"])
+def test_notebook_runs(name, monkeypatch):
+    monkeypatch.setenv("ESROLL_NOTEBOOK_FAST", "1")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # one CPU device, as a reader would have
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors, errors
+    images = sum(
+        "image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    )
+    assert images >= 5, f"{name}: expected a figure per section, got {images}"

@@ -1,0 +1,182 @@
+"""Generation: greedy parity with transformers, log-probabilities, sampling properties, per-member perturbations.
+
+Most calls share one shape (4 prompts in a 16-wide bucket, N_NEW new tokens) so that they share compilations.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from esroll.models import LowRank, Perturbation, forward, load_hf
+from esroll.sampling import generate, pad_prompts, sequence_logprobs
+
+from conftest import FAMILIES, build_tiny_hf
+
+N_NEW = 12
+NUCLEUS = dict(temperature=1.3, top_p=0.6, eos_ids=(5, 6, 7, 8, 9))
+seq_logprobs = jax.jit(sequence_logprobs, static_argnums=0)
+full_logits = jax.jit(lambda cfg, params, tokens, mask: forward(cfg, params, tokens, mask_BxT=mask)[0],
+                      static_argnums=0)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def sharp_model(request, tmp_path_factory):
+    """(cfg, params, torch_model) with init std 0.5, so greedy argmax margins dwarf float32 differences."""
+    folder = tmp_path_factory.mktemp(f"sharp_{request.param}")
+    model = build_tiny_hf(request.param, folder, initializer_range=0.5)
+    cfg, params = load_hf(folder)
+    return cfg, params, model
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sharp_qwen3_props")
+    build_tiny_hf("qwen3", folder, initializer_range=0.5)
+    return load_hf(folder)
+
+
+def prompts(vocab: int, seed: int = 0, rows: int = 4):
+    """Left-padded prompts of lengths 7, 3, 5, 1 (the first `rows` of them) in a 4 x 16 batch."""
+    rng = np.random.default_rng(seed)
+    return pad_prompts([list(rng.integers(1, vocab, size=n)) for n in (7, 3, 5, 1)[:rows]], rows=4)
+
+
+def greedy(cfg, params, tokens, mask, **kw):
+    return generate(cfg, params, tokens, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0, prompt_mask=mask,
+                    **kw)  # fmt: skip
+
+
+def hf_greedy(model, tokens, mask, eos_ids):
+    model.generation_config.eos_token_id = list(eos_ids) or None
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long),
+            do_sample=False, max_new_tokens=N_NEW, pad_token_id=0, eos_token_id=list(eos_ids) or None,
+        )  # fmt: skip
+    new = out[:, tokens.shape[1] :].numpy()
+    return np.pad(new, ((0, 0), (0, N_NEW - new.shape[1])))  # transformers stops early when every row is done
+
+
+def test_pad_prompts_buckets():
+    tokens, mask = pad_prompts([[5, 6, 7], [8]], multiple=4, rows=3, pad_id=0)
+    np.testing.assert_array_equal(tokens, [[0, 5, 6, 7], [0, 0, 0, 8], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(mask, tokens != 0)
+    assert pad_prompts([[1] * 5], multiple=4)[0].shape == (1, 8)
+
+
+def generated_mask(out):
+    return np.arange(N_NEW)[None] < np.asarray(out.lengths)[:, None]
+
+
+def test_greedy_matches_transformers(sharp_model):
+    cfg, params, model = sharp_model
+    tokens, mask = prompts(cfg.vocab_size)
+    # An EOS that row 0 emits at step 2 (the others may emit it later or never): rows stop at different steps.
+    eos = (int(hf_greedy(model, tokens, mask, ())[0, 2]),)
+    ours = greedy(cfg, params, tokens, mask, eos_ids=eos)
+    np.testing.assert_array_equal(np.asarray(ours.tokens), hf_greedy(model, tokens, mask, eos))
+    lengths = np.asarray(ours.lengths)
+    assert lengths[0] == 3 and lengths.max() == int(ours.steps) == N_NEW
+    ref = seq_logprobs(cfg, params, tokens, mask, ours.tokens, generated_mask(ours))
+    np.testing.assert_allclose(np.asarray(ours.logprobs), np.asarray(ref), atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def nucleus_sample(qwen3):
+    """A temperature-1.3, top-p 0.6 sample with EOS ids, and the per-step logits of a full forward over it."""
+    cfg, params = qwen3
+    tokens, mask = prompts(cfg.vocab_size, seed=1)
+    out = generate(cfg, params, tokens, jax.random.key(3), max_new_tokens=N_NEW, prompt_mask=mask, **NUCLEUS)
+    generated_BxN = generated_mask(out)
+    full_mask = np.concatenate([mask, generated_BxN], 1)
+    logits = full_logits(cfg, params, jnp.concatenate([tokens, out.tokens], 1), full_mask)
+    return cfg, params, tokens, mask, out, generated_BxN, np.asarray(logits[:, tokens.shape[1] - 1 : -1])
+
+
+def test_logprobs_equal_full_forward(nucleus_sample):
+    """Returned log-probabilities are the raw (untempered, unfiltered) policy's, as a full forward gives them."""
+    cfg, params, tokens, mask, out, generated_BxN, logits_BxNxV = nucleus_sample
+    assert (~generated_BxN).any()  # some row stopped at an EOS, so the padding branch is exercised
+    ref = seq_logprobs(cfg, params, tokens, mask, out.tokens, generated_BxN)
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref), atol=1e-4)
+    raw = np.take_along_axis(jax.nn.log_softmax(logits_BxNxV), np.asarray(out.tokens)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(out.logprobs)[generated_BxN], raw[generated_BxN], atol=1e-4)
+    assert (np.asarray(out.logprobs)[~generated_BxN] == 0).all()
+
+
+def test_top_p_keeps_only_the_nucleus(nucleus_sample):
+    """Every sampled token is inside its step's top-p set of the tempered distribution."""
+    *_, out, generated_BxN, logits_BxNxV = nucleus_sample
+    probs_BxNxV = np.asarray(jax.nn.softmax(logits_BxNxV / 1.3))
+    chosen_BxN = np.take_along_axis(probs_BxNxV, np.asarray(out.tokens)[..., None], -1)
+    # In the nucleus iff the mass of clearly more probable tokens is below top_p.
+    above_BxN = np.where(probs_BxNxV > chosen_BxN * (1 + 1e-4), probs_BxNxV, 0).sum(-1)
+    assert (above_BxN < 0.6)[generated_BxN].all()
+    assert (above_BxN > 0)[generated_BxN].any()  # not all greedy: the sampler did draw
+
+
+def test_sampling_reproducible_and_keyed(qwen3):
+    cfg, params = qwen3
+    tokens, mask = prompts(cfg.vocab_size)
+    run = functools.partial(generate, cfg, params, tokens, max_new_tokens=N_NEW, prompt_mask=mask)
+    a, b, c = (run(jax.random.key(k), **NUCLEUS).tokens for k in (0, 0, 1))
+    np.testing.assert_array_equal(a, b)
+    assert (np.asarray(a) != np.asarray(c)).any()
+    np.testing.assert_array_equal(run(jax.random.key(5), top_k=1).tokens, greedy(cfg, params, tokens, mask).tokens)
+
+
+def test_eos_padding_and_early_stop(qwen3):
+    cfg, params = qwen3
+    tokens, mask = prompts(cfg.vocab_size)
+    first = np.asarray(greedy(cfg, params, tokens, mask).tokens)
+    # Row r's own greedy token at step r + 1 is an EOS: every row finishes by step r + 2, so the loop stops early.
+    eos = tuple(int(first[r, r + 1]) for r in range(4))
+    out = greedy(cfg, params, tokens, mask, eos_ids=eos, pad_id=-1)
+    toks, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+    assert (lengths <= np.arange(4) + 2).all() and int(out.steps) == lengths.max() < N_NEW
+    for row, n in enumerate(lengths):
+        np.testing.assert_array_equal(toks[row, :n], first[row, :n])
+        assert toks[row, n - 1] in eos and not set(toks[row, : n - 1]) & set(eos)
+        assert (toks[row, n:] == -1).all()
+
+
+def test_empty_rows_are_finished(qwen3):
+    cfg, params = qwen3
+    full = greedy(cfg, params, *prompts(cfg.vocab_size))
+    out = greedy(cfg, params, *prompts(cfg.vocab_size, rows=3))  # the same first three prompts, and one empty row
+    np.testing.assert_array_equal(out.lengths, [N_NEW] * 3 + [0])
+    np.testing.assert_array_equal(np.asarray(out.tokens)[:3], np.asarray(full.tokens)[:3])
+
+
+def test_perturbed_rows_equal_explicit_weights(qwen3):
+    """Rows of three members generate exactly what each member's explicitly built weights W + a bᵀ generate."""
+    cfg, params = qwen3
+    tokens, mask = prompts(cfg.vocab_size, seed=4)
+    member = jnp.array([2, 0, 1, 2])
+    rng = np.random.default_rng(11)
+
+    def rank1(lead, d_in, d_out):  # scaled so that members differ visibly from the base model
+        return LowRank(0.1 * rng.standard_normal((*lead, d_in, 1), np.float32),
+                       rng.standard_normal((*lead, d_out, 1), np.float32))  # fmt: skip
+
+    # Rank 1 on every matrix: layer-stacked factors [L, 3, in, 1], and the head's [3, in, 1].
+    matrices = {n: w.shape for n, w in params["layers"].items() if w.ndim == 3}
+    deltas = {"layers": {n: rank1((L, 3), d_in, d_out) for n, (L, d_in, d_out) in matrices.items()}}
+    deltas["lm_head"] = rank1((3,), cfg.hidden_size, cfg.vocab_size)
+    ours = greedy(cfg, params, tokens, mask, perturb=Perturbation(deltas, member))
+    assert (np.asarray(ours.tokens) != np.asarray(greedy(cfg, params, tokens, mask).tokens)).any()
+    for m in range(3):
+        explicit = {**params, "layers": dict(params["layers"])}
+        for name, d in deltas["layers"].items():
+            explicit["layers"][name] = params["layers"][name] + jnp.einsum("lir,lor->lio", d.a[:, m], d.b[:, m])
+        explicit["lm_head"] = params["lm_head"] + deltas["lm_head"].a[m] @ deltas["lm_head"].b[m].T
+        ref = greedy(cfg, explicit, tokens, mask)
+        rows = np.asarray(member) == m
+        np.testing.assert_array_equal(np.asarray(ours.tokens)[rows], np.asarray(ref.tokens)[rows])
+        np.testing.assert_allclose(np.asarray(ours.logprobs)[rows], np.asarray(ref.logprobs)[rows], atol=1e-4)
