@@ -159,7 +159,7 @@ def test_perturbed_forward_equals_explicit(tiny_qwen3, rank):
             flat[path] = flat[path] + sign * cfg.sigma * jnp.asarray(e[i // 2], jnp.float32)
         rows = slice(2 * i, 2 * i + 2)
         np.testing.assert_allclose(ours[rows], fwd(noise.unflatten(flat))[rows], atol=2e-4, rtol=1e-4)
-    assert np.abs(np.asarray(ours - fwd(params))).max() > 1e-3  # the perturbation is visible
+    assert np.abs(np.asarray(ours - fwd(params))).max() > 0.1  # the perturbation moves logits far beyond atol
 
 
 # ---------------------------------------------------------------- the update

@@ -1,7 +1,7 @@
 """Named model shapes for benchmarks, with random weights (no download): `--model NAME` picks one.
 
-"" is a mid-size model a 2-core CPU can run (hidden 1024, 2 layers), "quick" a small one for smoke runs, and the
-Qwen3 names are the real architectures' shapes, for GPU runs.
+"mid" (the default) is a mid-size model a 2-core CPU can run (hidden 1024, 2 layers), "quick" (the default under
+--quick) a small one for smoke runs, and the Qwen3 names are the real architectures' shapes, for accelerator runs.
 """
 
 from __future__ import annotations
