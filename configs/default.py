@@ -46,19 +46,6 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.es.shaping = "raw"  # raw | zscore | centered_ranks
     c.es.chunk_size = 0  # members per update chunk; 0 = all at once
 
-    c.grpo = ConfigDict()  # used when method == "grpo"; see esroll/grpo.py
-    c.grpo.group_size = 8
-    c.grpo.advantage = "grpo"  # grpo | dr_grpo | rloo
-    c.grpo.epsilon_low = 0.2
-    c.grpo.epsilon_high = 0.2
-    c.grpo.inner_iterations = 1
-    c.grpo.minibatches = 1
-    c.grpo.microbatches = 1
-    c.grpo.beta = 0.0
-    c.grpo.aggregation = "seq_mean_token_mean"  # seq_mean_token_mean | token_mean | constant_length
-    c.grpo.temperature = 1.0
-    c.grpo.remat = False
-
     c.grpo = ConfigDict()  # used when method = "grpo"
     c.grpo.group_size = 8  # completions per prompt
     c.grpo.advantage = "grpo"  # grpo | dr_grpo | rloo

@@ -15,6 +15,7 @@ from esroll.models import ModelConfig, param_shapes
 # name -> (hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied embeddings)
 SHAPES = {
     "quick": (256, 768, 2, 4, 2, 64, 1024, False),
+    "small": (256, 768, 4, 4, 2, 64, 4096, False),  # generation benchmarks against transformers on a CPU
     "mid": (1024, 3072, 2, 16, 8, 64, 4096, False),
     "qwen3-0.6b": (1024, 3072, 28, 16, 8, 128, 151936, True),
     "qwen3-1.7b": (2048, 6144, 28, 16, 8, 128, 151936, True),
@@ -28,6 +29,15 @@ def shape_name(args) -> str:
     if name not in SHAPES:
         raise ValueError(f"unknown --model {name!r}; known: {', '.join(SHAPES)}")
     return name
+
+
+def hf_config_kwargs(name: str) -> dict:
+    """The same shape as keyword arguments of a transformers Qwen3Config."""
+    hidden, inter, layers, heads, kv, head_dim, vocab, tied = SHAPES[name]
+    return dict(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=tied,
+    )  # fmt: skip
 
 
 def model_config(name: str) -> ModelConfig:

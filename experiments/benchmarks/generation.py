@@ -22,14 +22,8 @@ import numpy as np
 
 from esroll.models import LowRank, Perturbation, load_hf
 from esroll.sampling import generate, pad_prompts
+from experiments.benchmarks._shapes import SHAPES, hf_config_kwargs
 
-# A random Qwen3-architecture model, small enough for CPU yet wide enough that matmuls dominate.
-SHAPES = {
-    "": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, vocab_size=4096),
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936),
-}  # fmt: skip
 _TIMING = "median of interleaved rounds after one warm-up call each (compile excluded)"
 
 
@@ -44,11 +38,12 @@ def _build(args, folder: str):
     import torch
     import transformers
 
-    if args.model not in SHAPES:
-        raise ValueError(f"unknown --model {args.model!r}; known: {', '.join(repr(k) for k in SHAPES)}")
+    # Default: a random Qwen3-architecture model small enough for a CPU yet wide enough that matmuls dominate.
+    name = args.model or "small"
+    if name not in SHAPES:
+        raise ValueError(f"unknown --model {name!r}; known: {', '.join(SHAPES)}")
     torch.manual_seed(0)
-    hf_cfg = transformers.Qwen3Config(**SHAPES[args.model], max_position_embeddings=4096, tie_word_embeddings=False,
-                                      initializer_range=0.1)  # fmt: skip
+    hf_cfg = transformers.Qwen3Config(**hf_config_kwargs(name), max_position_embeddings=4096, initializer_range=0.1)
     dtype = getattr(torch, args.dtype)
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
     model.save_pretrained(folder)
