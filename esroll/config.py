@@ -36,7 +36,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ESSection:
-    population: int = 128
+    population: int = 64
     rank: int = 1
     sigma: float = 0.005
     shaping: str = "raw"
@@ -53,9 +53,9 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 60
+    steps: int = 70
     time_budget_s: float = 0.0
-    prompts_per_step: int = 64
+    prompts_per_step: int = 32
     max_new_tokens: int = 6
     temperature: float = 0.0
     eval_every: int = 10

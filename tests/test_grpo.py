@@ -20,7 +20,7 @@ from esroll.models import load_hf
 from esroll.task import load_task
 from esroll.train import make_optimizer, train_and_evaluate
 
-from test_train import REPO, assert_trees_equal
+from test_train import REPO, check_exact_resume
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.1
 grpo_loss = jax.jit(_grpo_loss, static_argnames=("eps_low", "eps_high", "beta", "aggregation"))
@@ -172,16 +172,7 @@ def test_sharded_equals_unsharded(tmp_path):
 
 
 def test_resume_is_exact(tmp_path):
-    cfg = strict_quick(EIGHT, steps=4, checkpoint_every=2, eval_every=2)
-    full = train_and_evaluate(cfg, tmp_path / "full", progress=False)
-    first = train_and_evaluate(cfg, tmp_path / "split", stop_after_steps=2, progress=False)
-    assert first["stopped_at"] == 2
-    resumed = train_and_evaluate(cfg, tmp_path / "split", progress=False)
-    assert resumed["resumed_from"] == 2
-    assert_trees_equal(full["params"], resumed["params"])
-    records = [json.loads(l) for l in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["step"] > 0 and "fitness_mean" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    steps = check_exact_resume(strict_quick(EIGHT, steps=4, checkpoint_every=2, eval_every=2), tmp_path)
     keys = {"fitness_mean", "fitness_std", "loss", "kl", "clip_fraction", "frac_groups_all_equal", "grad_norm"}
     assert all(keys <= set(r) for r in steps)
 

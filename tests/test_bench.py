@@ -1,0 +1,13 @@
+"""The benchmark entry point runs in --quick mode and writes every requested figure as a positive number."""
+
+import json
+
+from experiments.bench import main
+
+
+def test_bench_quick_writes_figures(tmp_path):
+    names = ["eggroll_vs_dense_speedup", "es_forward_vs_plain", "es_generate_vs_plain", "generate_vs_hf"]
+    main(["--quick", "--only", ",".join(names), "--json", str(tmp_path / "bench.json")])
+    figures = json.loads((tmp_path / "bench.json").read_text())
+    for name in names:
+        assert figures[name][name] > 0, name
