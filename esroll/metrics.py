@@ -48,13 +48,9 @@ class MetricsWriter:
         evals = self._evals()
         return evals[0]["eval_accuracy"] if evals else None
 
-    def last_eval(self) -> float | None:
+    def last_eval_record(self) -> dict | None:
         evals = self._evals()
-        return evals[-1]["eval_accuracy"] if evals else None
-
-    def last_eval_step(self) -> int | None:
-        evals = self._evals()
-        return evals[-1]["step"] if evals else None
+        return evals[-1] if evals else None
 
     def close(self) -> None:
         if self._tb is not None:

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm.auto import tqdm
@@ -113,7 +112,7 @@ def train_and_evaluate(
     # ---- loop
     bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not progress or jax.process_index() != 0,
                dynamic_ncols=True)  # fmt: skip
-    step, acc = start_step, None
+    step, acc, saved_step = start_step, None, start_step
     while step < cfg.train.steps:
         if cfg.train.time_budget_s and elapsed >= cfg.train.time_budget_s:
             break
@@ -134,19 +133,22 @@ def train_and_evaluate(
                         tok_s=f"{n_tokens / dt:.0f}")  # fmt: skip
         if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
             ckpt.save(step, {"params": params, "state": state}, {"step": step, "wall_time": elapsed})
+            saved_step = step
         if stop_after_steps is not None and step - start_step >= stop_after_steps:
             ckpt.wait()
             ckpt.close()
             metrics.close()
             return {**summary, "stopped_at": step, "params": params}
     bar.close()
-    ckpt.save(step, {"params": params, "state": state}, {"step": step, "wall_time": elapsed})
+    if saved_step != step:  # the time budget ended the loop between checkpoints
+        ckpt.save(step, {"params": params, "state": state}, {"step": step, "wall_time": elapsed})
     ckpt.wait()
     ckpt.close()
 
     # ---- final
-    final_acc = metrics.last_eval()
-    if final_acc is None or metrics.last_eval_step() != step:
+    last = metrics.last_eval_record()
+    final_acc = last["eval_accuracy"] if last else None
+    if last is None or last["step"] != step:
         final_acc = run_eval()
         metrics.write({"step": step, "wall_time": elapsed, "eval_accuracy": final_acc})
     metrics.close()
