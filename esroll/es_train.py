@@ -52,10 +52,10 @@ def make_es_method(cfg: ExperimentConfig, task, optimizer: optax.GradientTransfo
         idx, out_tokens = parallel.local_rows(gen.tokens)
         _, lengths = parallel.local_rows(gen.lengths)
         local_rewards = task.rewards([examples[i % P] for i in idx], out_tokens, lengths)
-        rewards_NxP = parallel.gather_to_all(local_rewards, idx, N * P).reshape(N, P)
-        fitness_N = rewards_NxP.mean(axis=1)
+        # One exchange across processes per step: each row's reward and generated length.
+        rows_Rx2 = parallel.gather_to_all(np.stack([local_rewards, lengths.astype(np.float32)], 1), idx, N * P)
+        fitness_N = rows_Rx2[:, 0].reshape(N, P).mean(axis=1)
         params, state, metrics = tell(es_cfg, state, params, parallel.put_replicated(mesh, fitness_N), optimizer)
-        n_tokens = int(parallel.gather_to_all(lengths.astype(np.float32), idx, N * P).sum())
-        return params, state, metrics, n_tokens
+        return params, state, metrics, int(rows_Rx2[:, 1].sum())
 
     return Method(init, step)
