@@ -37,6 +37,21 @@ def maybe_initialize_distributed(enabled: bool) -> None:
         jax.distributed.initialize()  # cluster auto-detection (TPU pods, SLURM, ...)
 
 
+def use_cpu_cores_as_devices() -> int:
+    """Expose one XLA CPU device per core this process may run on, unless the device count is already set.
+
+    XLA runs one CPU device's decode step on about one and a half cores (its small GEMMs do not split well), so on a
+    CPU host the trainers and benchmarks split rows over one device per core instead; `generate` then decodes each
+    device's rows in its own loop. Call before JAX initialises its backends (first thing in an entry script); it
+    does not touch accelerators. Returns the count in effect (-1: left to JAX).
+    """
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return -1
+    if jax.config.jax_num_cpu_devices == -1:
+        jax.config.update("jax_num_cpu_devices", len(os.sched_getaffinity(0)))
+    return jax.config.jax_num_cpu_devices
+
+
 def make_mesh(num_devices: int = 0) -> Mesh:
     """A 1-D mesh over all devices (or the first `num_devices`)."""
     devices = jax.devices()

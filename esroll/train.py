@@ -38,16 +38,28 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), opt) if cfg.max_grad_norm > 0 else opt
 
 
-def evaluate(task: Task, params: dict, examples: list[Example], max_new_tokens: int, batch: int = 256) -> float:
-    """Held-out accuracy of the unperturbed parameters, greedy."""
+def evaluate(task: Task, params: dict, examples: list[Example], max_new_tokens: int, batch: int = 256,
+             mesh=None) -> float:  # fmt: skip
+    """Held-out accuracy of the unperturbed parameters, greedy; rows split over `mesh` when one is given."""
+    split = mesh is not None and mesh.size > 1 and batch % mesh.size == 0
     correct = 0.0
     for i in range(0, len(examples), batch):
         chunk = examples[i : i + batch]
         tokens, mask = pad_prompts(task.prompt_ids(chunk), multiple=task.prompt_multiple, rows=batch, pad_id=task.pad_id)
+        if split:
+            tokens, mask = parallel.put_rows(mesh, tokens), parallel.put_rows(mesh, mask)
         gen = generate(task.cfg, params, tokens, jax.random.key(0), max_new_tokens=max_new_tokens, temperature=0.0,
                        eos_ids=task.eos_ids, prompt_mask=mask, pad_id=task.pad_id)  # fmt: skip
-        out_tokens, lengths = np.asarray(gen.tokens)[: len(chunk)], np.asarray(gen.lengths)[: len(chunk)]
-        correct += task.rewards(chunk, out_tokens, lengths).sum()
+        if not split:
+            out_tokens, lengths = np.asarray(gen.tokens)[: len(chunk)], np.asarray(gen.lengths)[: len(chunk)]
+            correct += task.rewards(chunk, out_tokens, lengths).sum()
+            continue
+        idx, out_tokens = parallel.local_rows(gen.tokens)
+        _, lengths = parallel.local_rows(gen.lengths)
+        real = idx < len(chunk)  # padding rows fill the last batch
+        local = task.rewards([chunk[j] for j in idx[real]], out_tokens[real], lengths[real]).sum()
+        per_process = np.array([local], np.float64)
+        correct += parallel.gather_to_all(per_process, np.array([jax.process_index()]), jax.process_count()).sum()
     return float(correct / len(examples))
 
 
@@ -98,7 +110,7 @@ def train_and_evaluate(
 
     # ---- evaluation
     def run_eval() -> float:
-        return evaluate(task, params, held_out, cfg.train.max_new_tokens)
+        return evaluate(task, params, held_out, cfg.train.max_new_tokens, mesh=mesh)
 
     if start_step == 0:
         acc0 = run_eval()

@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 
 import experiments.benchmarks as benchmarks_pkg
+from esroll import parallel
 
 
 def registry() -> dict:
@@ -39,6 +40,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", default="", help="a named real-model shape with random weights, e.g. qwen3-0.6b")
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
+    parallel.use_cpu_cores_as_devices()  # generate_vs_hf splits rows over one device per core, as the trainers do
 
     reg = registry()
     names = [n for n in args.only.split(",") if n] or sorted(reg)

@@ -10,6 +10,7 @@ DIR/accuracy_vs_time.png, DIR/results.md, DIR/results.csv and DIR/runs.csv. With
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from esroll import parallel
 from esroll.compare import comparison_from_dict, run_comparison, write_report
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/compare.py[:variant]).")
@@ -21,6 +22,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
+    parallel.use_cpu_cores_as_devices()
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")

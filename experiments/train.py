@@ -9,6 +9,7 @@ refused unless --overwrite is given (the old run is then moved aside, never dele
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from esroll import parallel
 from esroll.config import from_config_dict
 from esroll.train import train_and_evaluate
 
@@ -20,6 +21,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
+    parallel.use_cpu_cores_as_devices()
     logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")

@@ -216,3 +216,42 @@ def test_sharded_checkpoint(tmp_path):
     cfg, params = load_hf(sharded)
     _, ref = load_hf(folder)
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), params, ref)
+
+
+@pytest.mark.parametrize("max_extra", [0.0, float("inf")], ids=["fused-gathered", "fused-folded"])
+def test_fused_matmuls_equal_explicit(tiny_model, max_extra):
+    """The decode-time weight preparation (fused projections, low-rank factors folded into them or gathered per row)
+    gives each row its member's explicitly built weights, in a cached forward as `generate` runs it."""
+    from esroll.models import unstack_layers
+    from esroll.models.layers import Folded, fuse_matmuls
+
+    _, folder, _ = tiny_model
+    cfg, params = load_hf(folder)
+    tokens, mask = padded_batch(cfg.vocab_size)
+    member = jnp.array([2, 0, 1])
+    keys = iter(jax.random.split(jax.random.key(2), 64))
+    lowrank = lambda lead, i, o: LowRank(0.1 * jax.random.normal(next(keys), (*lead, 3, i, 2)),
+                                         0.1 * jax.random.normal(next(keys), (*lead, 3, o, 2)))  # fmt: skip
+    deltas = {"layers": {n: lowrank((w.shape[0],), *w.shape[1:]) for n, w in params["layers"].items() if w.ndim == 3}}
+    if "lm_head" in params:
+        deltas["lm_head"] = lowrank((), *params["lm_head"].shape)
+    pairs = [fuse_matmuls(p, d, max_extra=max_extra)
+             for p, d in zip(unstack_layers(params["layers"], cfg.num_layers),
+                             unstack_layers(deltas["layers"], cfg.num_layers))]  # fmt: skip
+    fused, fused_deltas = fuse_matmuls({**params, "layers": [p for p, _ in pairs]},
+                                       {**deltas, "layers": [d for _, d in pairs]}, max_extra=max_extra)  # fmt: skip
+    folded = [k for d in fused_deltas["layers"] for k, v in d.items() if isinstance(v, Folded)]
+    assert bool(folded) == (max_extra > 0) and any(k.startswith("fused:") for k in fused["layers"][0])
+
+    cache = init_cache(cfg, batch=3, max_len=tokens.shape[1])
+    ours, _ = forward(cfg, fused, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask), cache=cache,
+                      perturb=Perturbation(fused_deltas, member))  # fmt: skip
+    for m in range(3):
+        explicit = {**params, "layers": dict(params["layers"])}
+        for name, d in deltas["layers"].items():
+            explicit["layers"][name] = params["layers"][name] + jnp.einsum("lir,lor->lio", d.a[:, m], d.b[:, m])
+        if "lm_head" in deltas:
+            explicit["lm_head"] = params["lm_head"] + deltas["lm_head"].a[m] @ deltas["lm_head"].b[m].T
+        ref, _ = forward(cfg, explicit, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
+        rows = np.asarray(member) == m
+        assert np.abs(np.asarray(ours)[rows] - np.asarray(ref)[rows])[mask[rows]].max() < 1e-4

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -44,12 +45,88 @@ def linear(x_BxTxI: Array, w_IxO: Array, delta: LowRank | None = None, member_B:
     is never formed.
     """
     y = jnp.einsum("bti,io->bto", x_BxTxI, w_IxO)
-    if delta is None:
-        return y
+    return y if delta is None else y + lowrank_term(x_BxTxI, delta, member_B)
+
+
+def lowrank_term(x_BxTxI: Array, delta: LowRank, member_B: Array) -> Array:
+    """(x·a)·bᵀ with each row's member's factors: the perturbation's share of x·(W + a·bᵀ)."""
     a_BxIxR = delta.a[member_B].astype(x_BxTxI.dtype)
     b_BxOxR = delta.b[member_B].astype(x_BxTxI.dtype)
     xa_BxTxR = jnp.einsum("bti,bir->btr", x_BxTxI, a_BxIxR)
-    return y + jnp.einsum("btr,bor->bto", xa_BxTxR, b_BxOxR)
+    return jnp.einsum("btr,bor->bto", xa_BxTxR, b_BxOxR)
+
+
+class Folded(NamedTuple):
+    """The up-projection of perturbations folded into a fused weight by `fuse_matmuls` (see `linears`)."""
+
+    b: Array  # [G·N·r, ΣO]: block-diagonal, one block bᵢᵀ per member per weight of the group
+    members: int  # N
+
+
+def linears(x_BxTxI: Array, p: dict, d: dict, names: tuple[str, ...], member_B: Array | None) -> list[Array]:
+    """`linear` for the weights `names` that read the same input, as one GEMM when `fuse_matmuls` prepared them.
+
+    The fused weight p[fused_key(names)] is [W₁ | … | W_G | A], where A holds every member's `a` factors of every
+    perturbed weight of the group side by side: one GEMM gives both x·W and x·a for all members. Masking x·a to each
+    row's own member and multiplying by the block-diagonal stack of the `b` factors (a second, thin GEMM) gives each
+    row its own (x·aᵢ)·bᵢᵀ. Without a fused weight, one `linear` each.
+    """
+    fused = fused_key(names)
+    if fused not in p:
+        return [linear(x_BxTxI, p[n], d.get(n), member_B) for n in names]
+    widths = [p[n].shape[-1] for n in names]
+    folded = d.get(fused)
+    y = jnp.einsum("bti,io->bto", x_BxTxI, p[fused])
+    if folded is not None:
+        y, xa = y[..., : sum(widths)], y[..., sum(widths) :]
+        onehot_BxN = (member_B[:, None] == jnp.arange(folded.members)).astype(x_BxTxI.dtype)
+        reps = xa.shape[-1] // folded.members  # G·r columns per member: the layout is [group][member][rank]
+        rank = reps // len(names)
+        mask_BxK = jnp.tile(jnp.repeat(onehot_BxN, rank, axis=-1), (1, len(names)))
+        y = y + jnp.einsum("btk,ko->bto", xa * mask_BxK[:, None], folded.b.astype(x_BxTxI.dtype))
+    outs = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
+    return [o if (d.get(n) is None or folded is not None) else o + lowrank_term(x_BxTxI, d[n], member_B)
+            for o, n in zip(outs, names)]  # fmt: skip
+
+
+FUSED = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",), ("lm_head",))
+
+
+def fused_key(names: tuple[str, ...]) -> str:
+    return "fused:" + "+".join(names)
+
+
+def fuse_matmuls(p: dict, d: dict, *, max_extra: float = 0.3) -> tuple[dict, dict]:
+    """Weights (and low-rank perturbations) of one layer, or of the top level, prepared for `linears`.
+
+    Projections that share an input (q, k, v; gate, up) are stored side by side, so a decode step runs one GEMM
+    where it ran several. A group whose weights all carry `LowRank` factors of one shape [N, in, r] has them folded
+    in (see `linears`) when that adds at most `max_extra` to the group's FLOPs, G·N·r·(1/ΣO + 1/in) for G weights
+    of total width ΣO: small populations per device. Otherwise the factors stay per weight and `linear` gathers each
+    row's. The fused copies take memory beside the originals, so `generate` builds them only on CPU, once per call,
+    outside the decode loop (on a CPU, per-GEMM overhead dominates a decode step of a small model).
+    """
+    p, d = dict(p), dict(d)
+    for names in FUSED:
+        if not all(n in p and p[n].ndim == 2 for n in names):
+            continue
+        deltas = [d.get(n) for n in names]
+        weights = [p[n] for n in names]
+        fold = all(isinstance(x, LowRank) for x in deltas) and len({x.a.shape for x in deltas}) == 1
+        if fold:  # extra FLOPs of the fold, relative to the group's own: G·N·r·(1/ΣO + 1/in)
+            N, I, R = deltas[0].a.shape
+            fold = len(names) * N * R * (1 / sum(w.shape[1] for w in weights) + 1 / I) <= max_extra
+        if not fold and len(names) == 1:
+            continue  # nothing to gain from a group of one
+        key = fused_key(names)
+        if fold:
+            a = [x.a.transpose(1, 0, 2).reshape(x.a.shape[1], -1).astype(w.dtype) for x, w in zip(deltas, weights)]
+            p[key] = jnp.concatenate(weights + a, axis=-1)
+            blocks = [x.b.transpose(0, 2, 1).reshape(-1, x.b.shape[1]) for x in deltas]  # [N·r, O] each
+            d[key] = Folded(jax.scipy.linalg.block_diag(*blocks), deltas[0].a.shape[0])
+        else:
+            p[key] = jnp.concatenate(weights, axis=-1)
+    return p, d
 
 
 def row_vector(v_D: Array, delta: Array | None, member_B: Array | None) -> Array:
@@ -66,10 +143,28 @@ def rms_norm(x: Array, w: Array, eps: float) -> Array:
     return w * x32.astype(x.dtype)
 
 
-def rope(x_BxTxNxH: Array, positions_BxT: Array, inv_freq: Array) -> Array:
-    """Rotary embedding, rotate-half convention (as in Llama / Qwen checkpoints)."""
-    angles = positions_BxT[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles).astype(x_BxTxNxH.dtype), jnp.sin(angles).astype(x_BxTxNxH.dtype)
+def rope_tables(positions_BxT: Array, inv_freq: np.ndarray, num_positions: int | None, dtype) -> tuple[Array, Array]:
+    """cos and sin [B, T, 1, H] of the rotary angles, computed once per forward and shared by every layer.
+
+    With `num_positions` (an upper bound on the positions, known when tracing), the values are looked up in a
+    table built with NumPy at trace time: a decode step then evaluates no transcendental at all, which XLA would
+    otherwise recompute inside every layer's query and key fusions. Angles are formed in float32 as the Hugging Face
+    reference forms them.
+    """
+    inv_freq = np.asarray(inv_freq, np.float32)
+    if num_positions is None:
+        angles = positions_BxT[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+    else:
+        angles = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq  # float32 products
+        cos = jnp.asarray(np.cos(angles.astype(np.float64)), jnp.float32)[positions_BxT]
+        sin = jnp.asarray(np.sin(angles.astype(np.float64)), jnp.float32)[positions_BxT]
+    cos, sin = (jnp.concatenate([t, t], -1)[:, :, None, :].astype(dtype) for t in (cos, sin))
+    return cos, sin
+
+
+def rope(x_BxTxNxH: Array, cos_sin: tuple[Array, Array]) -> Array:
+    """Rotary embedding, rotate-half convention (as in Llama / Qwen checkpoints), from `rope_tables`."""
+    cos, sin = cos_sin
     x1, x2 = jnp.split(x_BxTxNxH, 2, axis=-1)
     return x_BxTxNxH * cos + jnp.concatenate([-x2, x1], axis=-1) * sin

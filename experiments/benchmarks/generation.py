@@ -6,7 +6,8 @@ wall times. EOS is disabled, so every row decodes exactly `new_tokens` tokens on
 
 PyTorch runs both with one intra-op thread per core and with a single thread, and the faster counts: on a
 shared, oversubscribed machine its multi-threaded kernels can stall far beyond their fair share, which would
-flatter esroll.
+flatter esroll. esroll runs with its rows split over every device (one per core on a CPU host, as the trainers
+run) and, for reference, on one device. es_generate_vs_plain runs both sides on one device.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from esroll import parallel
 from esroll.models import LowRank, Perturbation, load_hf
 from esroll.sampling import generate, pad_prompts
 from experiments.benchmarks._shapes import SHAPES, hf_config_kwargs
@@ -30,7 +32,7 @@ _TIMING = "median of interleaved rounds after one warm-up call each (compile exc
 def _sizes(args) -> dict:
     if args.quick:
         return dict(batch=8, new_tokens=16, reps=2, members=4)
-    return dict(batch=64, new_tokens=64, reps=5, members=16)
+    return dict(batch=64, new_tokens=64, reps=9, members=16)
 
 
 def _build(args, folder: str):
@@ -71,7 +73,11 @@ def _median_times(fns: dict, reps: int) -> dict:
 
 
 def generate_vs_hf(args) -> dict:
-    """Greedy tokens/s of esroll.sampling.generate over transformers' generate on identical weights."""
+    """Greedy tokens/s of esroll.sampling.generate over transformers' generate on identical weights.
+
+    esroll splits the rows over every device (on a CPU host, one per core: `parallel.use_cpu_cores_as_devices`, as
+    the trainers do), and is also timed on one device; transformers gets one intra-op thread per core, and one.
+    """
     import torch
 
     s = _sizes(args)
@@ -79,8 +85,12 @@ def generate_vs_hf(args) -> dict:
         model, cfg, params = _build(args, folder)
     tokens, mask = _prompts(cfg.vocab_size, s["batch"])
     n = s["new_tokens"]
+    mesh = parallel.make_mesh()
+    if s["batch"] % mesh.size:
+        mesh = parallel.make_mesh(1)
+    split = (parallel.put_replicated(mesh, params), parallel.put_rows(mesh, tokens), parallel.put_rows(mesh, mask))
 
-    def ours():
+    def ours(params, tokens, mask):
         return generate(cfg, params, tokens, jax.random.key(0), max_new_tokens=n, temperature=0.0,
                         prompt_mask=mask).tokens.block_until_ready()  # fmt: skip
 
@@ -94,18 +104,23 @@ def generate_vs_hf(args) -> dict:
                                   min_new_tokens=n, pad_token_id=0, eos_token_id=None)  # fmt: skip
 
     cores = len(os.sched_getaffinity(0))
-    t = _median_times({"esroll": ours, "hf": lambda: theirs(cores), "hf_1thread": lambda: theirs(1)}, s["reps"])
+    t = _median_times({
+        "esroll": lambda: ours(*split), "esroll_1device": lambda: ours(params, tokens, mask),
+        "hf": lambda: theirs(cores), "hf_1thread": lambda: theirs(1),
+    }, s["reps"])  # fmt: skip
     t_hf = min(t["hf"], t["hf_1thread"])
-    match = (np.asarray(ours()) == theirs(cores)[:, tokens.shape[1] :].numpy()).mean()
+    match = (np.asarray(ours(*split)) == theirs(cores)[:, tokens.shape[1] :].numpy()).mean()
     generated = s["batch"] * n
     return {
         "generate_vs_hf": t_hf / t["esroll"],
+        "generate_vs_hf_1device": t_hf / t["esroll_1device"],
         "esroll_tokens_per_s": generated / t["esroll"],
+        "esroll_tokens_per_s_1device": generated / t["esroll_1device"],
         f"hf_tokens_per_s_{cores}threads": generated / t["hf"],
         "hf_tokens_per_s_1thread": generated / t["hf_1thread"],
         "greedy_token_agreement": float(match),
-        "batch": s["batch"], "new_tokens": n, "prompt_len": tokens.shape[1], "reps": s["reps"],
-        "backend": jax.default_backend(), "timing": _TIMING,
+        "esroll_devices": mesh.size, "batch": s["batch"], "new_tokens": n, "prompt_len": tokens.shape[1],
+        "reps": s["reps"], "backend": jax.default_backend(), "timing": _TIMING,
     }  # fmt: skip
 
 
