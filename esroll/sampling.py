@@ -189,9 +189,8 @@ def _decode(cfg, params, prompt_BxP, mask_BxP, key, perturb, rows_B, *, eos_E, p
     return Generation(tokens_BxN, logprobs_BxN, length_B, t[None])
 
 
-def _phase_ends(n: int, phases: int | None = None, shortest: int = 16) -> list[int]:
+def _phase_ends(n: int, phases: int = 4, shortest: int = 16) -> list[int]:
     """Step counts at which the decode phases end: up to `phases` equal phases of at least `shortest` steps."""
-    import os; phases = int(os.environ.get("PHASES", 4)) if phases is None else phases
     k = max(1, min(phases, n // shortest))
     return [math.ceil(n * (i + 1) / k) for i in range(k)]
 

@@ -57,33 +57,34 @@ def lowrank_term(x_BxTxI: Array, delta: LowRank, member_B: Array) -> Array:
 
 
 class Folded(NamedTuple):
-    """The up-projection of perturbations folded into a fused weight by `fuse_matmuls` (see `linears`)."""
+    """A group's low-rank factors as `fuse_matmuls` folds them (see `linears`)."""
 
-    b: Array  # [G·N·r, ΣO]: block-diagonal, one block bᵢᵀ per member per weight of the group
+    a: Array  # [in, G·N·r]: every member's `a` factors of every weight of the group, columns [weight][member][rank]
     members: int  # N
 
 
 def linears(x_BxTxI: Array, p: dict, d: dict, names: tuple[str, ...], member_B: Array | None) -> list[Array]:
     """`linear` for the weights `names` that read the same input, as one GEMM when `fuse_matmuls` prepared them.
 
-    The fused weight p[fused_key(names)] is [W₁ | … | W_G | A], where A holds every member's `a` factors of every
-    perturbed weight of the group side by side: one GEMM gives both x·W and x·a for all members. Masking x·a to each
-    row's own member and multiplying by the block-diagonal stack of the `b` factors (a second, thin GEMM) gives each
-    row its own (x·aᵢ)·bᵢᵀ. Without a fused weight, one `linear` each.
+    Prepared, p[fused_key(names)] holds [W₁ | … | W_G] side by side. With folded perturbations it holds
+    [W₁ | … | W_G ; blockdiag(b)ᵀ] (the `b` factors of every member stacked under the weights), and the input is
+    extended by x·a for all members at once (one thin GEMM), zeroed outside each row's own member: one GEMM then gives
+    every row x·W + (x·aᵢ)·bᵢᵀ. Unprepared groups, and unfolded factors, go through `linear`.
     """
     fused = fused_key(names)
     if fused not in p:
         return [linear(x_BxTxI, p[n], d.get(n), member_B) for n in names]
     widths = [p[n].shape[-1] for n in names]
     folded = d.get(fused)
-    y = jnp.einsum("bti,io->bto", x_BxTxI, p[fused])
-    if folded is not None:
-        y, xa = y[..., : sum(widths)], y[..., sum(widths) :]
+    if folded is None:
+        y = jnp.einsum("bti,io->bto", x_BxTxI, p[fused])
+    else:
+        xa = jnp.einsum("bti,ik->btk", x_BxTxI, folded.a.astype(x_BxTxI.dtype))
         onehot_BxN = (member_B[:, None] == jnp.arange(folded.members)).astype(x_BxTxI.dtype)
-        reps = xa.shape[-1] // folded.members  # G·r columns per member: the layout is [group][member][rank]
-        rank = reps // len(names)
+        rank = xa.shape[-1] // folded.members // len(names)  # the columns are ordered [weight][member][rank]
         mask_BxK = jnp.tile(jnp.repeat(onehot_BxN, rank, axis=-1), (1, len(names)))
-        y = y + jnp.einsum("btk,ko->bto", xa * mask_BxK[:, None], folded.b.astype(x_BxTxI.dtype))
+        # [x | own x·a] · [W ; blockdiag(bᵀ)] = x·W + (x·aᵢ)·bᵢᵀ in one GEMM
+        y = jnp.einsum("bti,io->bto", jnp.concatenate([x_BxTxI, xa * mask_BxK[:, None]], -1), p[fused])
     outs = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
     return [o if (d.get(n) is None or folded is not None) else o + lowrank_term(x_BxTxI, d[n], member_B)
             for o, n in zip(outs, names)]  # fmt: skip
@@ -102,9 +103,9 @@ def fuse_matmuls(p: dict, d: dict, *, max_extra: float = 0.3) -> tuple[dict, dic
     Projections that share an input (q, k, v; gate, up) are stored side by side, so a decode step runs one GEMM
     where it ran several. A group whose weights all carry `LowRank` factors of one shape [N, in, r] has them folded
     in (see `linears`) when that adds at most `max_extra` to the group's FLOPs, G·N·r·(1/ΣO + 1/in) for G weights
-    of total width ΣO: small populations per device. Otherwise the factors stay per weight and `linear` gathers each
-    row's. The fused copies take memory beside the originals, so `generate` builds them only on CPU, once per call,
-    outside the decode loop (on a CPU, per-GEMM overhead dominates a decode step of a small model).
+    of total width ΣO: a small population per device. Otherwise the factors stay per weight and `linear` gathers
+    each row's. The prepared copies take memory beside the originals, so `generate` builds them only on a CPU (where
+    per-GEMM overhead dominates a decode step of a small model), once per call, outside the decode loop.
     """
     p, d = dict(p), dict(d)
     for names in FUSED:
@@ -121,9 +122,10 @@ def fuse_matmuls(p: dict, d: dict, *, max_extra: float = 0.3) -> tuple[dict, dic
         key = fused_key(names)
         if fold:
             a = [x.a.transpose(1, 0, 2).reshape(x.a.shape[1], -1).astype(w.dtype) for x, w in zip(deltas, weights)]
-            p[key] = jnp.concatenate(weights + a, axis=-1)
             blocks = [x.b.transpose(0, 2, 1).reshape(-1, x.b.shape[1]) for x in deltas]  # [N·r, O] each
-            d[key] = Folded(jax.scipy.linalg.block_diag(*blocks), deltas[0].a.shape[0])
+            bd = jax.scipy.linalg.block_diag(*blocks).astype(weights[0].dtype)
+            d[key] = Folded(jnp.concatenate(a, axis=-1), deltas[0].a.shape[0])
+            p[key] = jnp.concatenate([jnp.concatenate(weights, axis=-1), bd], axis=0)
         else:
             p[key] = jnp.concatenate(weights, axis=-1)
     return p, d
