@@ -93,9 +93,11 @@ def generate(
     B, P = prompt_BxP.shape
     mesh, axis = _row_split(prompt_BxP)
     mask_BxP = jnp.ones((B, P), bool) if prompt_mask is None else jnp.asarray(prompt_mask, bool)
-    rows_B = jnp.arange(B, dtype=jnp.int32)
-    if mesh is not None:
-        rows_B = jax.device_put(rows_B, prompt_BxP.sharding)
+    rows_B = np.arange(B, dtype=np.int32)  # global row indices, split as the rows are (every process has them all)
+    if mesh is None:
+        rows_B = jnp.asarray(rows_B)
+    else:
+        rows_B = jax.make_array_from_callback((B,), NamedSharding(mesh, PartitionSpec(axis)), lambda i: rows_B[i])
     return _generate(
         cfg, params, jnp.asarray(prompt_BxP, jnp.int32), mask_BxP, key, perturb, rows_B,
         eos_E=jnp.asarray(list(eos_ids) or [-1], jnp.int32), pad_id=jnp.int32(pad_id),

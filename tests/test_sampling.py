@@ -212,3 +212,17 @@ def test_sharded_generation_equals_unsharded(qwen3):
     other[1:] = np.roll(tokens[1:], 1, axis=1)
     alone = generate(cfg, params, other, jax.random.key(9), prompt_mask=mask, perturb=Perturbation(deltas, member), **kw)
     np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(one.tokens)[0])
+
+
+def test_long_generation_across_decode_phases(qwen3):
+    """40 steps decode in two phases (the cache grows between them): sampled tokens and their log-probabilities still
+    equal a full forward's over the whole sequence, on both sides of the phase boundary."""
+    from esroll.sampling import _phase_ends
+
+    cfg, params = qwen3
+    assert _phase_ends(40) == [20, 40] and _phase_ends(64) == [16, 32, 48, 64] and _phase_ends(12) == [12]
+    tokens, mask = prompts(cfg.vocab_size, seed=6)
+    out = generate(cfg, params, tokens, jax.random.key(4), max_new_tokens=40, prompt_mask=mask, temperature=1.0)
+    assert int(out.steps) == 40 and (np.asarray(out.lengths) == 40).all()
+    ref = seq_logprobs(cfg, params, tokens, mask, out.tokens, np.ones((4, 40), bool))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref), atol=1e-4)
