@@ -159,20 +159,16 @@ def _attention(cfg, p, d, member_B, h_BxTxD, cos_sin, visible_BxTxS, kv):
         kv = (k_all, v_all)
         k, v = k_all.astype(q.dtype), v_all.astype(q.dtype)
 
-    q = q.reshape(B, T, Nkv, Nq // Nkv, H)
-    if T == 1:
-        # A decode step: batched (rows x kv heads) products with the G query heads as rows and the cache slots as the
-        # long, contiguous output dimension. Written as plain dot_generals so that XLA keeps this operand order; the
-        # einsums below let it pick one with a 2-wide output dimension, several times slower on a CPU.
-        scores = jax.lax.dot_general(q[:, 0], k, (((3,), (2,)), ((0, 1), (0, 1))))[:, :, :, None]  # b k g t s
-    else:
-        scores = jnp.einsum("btkgh,bkhs->bkgts", q, k)
+    # Batched (rows x kv heads) products with the kv head's query rows (G heads x T positions) as M and the cache
+    # slots as the long, contiguous N of q·kᵀ. Written as plain dot_generals so that XLA keeps this operand order;
+    # from einsums it picked one with a 2-wide output dimension, several times slower on a CPU.
+    G = Nq // Nkv
+    q = q.reshape(B, T, Nkv, G, H).transpose(0, 2, 3, 1, 4).reshape(B, Nkv, G * T, H)
+    scores = jax.lax.dot_general(q, k, (((3,), (2,)), ((0, 1), (0, 1)))).reshape(B, Nkv, G, T, -1)
     scores = jnp.where(visible_BxTxS[:, None, None], scores.astype(jnp.float32) / np.sqrt(H), _NEG)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    if T == 1:
-        out = jax.lax.dot_general(probs[:, :, :, 0], v, (((3,), (2,)), ((0, 1), (0, 1)))).reshape(B, T, Nq * H)
-    else:
-        out = jnp.einsum("bkgts,bksh->btkgh", probs, v).reshape(B, T, Nq * H)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, Nkv, G * T, -1)
+    out = jax.lax.dot_general(probs, v, (((3,), (2,)), ((0, 1), (0, 1))))  # [B, Nkv, G·T, H]
+    out = out.reshape(B, Nkv, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, Nq * H)
     out = linears(out, p, d, ("o",), member_B)[0]
     if "o_bias" in p:
         out = out + row_vector(p["o_bias"], d.get("o_bias"), member_B)

@@ -35,13 +35,13 @@ def _sizes(args) -> dict:
     return dict(batch=64, new_tokens=64, reps=9, members=16)
 
 
-def _build(args, folder: str):
+def _build(args, folder: str, name: str = ""):
     """Save a random Qwen3 model with the named shape; return (torch model, esroll cfg, esroll params)."""
     import torch
     import transformers
 
     # Default: a random Qwen3-architecture model small enough for a CPU yet wide enough that matmuls dominate.
-    name = args.model or "small"
+    name = name or args.model or "small"
     if name not in SHAPES:
         raise ValueError(f"unknown --model {name!r}; known: {', '.join(SHAPES)}")
     torch.manual_seed(0)
@@ -141,10 +141,26 @@ def _rank1_population(params, members: int, sigma: float, key) -> dict:
 
 
 def es_generate_vs_plain(args) -> dict:
-    """Throughput of population generation (members x prompts rows, rank-1 perturbed) over plain generation."""
+    """Throughput of population generation (members x prompts rows, rank-1 perturbed) over plain generation.
+
+    The figure is taken at the "mid" shape (hidden 1024, as es_forward_vs_plain), and also reported at the "small"
+    shape of generate_vs_hf (hidden 256), where the per-member term is relatively four times dearer: its FLOPs
+    relative to the weight's are N·r·(1/in + 1/out). --model or --quick pick one shape instead.
+    """
     s = _sizes(args)
+    names = [args.model] if args.model else ["quick"] if args.quick else ["mid", "small"]
+    out = {}
+    for name in names:
+        res = _es_generate_vs_plain(args, name, s)
+        if not out:
+            out.update(res, shape=name)
+        out[f"es_generate_vs_plain_{name}"] = res["es_generate_vs_plain"]
+    return out
+
+
+def _es_generate_vs_plain(args, name: str, s: dict) -> dict:
     with tempfile.TemporaryDirectory() as folder:
-        _, cfg, params = _build(args, folder)
+        _, cfg, params = _build(args, folder, name)
     members = s["members"]
     per_member = s["batch"] // members
     tokens, mask = _prompts(cfg.vocab_size, per_member)
