@@ -48,7 +48,8 @@ def use_cpu_cores_as_devices() -> int:
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return -1
     if jax.config.jax_num_cpu_devices == -1:
-        jax.config.update("jax_num_cpu_devices", len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        jax.config.update("jax_num_cpu_devices", cores)
     return jax.config.jax_num_cpu_devices
 
 

@@ -148,3 +148,18 @@ def test_workdir_with_other_config_is_refused(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == "precious\n"
     guard_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.2}}, overwrite=True)
     assert (tmp_path / "replaced-1" / "metrics.jsonl").read_text() == "precious\n"
+
+
+def test_entry_scripts_use_one_cpu_device_per_core():
+    """`parallel.use_cpu_cores_as_devices` (called first by the entry scripts) gives one CPU device per available core,
+    and leaves an explicit --xla_force_host_platform_device_count alone."""
+    code = ("from esroll import parallel; parallel.use_cpu_cores_as_devices(); import jax, os; "
+            "print(len(jax.devices('cpu')), len(os.sched_getaffinity(0)))")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "JAX_PLATFORMS": "cpu"}, cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    assert out[0] == out[1]
+    flags = {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+    out = subprocess.run([sys.executable, "-c", code], env=flags, cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.split()  # fmt: skip
+    assert out[0] == "3"
