@@ -147,8 +147,7 @@ def _decode(cfg, params, prompt_BxP, mask_BxP, key, perturb, rows_B, *, eos_E, p
     # Per-layer weights and factors, sliced and fused once here rather than in every decode step.
     deltas = {} if perturb is None else perturb.deltas
     layer_deltas = deltas.get("layers") or {}
-    layers = zip(unstack_layers(params["layers"], cfg.num_layers),
-                 unstack_layers(layer_deltas, cfg.num_layers) if layer_deltas else [{}] * cfg.num_layers)  # fmt: skip
+    layers = zip(unstack_layers(params["layers"], cfg.num_layers), unstack_layers(layer_deltas, cfg.num_layers))
     fuse = fuse_matmuls if jax.default_backend() == "cpu" else lambda p, d: (p, d)
     layers, layer_deltas = zip(*(fuse(p, d) for p, d in layers))
     params, deltas = fuse({**params, "layers": list(layers)}, {**deltas, "layers": list(layer_deltas)})

@@ -7,11 +7,11 @@ DIR/accuracy_vs_time.png, DIR/results.md, DIR/results.csv and DIR/runs.csv. With
 (re)written from the runs already there.
 """
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
-from esroll import parallel
 from esroll.compare import comparison_from_dict, run_comparison, write_report
+from experiments._entry import start
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/compare.py[:variant]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory holding one sub-workdir per (method, seed) and the report.")
@@ -22,10 +22,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
-    parallel.use_cpu_cores_as_devices()
-    logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    start(argv)
     if not _REPORT_ONLY.value:
         comparison = comparison_from_dict(_CONFIG.value.to_dict())
         run_comparison(comparison, _WORKDIR.value, overwrite=_OVERWRITE.value, mesh_devices=_MESH_DEVICES.value)

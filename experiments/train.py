@@ -6,12 +6,12 @@ Rerunning with the same --workdir resumes from its last checkpoint. A workdir ho
 refused unless --overwrite is given (the old run is then moved aside, never deleted).
 """
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
-from esroll import parallel
 from esroll.config import from_config_dict
 from esroll.train import train_and_evaluate
+from experiments._entry import start
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:variant]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the exported model.")
@@ -21,10 +21,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
-    parallel.use_cpu_cores_as_devices()
-    logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    start(argv)
     cfg = from_config_dict(_CONFIG.value.to_dict())
     train_and_evaluate(cfg, _WORKDIR.value, overwrite=_OVERWRITE.value, mesh_devices=_MESH_DEVICES.value)
 

@@ -54,7 +54,7 @@ def unstack_layers(tree, num_layers: int) -> list:
     """A layer-stacked pytree (params["layers"], or a perturbation's layer deltas) as one pytree per layer.
 
     `forward` with a cache runs its layers as a Python loop over such a list; slicing once, outside a decode loop,
-    keeps per-layer weight copies out of every step.
+    keeps per-layer weight copies out of every step. An empty tree (no perturbed layer leaf) gives L empty ones.
     """
     if isinstance(tree, (list, tuple)):
         return list(tree)
@@ -118,7 +118,7 @@ def forward(
         x, _ = jax.lax.scan(lambda x, pd: (block(x, *pd, None)[0], None), x, (params["layers"], layer_deltas))
     else:
         layers = unstack_layers(params["layers"], cfg.num_layers)
-        per_layer_deltas = unstack_layers(layer_deltas, cfg.num_layers) if layer_deltas else [{}] * cfg.num_layers
+        per_layer_deltas = unstack_layers(layer_deltas, cfg.num_layers)
         new_k, new_v = [], []
         for p, d, k, v in zip(layers, per_layer_deltas, cache.k, cache.v, strict=True):
             x, (k, v) = block(x, p, d, (k, v, cache.index))
