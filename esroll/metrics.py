@@ -6,6 +6,29 @@ import json
 from pathlib import Path
 
 
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl file, in order ([] if there is none).
+
+    A run killed while appending can leave a partial last line; it is skipped (the step it described is written
+    again when the run resumes).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{i + 1}: not a JSON object") from None
+    return records
+
+
 class MetricsWriter:
     """Appends to workdir/metrics.jsonl and workdir/tb. On resume, lines after the restored step are dropped, so the
     file always describes exactly one uninterrupted history."""
@@ -20,9 +43,7 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(Path(workdir) / "tb"))
 
     def records(self) -> list[dict]:
-        if not self.path.is_file():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return read_metrics(self.path)
 
     def truncate_after(self, step: int) -> None:
         if not self.enabled:
@@ -64,8 +85,7 @@ def plot_eval_curve(metrics_path: str | Path, out: str | Path, title: str = "") 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
-    evals = [r for r in rows if "eval_accuracy" in r]
+    evals = [r for r in read_metrics(metrics_path) if "eval_accuracy" in r]
     fig, ax = plt.subplots(figsize=(5, 3.5), dpi=120)
     ax.plot([r["wall_time"] for r in evals], [r["eval_accuracy"] for r in evals], marker="o")
     ax.set_xlabel("training wall time (s)")
