@@ -27,6 +27,12 @@ from ml_collections import ConfigDict
 from configs import default, gsm8k_qwen3
 
 METHODS = ("looroll", "eggroll", "grpo")
+VARIANTS = {
+    "default": "the shipped tiny model on 2-digit addition: 3 methods × 3 seeds × 150 s on 2 CPU cores",
+    "quick": "seconds per run, for the test suite (looroll and eggroll, 2 seeds)",
+    "gsm8k_qwen3_<size>": f"GSM8K with Qwen3 <size> in {', '.join(gsm8k_qwen3.SIZES)} (accelerators)",
+    "countdown_qwen3_<size>": "Countdown with Qwen3 <size>; `countdown` = countdown_qwen3_0.6b",
+}
 
 
 def _diff(config: dict, base: dict) -> dict:

@@ -10,13 +10,16 @@ local JSONL/Parquet file or the `datasets` name "openai/gsm8k".
 
 Hardware expected: 0.6B and 1.7B on one 80 GB GPU (H100/H200) or a v5e-8 slice; 4B on 4-8 GPUs or a v5e-16 slice;
 8B on 8 GPUs or a v5p-16 slice (population split over the mesh, `--config.distributed=True` on multi-host).
-Reference (THEORY.md): LOO-ROLL on GSM8K test 38.1% -> 63.0% (0.6B), 65.9% -> 80.0% (8B).
+Reference (the LOO-ROLL paper, docs/theory.md): LOO-ROLL on GSM8K test 38.1% -> 63.0% (0.6B), 65.9% -> 80.0% (8B).
 """
 
 from ml_collections import ConfigDict
 
 from configs.default import get_config as default_config
 
+VARIANTS = {
+    "SIZE[,METHOD][,countdown]": "SIZE in 0.6b, 1.7b, 4b, 8b; METHOD in looroll (default), eggroll, grpo",
+}
 SIZES = {
     # size: (ES population, prompts per step, sigma, GRPO microbatches)
     "0.6b": (256, 64, 1e-3, 2),

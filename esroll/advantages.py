@@ -1,19 +1,21 @@
 """Fitness shaping (ES) and group advantages (GRPO): one signature, shared by both estimators.
 
-Every function maps rewards [groups, members] (or [members], treated as one group) to an array of the same shape:
+Every function maps rewards [X groups, M members] (or [members], treated as one group) to an array of the same shape:
 
     fn(rewards, valid=None) -> shaped
 
 `valid` (bool, same shape) marks the entries that take part: statistics are computed over valid entries of each
 group only, and invalid entries come out as 0 whatever their value (NaN included), so a non-finite reward never
-leaks into the others. Standard deviations are population ones (ddof = 0).
+leaks into the others. std is the population standard deviation (ddof 0) and std₁ the sample one (ddof 1, taken as
+0 for a group of one).
 
-    raw             r                                   (ES: keeps the estimators unbiased)
-    zscore          (r − mean) / (std + 1e-8)           (ES)
-    centered_ranks  rank / (n − 1) − 1/2, in [−1/2, 1/2], ties share their mean rank (ES; OpenAI-ES, evosax)
-    grpo            (r − mean) / (std + 1e-4)           (GRPO; TRL's eps)
-    dr_grpo         r − mean                            (Dr. GRPO: no std division)
-    rloo            r_i − mean_{j≠i} r_j                (RLOO: the policy-gradient twin of LOO-ROLL)
+    raw                  r                               (ES: keeps the estimators unbiased)
+    zscore               (r − mean) / (std + 1e-8)       (ES; evosax's z-score)
+    centered_ranks       rank / (n − 1) − 1/2, in [−1/2, 1/2], ties share their mean rank (ES; OpenAI-ES, evosax)
+    grpo                 (r − mean) / (std₁ + 1e-4)      (GRPO as TRL computes it: scale_rewards="group")
+    grpo_population_std  (r − mean) / (std + 1e-4)       (GRPO with the population std: √(M/(M−1)) × grpo)
+    dr_grpo              r − mean                        (Dr. GRPO: no std division)
+    rloo                 r_i − mean_{j≠i} r_j            (RLOO: the policy-gradient twin of LOO-ROLL)
 """
 
 from __future__ import annotations
@@ -28,79 +30,91 @@ Shaping = Callable[..., Array]
 
 
 def _grouped(fn: Callable[[Array, Array], Array]) -> Shaping:
-    """Lift fn(r_GxM, valid_GxM) to the public signature: 1-D input, default mask, invalid entries zeroed."""
+    """Lift fn(r_XxM, valid_XxM) to the public signature: 1-D input, default mask, invalid entries zeroed."""
 
     def shaped(rewards: Array, valid: Array | None = None) -> Array:
         r = jnp.asarray(rewards, jnp.float32)
         valid = jnp.ones(r.shape, bool) if valid is None else jnp.asarray(valid, bool)
         valid = valid & jnp.isfinite(r)
         squeeze = r.ndim == 1
-        r_GxM, valid_GxM = (r[None], valid[None]) if squeeze else (r, valid)
-        out = jnp.where(valid_GxM, fn(jnp.where(valid_GxM, r_GxM, 0.0), valid_GxM), 0.0)
+        r_XxM, valid_XxM = (r[None], valid[None]) if squeeze else (r, valid)
+        out = jnp.where(valid_XxM, fn(jnp.where(valid_XxM, r_XxM, 0.0), valid_XxM), 0.0)
         return out[0] if squeeze else out
 
     shaped.__name__, shaped.__doc__ = fn.__name__, fn.__doc__
     return shaped
 
 
-def _count(valid_GxM: Array) -> Array:
-    return valid_GxM.sum(-1, keepdims=True)
+def _count(valid_XxM: Array) -> Array:
+    return valid_XxM.sum(-1, keepdims=True)
 
 
-def _mean(r_GxM: Array, valid_GxM: Array) -> Array:
-    return r_GxM.sum(-1, keepdims=True) / jnp.maximum(_count(valid_GxM), 1)
+def _mean(r_XxM: Array, valid_XxM: Array) -> Array:
+    return r_XxM.sum(-1, keepdims=True) / jnp.maximum(_count(valid_XxM), 1)
 
 
-def _std(r_GxM: Array, valid_GxM: Array) -> Array:
-    centered = jnp.where(valid_GxM, r_GxM - _mean(r_GxM, valid_GxM), 0.0)
-    return jnp.sqrt((centered**2).sum(-1, keepdims=True) / jnp.maximum(_count(valid_GxM), 1))
+def _std(r_XxM: Array, valid_XxM: Array, ddof: int = 0) -> Array:
+    centered = jnp.where(valid_XxM, r_XxM - _mean(r_XxM, valid_XxM), 0.0)
+    return jnp.sqrt((centered**2).sum(-1, keepdims=True) / jnp.maximum(_count(valid_XxM) - ddof, 1))
 
 
 @_grouped
-def raw(r_GxM: Array, valid_GxM: Array) -> Array:
+def raw(r_XxM: Array, valid_XxM: Array) -> Array:
     """The rewards themselves."""
-    return r_GxM
+    return r_XxM
 
 
 @_grouped
-def zscore(r_GxM: Array, valid_GxM: Array) -> Array:
+def zscore(r_XxM: Array, valid_XxM: Array) -> Array:
     """(r − mean) / (std + 1e-8): scale-free; a group of equal rewards gives zeros."""
-    return (r_GxM - _mean(r_GxM, valid_GxM)) / (_std(r_GxM, valid_GxM) + 1e-8)
+    return (r_XxM - _mean(r_XxM, valid_XxM)) / (_std(r_XxM, valid_XxM) + 1e-8)
 
 
 @_grouped
-def centered_ranks(r_GxM: Array, valid_GxM: Array) -> Array:
+def centered_ranks(r_XxM: Array, valid_XxM: Array) -> Array:
     """Ranks scaled to [−1/2, 1/2]; robust to outliers; tied rewards get equal values (so they cancel)."""
-    both = valid_GxM[:, :, None] & valid_GxM[:, None, :]
-    below = ((r_GxM[:, None, :] < r_GxM[:, :, None]) & both).sum(-1)
-    ties = ((r_GxM[:, None, :] == r_GxM[:, :, None]) & both).sum(-1)
+    both = valid_XxM[:, :, None] & valid_XxM[:, None, :]
+    below = ((r_XxM[:, None, :] < r_XxM[:, :, None]) & both).sum(-1)
+    ties = ((r_XxM[:, None, :] == r_XxM[:, :, None]) & both).sum(-1)
     rank = below + (ties - 1) / 2  # mean rank among equal rewards, 0-based
-    return rank / jnp.maximum(_count(valid_GxM) - 1, 1) - 0.5
+    return rank / jnp.maximum(_count(valid_XxM) - 1, 1) - 0.5
 
 
 @_grouped
-def grpo(r_GxM: Array, valid_GxM: Array) -> Array:
-    """(r − mean_g) / (std_g + 1e-4), the GRPO group advantage (eps as in TRL)."""
-    return (r_GxM - _mean(r_GxM, valid_GxM)) / (_std(r_GxM, valid_GxM) + 1e-4)
+def grpo(r_XxM: Array, valid_XxM: Array) -> Array:
+    """(r − mean_g) / (std₁_g + 1e-4), the GRPO group advantage as TRL computes it (sample std, eps 1e-4)."""
+    return (r_XxM - _mean(r_XxM, valid_XxM)) / (_std(r_XxM, valid_XxM, ddof=1) + 1e-4)
 
 
 @_grouped
-def dr_grpo(r_GxM: Array, valid_GxM: Array) -> Array:
+def grpo_population_std(r_XxM: Array, valid_XxM: Array) -> Array:
+    """(r − mean_g) / (std_g + 1e-4) with the population std (ddof 0), as some GRPO implementations divide."""
+    return (r_XxM - _mean(r_XxM, valid_XxM)) / (_std(r_XxM, valid_XxM) + 1e-4)
+
+
+@_grouped
+def dr_grpo(r_XxM: Array, valid_XxM: Array) -> Array:
     """r − mean_g (Dr. GRPO drops the std division, which biases towards easy and hard groups)."""
-    return r_GxM - _mean(r_GxM, valid_GxM)
+    return r_XxM - _mean(r_XxM, valid_XxM)
 
 
 @_grouped
-def rloo(r_GxM: Array, valid_GxM: Array) -> Array:
+def rloo(r_XxM: Array, valid_XxM: Array) -> Array:
     """r_i − mean_{j≠i} r_j: the baseline excludes the sample itself, so it is independent of it."""
-    n = _count(valid_GxM)
-    others = (r_GxM.sum(-1, keepdims=True) - r_GxM) / jnp.maximum(n - 1, 1)
-    return r_GxM - others
+    n = _count(valid_XxM)
+    others = (r_XxM.sum(-1, keepdims=True) - r_XxM) / jnp.maximum(n - 1, 1)
+    return r_XxM - others
 
 
 SHAPINGS: dict[str, Shaping] = {
-    "raw": raw, "zscore": zscore, "centered_ranks": centered_ranks, "grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo,
-}  # fmt: skip
+    "raw": raw,
+    "zscore": zscore,
+    "centered_ranks": centered_ranks,
+    "grpo": grpo,
+    "grpo_population_std": grpo_population_std,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+}
 
 
 def get(name: str) -> Shaping:

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
+
+from esroll.errors import InputError
 
 
 class Checkpointer:
@@ -23,11 +24,25 @@ class Checkpointer:
             self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
         )
 
+    @staticmethod
+    def latest_in(workdir: str | Path) -> int | None:
+        """The step of the newest finished checkpoint in `workdir`, without creating anything."""
+        directory = Path(workdir).absolute() / "checkpoints"
+        if not directory.is_dir():
+            return None
+        manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
+        try:
+            return manager.latest_step()
+        finally:
+            manager.close()
+
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        self.manager.save(
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        )
 
     def restore(self, template: Any) -> tuple[Any, dict]:
         step = self.manager.latest_step()
@@ -44,33 +59,52 @@ class Checkpointer:
         self.manager.close()
 
 
-def guard_workdir(workdir: str | Path, config: dict, overwrite: bool) -> bool:
-    """Record the run's config in workdir/config.json; refuse a workdir that holds a run of another config.
+def check_workdir(workdir: str | Path, config: dict, overwrite: bool) -> bool:
+    """Whether `workdir` already holds this run (True: resume); writes nothing.
 
-    Returns True when the workdir already holds this run (resume). With `overwrite`, a different run's
-    checkpoints and logs are moved aside (workdir/replaced-N), never deleted.
+    A workdir holding a run of another config is refused (an InputError naming the first differing key) unless
+    `overwrite`, in which case `claim_workdir` will move that run aside.
     """
+    path = Path(workdir) / "config.json"
+    if not path.is_file():
+        return False
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not valid JSON ({e.msg}); move the file aside or use another --workdir") from None
+    if old == json.loads(_dumps(config)):
+        return True
+    if overwrite:
+        return False
+    raise InputError(
+        f"{path}: this workdir holds a run with a different config ({_first_difference(old, config)}); "
+        "use another --workdir, or pass --overwrite to move the old run aside"
+    )
+
+
+def claim_workdir(workdir: str | Path, config: dict) -> None:
+    """Record the run's config in workdir/config.json, once the run is known to start. A different run found there
+    (allowed by `check_workdir` with overwrite) is moved to workdir/replaced-N with its checkpoints and logs, never
+    deleted."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.json"
-    text = json.dumps(config, indent=2, sort_keys=True, default=str)
-    if path.is_file():
-        old = path.read_text()
-        if old == text:
-            return True
-        if not overwrite:
-            diff = _first_difference(json.loads(old), config)
-            raise ValueError(
-                f"{path}: this workdir holds a run with a different config ({diff}); "
-                "use another --workdir, or pass --overwrite to move the old run aside"
-            )
+    text = _dumps(config)
+    if path.is_file() and json.loads(path.read_text()) == json.loads(text):
+        return
+    if any(workdir.iterdir()):
         aside = next(workdir / f"replaced-{i}" for i in range(1, 10_000) if not (workdir / f"replaced-{i}").exists())
         aside.mkdir()
         for child in list(workdir.iterdir()):
             if not child.name.startswith("replaced-"):
                 child.rename(aside / child.name)
-    path.write_text(text)
-    return False
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _dumps(config: dict) -> str:
+    return json.dumps(config, indent=2, sort_keys=True, default=str)
 
 
 def _first_difference(a: Any, b: Any, prefix: str = "") -> str:
@@ -79,7 +113,3 @@ def _first_difference(a: Any, b: Any, prefix: str = "") -> str:
             if a.get(k) != b.get(k):
                 return _first_difference(a.get(k), b.get(k), f"{prefix}{k}.")
     return f"'{prefix.rstrip('.')}' was {a!r}, now {b!r}"
-
-
-def key_data(key: jax.Array) -> np.ndarray:
-    return np.asarray(jax.random.key_data(key))

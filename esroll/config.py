@@ -1,6 +1,11 @@
-"""Typed experiment configuration. Config files are ml-collections ConfigDicts; the library takes these frozen
-dataclasses, converted once at the entry point by `from_config_dict`, which refuses unknown keys and ill-typed or
-out-of-range values with a one-line error naming the key."""
+"""Typed experiment configuration, and the only place its defaults live.
+
+Config files are ml-collections ConfigDicts that start from these defaults (`config_dict(ExperimentConfig())`) and set
+what their experiment changes; the library takes the frozen dataclasses, converted once at the entry point by
+`from_config_dict`, which refuses unknown keys (suggesting the nearest one) and ill-typed or out-of-range values with a
+one-line `esroll.errors.ConfigError` naming the key. The sets of allowed names come from the modules that implement
+them (`esroll.es.estimators.METHODS`, `esroll.advantages.SHAPINGS`, `esroll.grpo.AGGREGATIONS`, `esroll.data.TASKS`).
+"""
 
 from __future__ import annotations
 
@@ -8,17 +13,32 @@ import dataclasses
 import typing
 from typing import Any
 
-METHODS = ("looroll", "eggroll", "grpo")
+from esroll.data.tasks import TASKS, TEMPLATES
+from esroll.errors import ConfigError, InputError, unknown_key
+from esroll.es.estimators import METHODS as ES_METHODS
+from esroll.es.strategy import ESConfig, ESSettings
+from esroll.grpo import GRPOConfig
+
+METHODS = (*ES_METHODS, "grpo")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
+    """path: a local Hugging Face folder (or a Hub id when online). dtype: parameters and computation."""
+
     path: str = "assets/tiny-qwen3-arith"
     dtype: str = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
+    """task: arithmetic | countdown | gsm8k. gsm8k reads `path` (a JSONL/Parquet file or a `datasets` name) and
+    `eval_path` (empty: split `eval_size` rows off the training data). Synthetic tasks generate `n_examples` rows from
+    `seed` with `digits`, `ops`, `n_terms`, `word_problems` (arithmetic) or `countdown_numbers`. template: plain |
+    chat (the tokenizer's chat template, with `system` as the system message)."""
+
     task: str = "arithmetic"
     path: str = ""
     eval_path: str = ""
@@ -35,16 +55,9 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ESSection:
-    population: int = 64
-    rank: int = 1
-    sigma: float = 0.005
-    shaping: str = "raw"
-    chunk_size: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
 class OptimConfig:
+    """An optax optimizer: name adam | adamw | sgd; max_grad_norm 0 = no clipping."""
+
     name: str = "adam"
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -53,6 +66,11 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """steps: optimizer steps; time_budget_s: stop after this much training wall time (0 = no limit; evaluation is
+    not counted). Each step uses `prompts_per_step` prompts and up to `max_new_tokens` generated tokens per row;
+    `temperature` is the ES members' sampling temperature (0 = greedy; GRPO has its own). Held-out evaluation every
+    `eval_every` steps, a checkpoint every `checkpoint_every`; `export` writes the final model to workdir/final."""
+
     steps: int = 70
     time_budget_s: float = 0.0
     prompts_per_step: int = 32
@@ -64,74 +82,62 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOSection:
-    """GRPO (esroll.grpo). Each step samples group_size completions per prompt, then takes inner_iterations ×
-    minibatches optimizer steps; each minibatch's gradient is summed over microbatches (a memory knob only)."""
-
-    group_size: int = 8
-    advantage: str = "grpo"
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    inner_iterations: int = 1
-    minibatches: int = 1
-    microbatches: int = 1
-    beta: float = 0.0
-    aggregation: str = "seq_mean_token_mean"
-    temperature: float = 1.0
-    remat: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
+    """method: looroll | eggroll (ES, settings in `es`) or grpo (settings in `grpo`). seed: the method's randomness
+    (noise, sampling); `data.seed` fixes the data. distributed: start `jax.distributed` (multi-host)."""
+
     method: str = "looroll"
     seed: int = 0
     model: ModelSpec = ModelSpec()
     data: DataConfig = DataConfig()
-    es: ESSection = ESSection()
-    grpo: GRPOSection = GRPOSection()
+    es: ESSettings = ESSettings()
+    grpo: GRPOConfig = GRPOConfig()
     optimizer: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     distributed: bool = False
 
+    @property
+    def es_config(self) -> ESConfig:
+        """The ES configuration of an ES method (`method` in looroll | eggroll)."""
+        return ESConfig.of(self.method, self.es)
+
     def validate(self) -> ExperimentConfig:
-        grpo_rows = self.train.prompts_per_step * self.grpo.group_size  # completions sampled per GRPO step
+        rows = self.train.prompts_per_step * self.grpo.group_size  # completions sampled per GRPO step
         checks = [
-            ("method", self.method in METHODS, f"one of {METHODS}"),
-            ("model.dtype", self.model.dtype in ("float32", "bfloat16"), "float32 or bfloat16"),
-            ("data.task", self.data.task in ("arithmetic", "countdown", "gsm8k"), "arithmetic, countdown or gsm8k"),
-            ("data.template", self.data.template in ("plain", "chat"), "plain or chat"),
+            ("method", self.method in METHODS, f"one of {', '.join(METHODS)}"),
+            ("model.dtype", self.model.dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
+            ("data.task", self.data.task in TASKS, f"one of {', '.join(TASKS)}"),
+            ("data.template", self.data.template in TEMPLATES, f"one of {', '.join(TEMPLATES)}"),
             ("data.eval_size", self.data.eval_size >= 1, ">= 1"),
-            ("es.population", self.es.population >= 2, ">= 2"),
-            ("es.population", self.method != "eggroll" or self.es.population % 2 == 0, "even for eggroll (antithetic pairs)"),
-            ("es.rank", self.es.rank >= 1, ">= 1"),
-            ("es.sigma", self.es.sigma > 0, "> 0"),
-            ("es.shaping", self.es.shaping in ("raw", "zscore", "centered_ranks"), "raw, zscore or centered_ranks"),
-            ("optimizer.name", self.optimizer.name in ("adam", "adamw", "sgd"), "adam, adamw or sgd"),
+            ("optimizer.name", self.optimizer.name in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
             ("optimizer.lr", self.optimizer.lr > 0, "> 0"),
+            ("optimizer.max_grad_norm", self.optimizer.max_grad_norm >= 0, ">= 0"),
             ("train.steps", self.train.steps >= 1, ">= 1"),
+            ("train.time_budget_s", self.train.time_budget_s >= 0, ">= 0"),
             ("train.prompts_per_step", self.train.prompts_per_step >= 1, ">= 1"),
             ("train.max_new_tokens", self.train.max_new_tokens >= 1, ">= 1"),
             ("train.temperature", self.train.temperature >= 0, ">= 0"),
             ("train.eval_every", self.train.eval_every >= 1, ">= 1"),
             ("train.checkpoint_every", self.train.checkpoint_every >= 1, ">= 1"),
-            ("grpo.group_size", self.grpo.group_size >= 2, ">= 2"),
-            ("grpo.advantage", self.grpo.advantage in ("grpo", "dr_grpo", "rloo"), "grpo, dr_grpo or rloo"),
-            ("grpo.aggregation", self.grpo.aggregation in ("seq_mean_token_mean", "token_mean", "constant_length"),
-             "seq_mean_token_mean, token_mean or constant_length"),
-            ("grpo.temperature", self.grpo.temperature > 0, "> 0"),
-            ("grpo.epsilon_low", 0 <= self.grpo.epsilon_low < 1, "in [0, 1)"),
-            ("grpo.epsilon_high", self.grpo.epsilon_high >= 0, ">= 0"),
-            ("grpo.inner_iterations", self.grpo.inner_iterations >= 1, ">= 1"),
-            ("grpo.beta", self.grpo.beta >= 0, ">= 0"),
-            ("grpo.minibatches", self.grpo.minibatches >= 1 and grpo_rows % self.grpo.minibatches == 0,
-             f"a divisor of train.prompts_per_step × grpo.group_size = {grpo_rows}"),
-            ("grpo.microbatches", self.grpo.microbatches >= 1
-             and grpo_rows % (self.grpo.minibatches * self.grpo.microbatches) == 0,
-             f"a divisor of the minibatch size, {grpo_rows} / grpo.minibatches"),
-        ]  # fmt: skip
+            (
+                "grpo.minibatches",
+                rows % self.grpo.minibatches == 0,
+                f"a divisor of train.prompts_per_step × grpo.group_size = {rows}",
+            ),
+            (
+                "grpo.microbatches",
+                rows % (self.grpo.minibatches * self.grpo.microbatches) == 0,
+                f"a divisor of the minibatch size, {rows} / grpo.minibatches",
+            ),
+        ]
         for key, ok, expected in checks:
             if not ok:
-                raise ValueError(f"config: invalid value for '{key}': {_get(self, key)!r} (expected {expected})")
+                raise ConfigError(key, _get(self, key), expected)
+        if self.method in ES_METHODS:
+            try:
+                self.es_config
+            except ConfigError as e:
+                raise e.under("es.") from None
         return self
 
 
@@ -142,22 +148,54 @@ def _get(obj: Any, dotted: str) -> Any:
 
 
 def from_config_dict(cd: Any, cls: type = ExperimentConfig, prefix: str = "") -> Any:
-    """Build `cls` from a (nested) mapping, refusing unknown keys and values of the wrong type."""
+    """Build `cls` from a (nested) mapping, refusing unknown keys and values of the wrong type or range."""
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     values = {}
     for key, value in dict(cd).items():
         name = f"{prefix}{key}"
         if key not in fields:
-            raise ValueError(f"config: unknown key '{name}' (known: {', '.join(sorted(fields))})")
+            raise InputError(unknown_key(name, fields))
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             values[key] = from_config_dict(value, hint, f"{name}.")
-            continue
-        if hint is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-            raise ValueError(f"config: key '{name}' must be {hint.__name__}, got {type(value).__name__} {value!r}")
-        values[key] = value
-    built = cls(**values)
+        else:
+            values[key] = _typed(name, hint, value)
+    try:
+        built = cls(**values)
+    except ConfigError as e:
+        raise e.under(prefix) from None
     return built.validate() if cls is ExperimentConfig else built
+
+
+def _typed(name: str, hint: Any, value: Any) -> Any:
+    if typing.get_origin(hint) is tuple:  # tuple[str, ...]
+        item = typing.get_args(hint)[0]
+        if isinstance(value, (list, tuple)) and all(isinstance(v, item) for v in value):
+            return tuple(value)
+        raise InputError(f"config: key '{name}' must be a tuple of {item.__name__}, got {value!r}")
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise InputError(f"config: key '{name}' must be {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def config_dict(cfg: Any):
+    """A dataclass config as an ml-collections ConfigDict: what config files start from."""
+    from ml_collections import ConfigDict
+
+    return ConfigDict(dataclasses.asdict(cfg))
+
+
+def method_switch_error(file_method: str, overrides: dict[str, Any], suggestion: str | None) -> str | None:
+    """The refusal of a `--config.method` override that moves between ES and GRPO but keeps the optimizer the
+    config file tuned for the other family (measured: ES's Adam lr 1e-3 drives the default GRPO run to 0%)."""
+    new = overrides.get("method", file_method)
+    if (new == "grpo") == (file_method == "grpo") or any(k.startswith("optimizer.") for k in overrides):
+        return None
+    use = f"use {suggestion}" if suggestion else "use a variant of the config file made for it"
+    return (
+        f"config: --config.method={new} switches a {file_method} config to {new} but keeps its optimizer, which is "
+        f"set for {file_method}; {use}, or also set --config.optimizer.*"
+    )

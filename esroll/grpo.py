@@ -12,13 +12,18 @@ clip range), so no extra forward pass is spent on π_old.
 Sharding (FSDP / ZeRO-3 over the mesh's "data" axis): every leaf of the parameters, the optimizer state and the
 reference parameters is split along its largest dimension divisible by the mesh size (replicated if none); the
 loss gathers the full parameters, and the gradient comes back reduce-scattered. The rows of each microbatch are split
-over the same axis. Sampling runs on a replicated copy of the parameters, with the rows split, as ES does.
+over the same axis. Sampling (`esroll.rollout`) runs on a replicated copy of the parameters, with the rows split, as
+ES does.
+
+Shapes (the legend in `esroll/__init__.py`): X prompts per step, M completions per prompt (`group_size`), B = X·M rows,
+P padded prompt length, N = max_new_tokens, U microbatches of b rows per minibatch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +32,55 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import advantages, parallel
-from esroll.config import ExperimentConfig, GRPOSection
 from esroll.data import Example
-from esroll.sampling import generate, pad_prompts, sequence_logprobs
+from esroll.errors import ConfigError
+from esroll.rollout import Sampling, rollout
+from esroll.sampling import sequence_logprobs
 from esroll.task import Method, Task
+
+if TYPE_CHECKING:  # esroll.config imports GRPOConfig from here
+    from esroll.config import ExperimentConfig
 
 Array = jax.Array
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "constant_length")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO settings (a config file's `grpo` section). Each step samples `group_size` completions per prompt at
+    `temperature`, then takes `inner_iterations` (μ) passes of `minibatches` optimizer steps each; a minibatch's
+    gradient is summed over `microbatches` (a memory knob only). advantage: a name in `esroll.advantages`
+    ("grpo" is TRL's scale_rewards="group"); aggregation: see `token_weights`; beta: weight of the k3 KL to the initial
+    policy (0 keeps no reference model); remat: recompute activations in the backward pass."""
+
+    group_size: int = 8
+    advantage: str = "grpo"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    inner_iterations: int = 1
+    minibatches: int = 1
+    microbatches: int = 1
+    beta: float = 0.0
+    aggregation: str = "seq_mean_token_mean"
+    temperature: float = 1.0
+    remat: bool = False
+
+    def __post_init__(self):
+        checks = [
+            ("group_size", self.group_size >= 2, ">= 2"),
+            ("advantage", self.advantage in advantages.SHAPINGS, f"one of {', '.join(advantages.SHAPINGS)}"),
+            ("aggregation", self.aggregation in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),
+            ("temperature", self.temperature > 0, "> 0"),
+            ("epsilon_low", 0 <= self.epsilon_low < 1, "in [0, 1)"),
+            ("epsilon_high", self.epsilon_high >= 0, ">= 0"),
+            ("inner_iterations", self.inner_iterations >= 1, ">= 1"),
+            ("minibatches", self.minibatches >= 1, ">= 1"),
+            ("microbatches", self.microbatches >= 1, ">= 1"),
+            ("beta", self.beta >= 0, ">= 0"),
+        ]
+        for field, ok, expected in checks:
+            if not ok:
+                raise ConfigError(field, getattr(self, field), expected, where="GRPOConfig")
 
 
 # ---- the loss: a pure function of log-probabilities
@@ -129,54 +176,70 @@ class GRPOState(NamedTuple):
 
 
 class Rollouts(NamedTuple):
-    """Sampled rows of one minibatch, split into microbatches: every field is [K microbatches, b rows, ...]."""
+    """Sampled rows of one minibatch, split into microbatches: every field is [U, b, ...] (U microbatches of b rows)."""
 
-    prompt: Array  # [K, b, P] int32, left-padded
-    prompt_mask: Array  # [K, b, P] bool
-    completion: Array  # [K, b, N] int32
-    completion_mask: Array  # [K, b, N] bool: up to and including EOS
-    logp_old: Array  # [K, b, N] float32: π_old from generate
-    advantage: Array  # [K, b] float32
-    weight: Array  # [K, b, N] float32: token_weights over the whole minibatch
+    prompt: Array  # [U, b, P] int32, left-padded
+    prompt_mask: Array  # [U, b, P] bool
+    completion: Array  # [U, b, N] int32
+    completion_mask: Array  # [U, b, N] bool: up to and including EOS
+    logp_old: Array  # [U, b, N] float32: π_old from generate
+    advantage: Array  # [U, b] float32
+    weight: Array  # [U, b, N] float32: token_weights over the whole minibatch
 
 
-@functools.partial(jax.jit, static_argnames=("model_cfg", "grpo", "optimizer", "mesh"))
-def update(params, state: GRPOState, batch: Rollouts, on_policy: Array, *, model_cfg, grpo: GRPOSection,
-           optimizer: optax.GradientTransformation, mesh: Mesh):  # fmt: skip
-    """One optimizer step on one minibatch, its gradient summed over microbatches (a `lax.scan`).
+def make_update(model_cfg, grpo: GRPOConfig, optimizer: optax.GradientTransformation, mesh: Mesh):
+    """The jitted optimizer step on one minibatch, its gradient summed over microbatches (a `lax.scan`):
+    update(params, state, batch, on_policy) -> (params, state, metrics).
 
     `on_policy` (traced bool) marks the update whose parameters sampled the batch: π_old := stop_gradient(π_θ).
-    Returns (params, state, metrics); parameters and state come out FSDP-sharded, whatever their input sharding.
+    Parameters and state come out FSDP-sharded, whatever their input sharding.
     """
 
-    def micro_loss(params, micro: Rollouts):
+    def micro_loss(params, ref_params, micro: Rollouts, on_policy):
         def logprobs(p):
-            return sequence_logprobs(model_cfg, _gather(mesh, p), micro.prompt, micro.prompt_mask, micro.completion,
-                                     micro.completion_mask)  # fmt: skip
+            return sequence_logprobs(
+                model_cfg, _gather(mesh, p), micro.prompt, micro.prompt_mask, micro.completion, micro.completion_mask
+            )
 
         logp_BxN = logprobs(params)
-        logp_ref_BxN = None if state.ref_params is None else jax.lax.stop_gradient(logprobs(state.ref_params))
+        logp_ref_BxN = None if ref_params is None else jax.lax.stop_gradient(logprobs(ref_params))
         logp_old_BxN = jnp.where(on_policy, jax.lax.stop_gradient(logp_BxN), micro.logp_old)
-        return grpo_loss(logp_BxN, logp_old_BxN, logp_ref_BxN, micro.advantage, micro.completion_mask,
-                         eps_low=grpo.epsilon_low, eps_high=grpo.epsilon_high, beta=grpo.beta,
-                         aggregation=grpo.aggregation, weights_BxN=micro.weight)  # fmt: skip
+        return grpo_loss(
+            logp_BxN,
+            logp_old_BxN,
+            logp_ref_BxN,
+            micro.advantage,
+            micro.completion_mask,
+            eps_low=grpo.epsilon_low,
+            eps_high=grpo.epsilon_high,
+            beta=grpo.beta,
+            aggregation=grpo.aggregation,
+            weights_BxN=micro.weight,
+        )
 
     if grpo.remat:  # keep only the weight matmuls' outputs for the backward pass; recompute norms, softmaxes, ...
         micro_loss = jax.checkpoint(micro_loss, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-    rows = NamedSharding(mesh, PartitionSpec(parallel.AXIS))
 
-    def accumulate(grads, micro: Rollouts):
-        micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, rows), micro)
-        (loss, metrics), g = grad_fn(params, micro)
-        return jax.tree.map(jnp.add, grads, g), {"loss": loss, **metrics}
+    @jax.jit
+    def update(params, state: GRPOState, batch: Rollouts, on_policy: Array):
+        def accumulate(grads, micro: Rollouts):
+            micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, parallel.rows(mesh)), micro)
+            (loss, metrics), g = grad_fn(params, state.ref_params, micro, on_policy)
+            return jax.tree.map(jnp.add, grads, g), {"loss": loss, **metrics}
 
-    grads, metrics_K = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
-    updates, opt_state = optimizer.update(grads, state.opt_state, params)
-    params = optax.apply_updates(params, updates)
-    metrics = {"loss": metrics_K["loss"].sum(), "kl": metrics_K["kl"].mean(),
-               "clip_fraction": metrics_K["clip_fraction"].mean(), "grad_norm": optax.tree.norm(grads)}  # fmt: skip
-    return _constrain_fsdp(mesh, params), _constrain_fsdp(mesh, state._replace(opt_state=opt_state)), metrics
+        grads, metrics_U = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = {
+            "loss": metrics_U["loss"].sum(),
+            "kl": metrics_U["kl"].mean(),
+            "clip_fraction": metrics_U["clip_fraction"].mean(),
+            "grad_norm": optax.tree.norm(grads),
+        }
+        return _constrain_fsdp(mesh, params), _constrain_fsdp(mesh, state._replace(opt_state=opt_state)), metrics
+
+    return update
 
 
 # ---- the method: sample, score, update
@@ -184,53 +247,60 @@ def update(params, state: GRPOState, batch: Rollouts, on_policy: Array, *, model
 
 def make_grpo_method(cfg: ExperimentConfig, task: Task, optimizer: optax.GradientTransformation, mesh: Mesh) -> Method:
     g = cfg.grpo
-    P, G, N = cfg.train.prompts_per_step, g.group_size, cfg.train.max_new_tokens
-    M, K = g.minibatches, g.microbatches
-    b = P * G // (M * K)  # rows per microbatch
+    X, M = cfg.train.prompts_per_step, g.group_size
+    n_mini, n_micro = g.minibatches, g.microbatches
+    b = X * M // (n_mini * n_micro)  # rows per microbatch
     if b % mesh.size:
-        raise ValueError(f"config: 'grpo.microbatches' = {K}: a microbatch of {b} rows (prompts × group_size / "
-                         f"(minibatches × microbatches)) must be divisible by the {mesh.size} devices")  # fmt: skip
+        raise ConfigError(
+            "grpo.microbatches",
+            n_micro,
+            f"a count that leaves a multiple of the {mesh.size} devices in each microbatch of train.prompts_per_step "
+            f"× grpo.group_size / (grpo.minibatches × grpo.microbatches) rows (now {b})",
+        )
     shape_advantages = advantages.get(g.advantage)
     replicate = jax.jit(lambda tree: tree, out_shardings=parallel.replicated(mesh))
     # The trainer hands over replicated trees after init and restore: shard them first, so `update` compiles once.
     shard = jax.jit(functools.partial(_constrain_fsdp, mesh))
     micro_rows = NamedSharding(mesh, PartitionSpec(None, parallel.AXIS))
     sample_key = jax.random.key(cfg.seed + 1)
-    step_update = functools.partial(update, model_cfg=task.cfg, grpo=g, optimizer=optimizer, mesh=mesh)
+    sampling = Sampling(cfg.train.max_new_tokens, temperature=g.temperature)
+    step_update = make_update(task.cfg, g, optimizer, mesh)
 
     def init(params, key):
         del key  # sampling keys are fold_in(seed, step); nothing else is random
         return GRPOState(optimizer.init(params), params if g.beta > 0 else None)
 
     def step(params, state: GRPOState, examples: list[Example], step_index: int):
-        # Sample G completions per prompt; rows are prompt-major (row p·G + g answers prompt p).
-        prompt, prompt_mask = pad_prompts(task.prompt_ids(examples), multiple=task.prompt_multiple, rows=P,
-                                          pad_id=task.pad_id)  # fmt: skip
-        prompt_BxP, prompt_mask_BxP = np.repeat(prompt, G, 0), np.repeat(prompt_mask, G, 0)
-        gen = generate(task.cfg, replicate(params), parallel.put_rows(mesh, prompt_BxP),
-                       jax.random.fold_in(sample_key, step_index), max_new_tokens=N, temperature=g.temperature,
-                       eos_ids=task.eos_ids, prompt_mask=parallel.put_rows(mesh, prompt_mask_BxP),
-                       pad_id=task.pad_id)  # fmt: skip
-        idx, tokens = parallel.local_rows(gen.tokens)
-        _, lengths = parallel.local_rows(gen.lengths)
-        _, logprobs = parallel.local_rows(gen.logprobs)
-        rewards = task.rewards([examples[i // G] for i in idx], tokens, lengths)
-        completion_BxN, length_B, logp_old_BxN, reward_B = (
-            parallel.gather_to_all(x, idx, P * G) for x in (tokens, lengths, logprobs, rewards)
+        # M completions per prompt; rows are prompt-major (row x·M + j answers prompt x).
+        out = rollout(
+            task,
+            mesh,
+            replicate(params),
+            examples,
+            np.repeat(np.arange(X), M),
+            jax.random.fold_in(sample_key, step_index),
+            sampling,
+            completions=True,
         )
-        completion_mask_BxN = np.arange(N)[None, :] < length_B[:, None]
-        rewards_PxG = reward_B.reshape(P, G)
-        advantage_B = np.asarray(shape_advantages(rewards_PxG)).reshape(-1)
+        completion_mask_BxN = np.arange(sampling.max_new_tokens)[None, :] < out.length_B[:, None]
+        rewards_XxM = out.reward_B.reshape(X, M)
+        advantage_B = np.asarray(shape_advantages(rewards_XxM)).reshape(-1)
 
-        # Minibatch m is rows [m·B/M, (m+1)·B/M), whole prompt groups when M divides P; split into K microbatches.
+        # Minibatch m is rows [m·B/n_mini, (m+1)·B/n_mini), whole prompt groups when n_mini divides X.
         def minibatch(m: int) -> Rollouts:
-            rows = slice(m * K * b, (m + 1) * K * b)
-            fields = (prompt_BxP[rows], prompt_mask_BxP[rows], completion_BxN[rows], completion_mask_BxN[rows],
-                      logp_old_BxN[rows], advantage_B[rows].astype(np.float32),
-                      np.asarray(token_weights(completion_mask_BxN[rows], g.aggregation)))  # fmt: skip
-            return Rollouts(*(_put(micro_rows, x.reshape(K, b, *x.shape[1:])) for x in fields))
+            rows = slice(m * n_micro * b, (m + 1) * n_micro * b)
+            fields = (
+                out.prompt_BxP[rows],
+                out.prompt_mask_BxP[rows],
+                out.tokens_BxN[rows],
+                completion_mask_BxN[rows],
+                out.logprobs_BxN[rows],
+                advantage_B[rows].astype(np.float32),
+                np.asarray(token_weights(completion_mask_BxN[rows], g.aggregation)),
+            )
+            return Rollouts(*(parallel.put(micro_rows, x.reshape(n_micro, b, *x.shape[1:])) for x in fields))
 
-        minibatches = [minibatch(m) for m in range(M)]
+        minibatches = [minibatch(m) for m in range(n_mini)]
         params, state = shard((params, state))
         history = []
         for iteration in range(g.inner_iterations):
@@ -239,14 +309,10 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, optimizer: optax.Gradien
                 history.append(metrics)
         metrics = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *history)
         metrics.update(
-            fitness_mean=rewards_PxG.mean(), fitness_std=rewards_PxG.std(),
-            frac_groups_all_equal=np.mean(np.all(rewards_PxG == rewards_PxG[:, :1], axis=1)),
-        )  # fmt: skip
-        return params, state, metrics, int(length_B.sum())
+            fitness_mean=rewards_XxM.mean(),
+            fitness_std=rewards_XxM.std(),
+            frac_groups_all_equal=np.mean(np.all(rewards_XxM == rewards_XxM[:, :1], axis=1)),
+        )
+        return params, state, metrics, int(out.length_B.sum())
 
     return Method(init, step)
-
-
-def _put(sharding: NamedSharding, x: np.ndarray) -> Array:
-    """A host array known to every process, placed with `sharding`."""
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 
@@ -30,52 +32,62 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 class MetricsWriter:
-    """Appends to workdir/metrics.jsonl and workdir/tb. On resume, lines after the restored step are dropped, so the
-    file always describes exactly one uninterrupted history."""
+    """Appends to workdir/metrics.jsonl and workdir/tb, so that both describe exactly one uninterrupted history.
 
-    def __init__(self, workdir: str | Path, enabled: bool = True):
+    On (re)start, records after `keep_through` (the restored checkpoint's step; None: no checkpoint, nothing kept)
+    are dropped from metrics.jsonl, and tb/ is rewritten from the records kept (a new event file, then the old ones
+    removed): a step logged by a run killed before its checkpoint appears once, when it is run again.
+    """
+
+    def __init__(self, workdir: str | Path, *, keep_through: int | None, enabled: bool = True):
         self.path = Path(workdir) / "metrics.jsonl"
         self.enabled = enabled
         self._tb = None
-        if enabled:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(Path(workdir) / "tb"))
-
-    def records(self) -> list[dict]:
-        return read_metrics(self.path)
-
-    def truncate_after(self, step: int) -> None:
-        if not self.enabled:
+        if not enabled:
             return
-        kept = [r for r in self.records() if r["step"] <= step]
+        from tensorboardX import SummaryWriter
+
+        kept = [r for r in read_metrics(self.path) if keep_through is not None and r["step"] <= keep_through]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(self.path)
+        tb = Path(workdir) / "tb"
+        old = list(tb.glob("events.out.tfevents.*"))
+        self._tb = SummaryWriter(str(tb), filename_suffix=f".{os.getpid()}.{time.time_ns()}")
+        for record in kept:
+            self._add_scalars(record)
+        self._tb.flush()
+        for f in old:
+            f.unlink()
+
+    def records(self) -> list[dict]:
+        return read_metrics(self.path)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        self._add_scalars(record)
+
+    def _add_scalars(self, record: dict) -> None:
         for k, v in record.items():
             if k != "step" and isinstance(v, (int, float)):
                 self._tb.add_scalar(k, v, record["step"])
 
-    def _evals(self) -> list[dict]:
-        return [r for r in self.records() if "eval_accuracy" in r]
-
-    def first_eval(self) -> float | None:
-        evals = self._evals()
-        return evals[0]["eval_accuracy"] if evals else None
-
-    def last_eval_record(self) -> dict | None:
-        evals = self._evals()
-        return evals[-1] if evals else None
-
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def first_eval(records: list[dict]) -> float | None:
+    evals = [r for r in records if "eval_accuracy" in r]
+    return evals[0]["eval_accuracy"] if evals else None
+
+
+def last_eval(records: list[dict]) -> dict | None:
+    evals = [r for r in records if "eval_accuracy" in r]
+    return evals[-1] if evals else None
 
 
 def plot_eval_curve(metrics_path: str | Path, out: str | Path, title: str = "") -> None:

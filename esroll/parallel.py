@@ -1,8 +1,10 @@
 """One mesh helper and the little multi-host plumbing the trainers need.
 
-The population (ES) or the sampled batch (GRPO) is split over one mesh axis, "data", spanning every device of every
-process. Noise is regenerated from seeds on every device, so the only values that cross devices or hosts are
-fitness scalars (and, for GRPO, gradients).
+The rows of a rollout (ES population members × prompts, GRPO completions, held-out questions) are split over one
+mesh axis, "data", spanning every device of every process. Noise is regenerated from seeds on every device, so no
+perturbation crosses devices or hosts; what does cross is each row's outcome (reward, length and, when the caller
+asks, its completion tokens and log-probabilities), in one exchange per rollout (`esroll.rollout`), and for GRPO
+the gradients.
 """
 
 from __future__ import annotations
@@ -72,25 +74,29 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def put(sharding: NamedSharding, x: np.ndarray) -> jax.Array:
+    """A host array known to every process, placed with `sharding` (each device takes its slice)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
 def put_rows(mesh: Mesh, x: np.ndarray) -> jax.Array:
     """A host array known to every process, split along its leading axis over the mesh."""
-    sharding = rows(mesh)
-    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+    return put(rows(mesh), x)
 
 
 def put_replicated(mesh: Mesh, tree):
     """Copies of a pytree on every device (every process must pass the same values)."""
     sharding = replicated(mesh)
 
-    def put(x):
+    def place(x):
         if isinstance(x, jax.Array) and x.sharding == sharding:
             return x
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return jax.random.wrap_key_data(put(jax.random.key_data(x)), impl=jax.random.key_impl(x))
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+            return jax.random.wrap_key_data(place(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+        return put(sharding, x)
 
-    return jax.tree.map(put, tree)
+    return jax.tree.map(place, tree)
 
 
 def local_rows(x: jax.Array) -> tuple[np.ndarray, np.ndarray]:

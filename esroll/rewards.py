@@ -22,9 +22,7 @@ MAX_EXPR_CHARS = 200
 
 # A sign only counts when it is not glued to a preceding word or number ("3-4" is 3 and 4, "x = -4" is -4).
 # Thousands separators must be well formed ("1,234,567"); a list "1,2,3" is three numbers.
-_NUMBER = re.compile(
-    r"(?:(?<![0-9A-Za-z_)\]])[-+])?[$€£]?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?%?"
-)
+_NUMBER = re.compile(r"(?:(?<![0-9A-Za-z_)\]])[-+])?[$€£]?(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?%?")
 _WINDOW = 40  # characters after an answer marker that may hold its number
 # (marker, end of its window), in priority order; within a kind, the last marker with a number wins. The number must
 # follow the marker directly, except inside a delimited window such as \boxed{...}, where it may appear anywhere.
@@ -66,7 +64,7 @@ def extract_answer(completion: str) -> str | None:
     tail = completion[-TAIL_CHARS:]
     for marker, stop in _MARKERS:
         for m in reversed(list(marker.finditer(tail))):
-            window = tail[m.end():m.end() + _WINDOW]
+            window = tail[m.end() : m.end() + _WINDOW]
             if stop is not None:
                 window = window.partition(stop)[0]
             window = window.lstrip(" \t\n:=*\\")
@@ -108,7 +106,7 @@ def extract_expression(completion: str) -> tuple[str | None, bool]:
     end = tail.rfind("</answer>")
     start = tail.rfind("<answer>", 0, end) if end >= 0 else -1
     if start >= 0:
-        return _clean_expression(tail[start + len("<answer>"):end]), True
+        return _clean_expression(tail[start + len("<answer>") : end]), True
     for line in reversed(tail.splitlines()):
         if (expression := _clean_expression(line)) is not None:
             return expression, False

@@ -7,20 +7,23 @@ are whatever the caller built, once per call; nothing here draws or rebuilds the
 Shapes (batch, padded prompt length, `max_new_tokens`) and the sampling settings are static; parameters, factors,
 keys, EOS ids and the pad id are traced. A training run thus compiles `generate` once per prompt-length bucket
 (`pad_prompts`), not once per step.
+
+Shape letters (see `esroll`): B rows, P padded prompt length, N new tokens, T positions, S cache slots, V vocabulary.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from esroll.models import KVCache, ModelConfig, Perturbation, forward, init_cache, unstack_layers
+from esroll.models import STACKED, KVCache, ModelConfig, Perturbation, forward, init_cache, unstack_layers
 from esroll.models.layers import fuse_matmuls
 
 Array = jax.Array
@@ -78,12 +81,20 @@ def generate(
     perturb: Perturbation | None = None,
     pad_id: int = 0,
     cache_dtype=None,
+    fuse: bool | None = None,
 ) -> Generation:
     """Sample up to `max_new_tokens` per row after left-padded prompts (`prompt_mask` False on pads).
 
     temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. A row finishes at its first token in
     `eos_ids`; the loop exits when all rows have. Rows whose prompt is all padding count as finished from the start.
     The KV cache is kept in `cache_dtype` (default: the embedding's dtype).
+
+    `fuse` chooses how the decode loop runs its matmuls: True prepares fused weights once per call
+    (`esroll.models.layers.fuse_matmuls`: projections that share an input side by side, small populations' low-rank
+    factors folded in), which pays on a CPU, where per-GEMM overhead dominates a decode step of a small model; False
+    runs every weight as it is stored, with per-row low-rank terms (no extra copies of the weights, the accelerator
+    path). None (default) picks True on the CPU backend and False elsewhere. Both give the same tokens up to float
+    rounding.
 
     When `prompt_BxP` is split by rows over a mesh (a NamedSharding whose first dimension is sharded), each device
     decodes its own rows in its own loop (`shard_map`): no value crosses devices until the loop ends, and a device
@@ -93,17 +104,24 @@ def generate(
     B, P = prompt_BxP.shape
     mesh, axis = _row_split(prompt_BxP)
     mask_BxP = jnp.ones((B, P), bool) if prompt_mask is None else jnp.asarray(prompt_mask, bool)
-    rows_B = np.arange(B, dtype=np.int32)  # global row indices, split as the rows are (every process has them all)
-    if mesh is None:
-        rows_B = jnp.asarray(rows_B)
-    else:
-        rows_B = jax.make_array_from_callback((B,), NamedSharding(mesh, PartitionSpec(axis)), lambda i: rows_B[i])
     return _generate(
-        cfg, params, jnp.asarray(prompt_BxP, jnp.int32), mask_BxP, key, perturb, rows_B,
-        eos_E=jnp.asarray(list(eos_ids) or [-1], jnp.int32), pad_id=jnp.int32(pad_id),
-        max_new_tokens=int(max_new_tokens), temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-        cache_dtype=jnp.dtype(cache_dtype or params["embed"].dtype), mesh=mesh, axis=axis,
-    )  # fmt: skip
+        cfg,
+        params,
+        jnp.asarray(prompt_BxP, jnp.int32),
+        mask_BxP,
+        key,
+        perturb,
+        eos_ids=jnp.asarray(list(eos_ids) or [-1], jnp.int32),
+        pad_id=jnp.int32(pad_id),
+        max_new_tokens=int(max_new_tokens),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        cache_dtype=jnp.dtype(cache_dtype or params["embed"].dtype),
+        fuse=jax.default_backend() == "cpu" if fuse is None else bool(fuse),
+        mesh=mesh,
+        axis=axis,
+    )
 
 
 def _row_split(x) -> tuple[Mesh | None, str | tuple | None]:
@@ -118,39 +136,87 @@ def _row_split(x) -> tuple[Mesh | None, str | tuple | None]:
     return sharding.mesh, axis
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("cfg", "max_new_tokens", "temperature", "top_p", "top_k", "cache_dtype", "mesh", "axis"),
-)
-def _generate(cfg, params, prompt_BxP, mask_BxP, key, perturb, rows_B, *, eos_E, pad_id, max_new_tokens, temperature,
-              top_p, top_k, cache_dtype, mesh, axis) -> Generation:  # fmt: skip
+_STATIC = ("cfg", "max_new_tokens", "temperature", "top_p", "top_k", "cache_dtype", "fuse", "mesh", "axis")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _generate(
+    cfg,
+    params,
+    prompt_BxP,
+    mask_BxP,
+    key,
+    perturb,
+    *,
+    eos_ids,
+    pad_id,
+    max_new_tokens,
+    temperature,
+    top_p,
+    top_k,
+    cache_dtype,
+    fuse,
+    mesh,
+    axis,
+) -> Generation:
     decode = functools.partial(
-        _decode, cfg, eos_E=eos_E, pad_id=pad_id, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-        top_k=top_k, cache_dtype=cache_dtype,
-    )  # fmt: skip
+        _decode,
+        cfg,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        cache_dtype=cache_dtype,
+        fuse=fuse,
+        axis=axis,
+    )
     if mesh is not None:
         rows, same = PartitionSpec(axis), PartitionSpec()
         perturb_spec = None if perturb is None else Perturbation(same, rows)
         decode = jax.shard_map(
-            decode, mesh=mesh, in_specs=(same, rows, rows, same, perturb_spec, rows),
-            out_specs=Generation(rows, rows, rows, rows), check_vma=False,
-        )  # fmt: skip
-    gen = decode(params, prompt_BxP, mask_BxP, key, perturb, rows_B)
+            decode,
+            mesh=mesh,
+            in_specs=(same, rows, rows, same, perturb_spec),
+            out_specs=Generation(rows, rows, rows, rows),
+            check_vma=False,
+        )
+    gen = decode(params, prompt_BxP, mask_BxP, key, perturb)
     return gen._replace(steps=gen.steps.max())  # one count per device under shard_map
 
 
-def _decode(cfg, params, prompt_BxP, mask_BxP, key, perturb, rows_B, *, eos_E, pad_id, max_new_tokens, temperature,
-            top_p, top_k, cache_dtype) -> Generation:  # fmt: skip
-    """Prefill and decode loop over the rows at hand (all of them, or one device's share)."""
+def _decode(
+    cfg,
+    params,
+    prompt_BxP,
+    mask_BxP,
+    key,
+    perturb,
+    *,
+    eos_ids,
+    pad_id,
+    max_new_tokens,
+    temperature,
+    top_p,
+    top_k,
+    cache_dtype,
+    fuse,
+    axis,
+) -> Generation:
+    """Prefill and decode loop over the rows at hand: all of them, or (under `shard_map` over `axis`) one device's
+    share, which is the `axis_index`-th block of B rows."""
     B, P = prompt_BxP.shape
     N = max_new_tokens
-    # Per-layer weights and factors, sliced and fused once here rather than in every decode step.
+    # Global row indices, which key each row's sampling noise: the split hands device i rows [i·B, (i+1)·B).
+    rows_B = jnp.arange(B, dtype=jnp.int32) + (0 if axis is None else jax.lax.axis_index(axis) * B)
+    # Per-layer weights and factors, sliced (and fused) once here rather than in every decode step.
     deltas = {} if perturb is None else perturb.deltas
-    layer_deltas = deltas.get("layers") or {}
-    layers = zip(unstack_layers(params["layers"], cfg.num_layers), unstack_layers(layer_deltas, cfg.num_layers))
-    fuse = fuse_matmuls if jax.default_backend() == "cpu" else lambda p, d: (p, d)
-    layers, layer_deltas = zip(*(fuse(p, d) for p, d in layers))
-    params, deltas = fuse({**params, "layers": list(layers)}, {**deltas, "layers": list(layer_deltas)})
+    layer_deltas = deltas.get(STACKED) or {}
+    layers = zip(unstack_layers(params[STACKED], cfg.num_layers), unstack_layers(layer_deltas, cfg.num_layers))
+    prepare = fuse_matmuls if fuse else lambda p, d: (p, d)
+    layers, layer_deltas = zip(*(prepare(p, d) for p, d in layers))
+    params, deltas = prepare({**params, STACKED: list(layers)}, {**deltas, STACKED: list(layer_deltas)})
     if perturb is not None:
         perturb = perturb._replace(deltas=deltas)
     cache = init_cache(cfg, B, P - 1, cache_dtype)
@@ -171,14 +237,18 @@ def _decode(cfg, params, prompt_BxP, mask_BxP, key, perturb, rows_B, *, eos_E, p
         tokens_BxN = jax.lax.dynamic_update_slice(tokens_BxN, new_B[:, None], (0, t))
         logprobs_BxN = jax.lax.dynamic_update_slice(logprobs_BxN, jnp.where(done_B, 0.0, logprob_B)[:, None], (0, t))
         length_B = length_B + ~done_B
-        done_B = done_B | jnp.isin(new_B, eos_E)
+        done_B = done_B | jnp.isin(new_B, eos_ids)
         return t + 1, cache, new_B, tokens_BxN, logprobs_BxN, length_B, done_B
 
     state = (
-        jnp.zeros((), jnp.int32), cache, prompt_BxP[:, -1],
-        jnp.full((B, N), pad_id, jnp.int32), jnp.zeros((B, N), jnp.float32), jnp.zeros((B,), jnp.int32),
+        jnp.zeros((), jnp.int32),
+        cache,
+        prompt_BxP[:, -1],
+        jnp.full((B, N), pad_id, jnp.int32),
+        jnp.zeros((B, N), jnp.float32),
+        jnp.zeros((B,), jnp.int32),
         ~mask_BxP.any(-1),
-    )  # fmt: skip
+    )
     # Decode in phases, the cache growing between them: a step of phase c attends over the slots phase c can have
     # filled, not over all P - 1 + N, which cuts the keys and values read per step by about a quarter at 4 phases.
     # Each phase is its own loop (and its own copy of the step in the compiled program).

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from esroll.config import ExperimentConfig
 from esroll.data import Example, format_prompt, score
 from esroll.models import load_hf
 from esroll.models.hf import resolve
+
+if TYPE_CHECKING:  # esroll.config imports esroll.grpo, which imports this module
+    from esroll.config import ExperimentConfig
 
 
 class Task(NamedTuple):
@@ -69,5 +71,3 @@ def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Exampl
 def _config_eos(model_cfg) -> list[int]:
     e = json.loads(model_cfg.hf_json).get("eos_token_id")
     return [] if e is None else ([e] if isinstance(e, int) else list(e))
-
-

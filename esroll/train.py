@@ -1,14 +1,15 @@
 """The training loop shared by every method: ES (LOO-ROLL, EGGROLL) and the GRPO baseline.
 
-One linear function, in sections: setup → model → data → method → checkpoint → evaluation → loop → final. The
-methods differ only in their `Method` (state + one step); prompts, generation, rewards, evaluation, checkpoints and
-logs are the same code for all of them, so comparisons are like for like.
+One linear function, in sections: setup → data and model → method → claim the workdir → checkpoint → evaluation →
+loop → final. The methods differ only in their `Method` (state + one step); prompts, generation, rewards
+(`esroll.rollout`), evaluation, checkpoints and logs are the same code for all of them, so comparisons are like for
+like.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import json
 import time
 from pathlib import Path
 
@@ -18,16 +19,16 @@ import optax
 from tqdm.auto import tqdm
 
 from esroll import parallel
-from esroll.checkpoint import Checkpointer, guard_workdir
+from esroll.checkpoint import Checkpointer, check_workdir, claim_workdir
 from esroll.config import ExperimentConfig, OptimConfig
 from esroll.data import Example, get_batch, make_splits
-from esroll.metrics import MetricsWriter, plot_eval_curve
-from esroll.task import Task, load_task
+from esroll.errors import reading
+from esroll.metrics import MetricsWriter, first_eval, last_eval, plot_eval_curve, read_metrics
 from esroll.models import save_hf
-from esroll.sampling import generate, pad_prompts
+from esroll.rollout import PAD, Sampling, rollout
+from esroll.task import Task, load_task
 
 
-@functools.cache  # one object per config, so jitted steps that take it as a static argument share their cache
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     if cfg.name == "sgd":
         opt = optax.sgd(cfg.lr)
@@ -38,29 +39,16 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), opt) if cfg.max_grad_norm > 0 else opt
 
 
-def evaluate(task: Task, params: dict, examples: list[Example], max_new_tokens: int, batch: int = 256,
-             mesh=None) -> float:  # fmt: skip
-    """Held-out accuracy of the unperturbed parameters, greedy; rows split over `mesh` when one is given."""
-    split = mesh is not None and mesh.size > 1 and batch % mesh.size == 0
+def evaluate(task: Task, params: dict, examples: list[Example], max_new_tokens: int, mesh, batch: int = 256) -> float:
+    """Held-out accuracy of the unperturbed parameters, greedy, `batch` questions per rollout (the last one padded,
+    so every rollout has the same shape and `generate` compiles once)."""
     correct = 0.0
     for i in range(0, len(examples), batch):
         chunk = examples[i : i + batch]
-        tokens, mask = pad_prompts(task.prompt_ids(chunk), multiple=task.prompt_multiple, rows=batch, pad_id=task.pad_id)
-        if split:
-            tokens, mask = parallel.put_rows(mesh, tokens), parallel.put_rows(mesh, mask)
-        gen = generate(task.cfg, params, tokens, jax.random.key(0), max_new_tokens=max_new_tokens, temperature=0.0,
-                       eos_ids=task.eos_ids, prompt_mask=mask, pad_id=task.pad_id)  # fmt: skip
-        if not split:
-            out_tokens, lengths = np.asarray(gen.tokens)[: len(chunk)], np.asarray(gen.lengths)[: len(chunk)]
-            correct += task.rewards(chunk, out_tokens, lengths).sum()
-            continue
-        idx, out_tokens = parallel.local_rows(gen.tokens)
-        _, lengths = parallel.local_rows(gen.lengths)
-        real = idx < len(chunk)  # padding rows fill the last batch
-        local = task.rewards([chunk[j] for j in idx[real]], out_tokens[real], lengths[real]).sum()
-        per_process = np.array([local], np.float64)
-        correct += parallel.gather_to_all(per_process, np.array([jax.process_index()]), jax.process_count()).sum()
-    return float(correct / len(examples))
+        example_B = np.concatenate([np.arange(len(chunk)), np.full(batch - len(chunk), PAD)])
+        out = rollout(task, mesh, params, chunk, example_B, jax.random.key(0), Sampling(max_new_tokens))
+        correct += float(out.reward_B.sum(dtype=np.float64))
+    return correct / len(examples)
 
 
 def train_and_evaluate(
@@ -73,17 +61,30 @@ def train_and_evaluate(
     progress: bool = True,
 ) -> dict:
     """Run (or resume) the experiment in `workdir`; returns a summary. `stop_after_steps` ends this process early,
-    as an interruption would (used by resumption tests)."""
+    as an interruption would (used by resumption tests).
+
+    Nothing is written to `workdir` until the data, the model and the method have been built: a run that cannot
+    start leaves the workdir as it was. A finished run is reported and left untouched.
+    """
     # ---- setup
     parallel.maybe_initialize_distributed(cfg.distributed)
     workdir = Path(workdir)
-    config_dict = dataclasses.asdict(cfg)
-    resuming = guard_workdir(workdir, config_dict, overwrite) if jax.process_index() == 0 else True
+    config_dict = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    lead = jax.process_index() == 0
+    resuming = check_workdir(workdir, config_dict, overwrite)
     mesh = parallel.make_mesh(mesh_devices)
+    ckpt_step = Checkpointer.latest_in(workdir) if resuming else None
+    records = read_metrics(workdir / "metrics.jsonl") if resuming else []
+    if ckpt_step is not None and _complete(cfg, ckpt_step, records):
+        summary = _summary(cfg, workdir, records, resumed_from=ckpt_step, ran_steps=0)
+        if lead:
+            _print_summary(summary, "already complete; nothing to do")
+        return summary
 
-    # ---- model and data
-    train, held_out = make_splits(cfg.data)
-    task, params = load_task(cfg, train, held_out)
+    # ---- data and model
+    with reading():
+        train, held_out = make_splits(cfg.data)
+        task, params = load_task(cfg, train, held_out)
     params = parallel.put_replicated(mesh, params)
 
     # ---- method
@@ -98,36 +99,36 @@ def train_and_evaluate(
         method = make_es_method(cfg, task, optimizer, mesh)
     state = parallel.put_replicated(mesh, method.init(params, jax.random.key(cfg.seed)))
 
-    # ---- checkpoint: restore if this workdir already holds this run
+    # ---- claim the workdir (the run can start), then restore if it holds this run
+    if lead:
+        claim_workdir(workdir, config_dict)
     ckpt = Checkpointer(workdir)
-    metrics = MetricsWriter(workdir, enabled=jax.process_index() == 0)
     start_step, elapsed = 0, 0.0
-    if resuming and ckpt.latest_step() is not None:
+    if ckpt_step is not None:
         restored, meta = ckpt.restore({"params": params, "state": state})
         params, state = parallel.put_replicated(mesh, (restored["params"], restored["state"]))
         start_step, elapsed = int(meta["step"]), float(meta["wall_time"])
-        metrics.truncate_after(start_step)
+    metrics = MetricsWriter(workdir, keep_through=ckpt_step, enabled=lead)
 
     # ---- evaluation
     def run_eval() -> float:
-        return evaluate(task, params, held_out, cfg.train.max_new_tokens, mesh=mesh)
+        return evaluate(task, params, held_out, cfg.train.max_new_tokens, mesh)
 
+    acc0 = run_eval() if start_step == 0 else first_eval(metrics.records())
     if start_step == 0:
-        acc0 = run_eval()
         metrics.write({"step": 0, "wall_time": 0.0, "eval_accuracy": acc0})
-    else:
-        acc0 = metrics.first_eval()
-    summary = {"initial_eval_accuracy": acc0, "resumed_from": start_step}
-    if jax.process_index() == 0:
-        print(f"[esroll] {cfg.method}: held-out accuracy before training {acc0:.3f} ({len(held_out)} prompts)", flush=True)
+    if lead:
+        where = f"resuming from step {start_step}" if start_step else "starting"
+        print(
+            f"[esroll] {cfg.method}: {where}; held-out accuracy before training {acc0:.3f} ({len(held_out)} questions)",
+            flush=True,
+        )
 
     # ---- loop
-    bar = tqdm(total=cfg.train.steps, initial=start_step, disable=not progress or jax.process_index() != 0,
-               dynamic_ncols=True)  # fmt: skip
+    budget = cfg.train.time_budget_s
+    bar = _progress_bar(cfg, start_step, elapsed, enabled=progress and lead)
     step, acc, saved_step = start_step, None, start_step
-    while step < cfg.train.steps:
-        if cfg.train.time_budget_s and elapsed >= cfg.train.time_budget_s:
-            break
+    while step < cfg.train.steps and not (budget and elapsed >= budget):
         t0 = time.perf_counter()
         examples = get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, step)
         params, state, m, n_tokens = method.step(params, state, examples, step)
@@ -140,9 +141,13 @@ def train_and_evaluate(
             acc = run_eval()
             record["eval_accuracy"] = acc
         metrics.write(record)
-        bar.update(1)
-        bar.set_postfix(fitness=f"{m['fitness_mean']:.3f}", acc=f"{acc:.3f}" if acc is not None else "-",
-                        tok_s=f"{n_tokens / dt:.0f}")  # fmt: skip
+        bar.update(min(dt, budget - bar.n) if budget else 1)
+        bar.set_postfix(
+            step=step,
+            fitness=f"{m['fitness_mean']:.3f}",
+            acc="-" if acc is None else f"{acc:.3f}",
+            tok_s=f"{n_tokens / dt:.0f}",
+        )
         if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
             ckpt.save(step, {"params": params, "state": state}, {"step": step, "wall_time": elapsed})
             saved_step = step
@@ -150,7 +155,7 @@ def train_and_evaluate(
             ckpt.wait()
             ckpt.close()
             metrics.close()
-            return {**summary, "stopped_at": step, "params": params}
+            return {"initial_eval_accuracy": acc0, "resumed_from": start_step, "stopped_at": step, "params": params}
     bar.close()
     if saved_step != step:  # the time budget ended the loop between checkpoints
         ckpt.save(step, {"params": params, "state": state}, {"step": step, "wall_time": elapsed})
@@ -158,16 +163,71 @@ def train_and_evaluate(
     ckpt.close()
 
     # ---- final
-    last = metrics.last_eval_record()
-    final_acc = last["eval_accuracy"] if last else None
+    last = last_eval(metrics.records())
     if last is None or last["step"] != step:
-        final_acc = run_eval()
-        metrics.write({"step": step, "wall_time": elapsed, "eval_accuracy": final_acc})
+        metrics.write({"step": step, "wall_time": elapsed, "eval_accuracy": run_eval()})
     metrics.close()
-    if jax.process_index() == 0:
+    if lead:
         plot_eval_curve(workdir / "metrics.jsonl", workdir / "eval_accuracy.png", title=f"{cfg.method}")
         if cfg.train.export:
             save_hf(workdir / "final", task.cfg, jax.device_get(params), tokenizer=task.tokenizer)
-        print(f"[esroll] {cfg.method}: held-out accuracy {acc0:.3f} -> {final_acc:.3f} after {step} steps, "
-              f"{elapsed:.0f} s of training", flush=True)  # fmt: skip
-    return {**summary, "final_eval_accuracy": final_acc, "steps": step, "wall_time": elapsed, "params": params}
+    summary = _summary(cfg, workdir, read_metrics(workdir / "metrics.jsonl"), start_step, step - start_step)
+    if lead:
+        _print_summary(summary, "resumed and finished" if start_step else "finished")
+    return {**summary, "params": params}
+
+
+def _complete(cfg: ExperimentConfig, ckpt_step: int, records: list[dict]) -> bool:
+    """Whether a run whose last checkpoint is at `ckpt_step` has nothing left to do: its loop had ended (step limit
+    or time budget) and its final evaluation is logged."""
+    last = last_eval(records)
+    if last is None or last["step"] != ckpt_step:
+        return False
+    budget = cfg.train.time_budget_s
+    return ckpt_step >= cfg.train.steps or bool(budget and last["wall_time"] >= budget)
+
+
+def _progress_bar(cfg: ExperimentConfig, start_step: int, elapsed: float, enabled: bool) -> tqdm:
+    """Steps against `train.steps`, or training seconds against `train.time_budget_s` when a budget bounds the run."""
+    budget = cfg.train.time_budget_s
+    if budget:
+        return tqdm(
+            total=budget,
+            initial=min(elapsed, budget),
+            unit="s",
+            disable=not enabled,
+            dynamic_ncols=True,
+            bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s of training [{elapsed}<{remaining}{postfix}]",
+        )
+    return tqdm(total=cfg.train.steps, initial=start_step, unit="step", disable=not enabled, dynamic_ncols=True)
+
+
+def _summary(cfg: ExperimentConfig, workdir: Path, records: list[dict], resumed_from: int, ran_steps: int) -> dict:
+    last = last_eval(records) or {}
+    outputs = {
+        "metrics": workdir / "metrics.jsonl",
+        "tensorboard": workdir / "tb",
+        "plot": workdir / "eval_accuracy.png",
+        "checkpoints": workdir / "checkpoints",
+        "model": workdir / "final",
+    }
+    return {
+        "method": cfg.method,
+        "steps": last.get("step"),
+        "ran_steps": ran_steps,
+        "resumed_from": resumed_from,
+        "wall_time": last.get("wall_time"),
+        "initial_eval_accuracy": first_eval(records),
+        "final_eval_accuracy": last.get("eval_accuracy"),
+        "paths": {k: str(v) for k, v in outputs.items() if v.exists()},
+    }
+
+
+def _print_summary(s: dict, what: str) -> None:
+    resumed = f", resumed from step {s['resumed_from']}" if s["resumed_from"] and s["ran_steps"] else ""
+    lines = [
+        f"[esroll] {s['method']}: {what} — {s['steps']} steps, {s['wall_time']:.0f} s of training{resumed}",
+        f"[esroll] held-out accuracy {s['initial_eval_accuracy']:.3f} -> {s['final_eval_accuracy']:.3f}",
+        *(f"[esroll]   {name:<12}{path}" for name, path in s["paths"].items()),
+    ]
+    print("\n".join(lines), flush=True)

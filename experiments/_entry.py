@@ -1,15 +1,147 @@
-"""What every absl entry script does first: one CPU device per core, quiet orbax logs, no stray arguments."""
+"""What the absl entry scripts share: one CPU device per core, quiet orbax logs, a `--help` that lists the config's
+variants and keys, and expected errors printed as one line.
+
+    if __name__ == "__main__":
+        run(main)
+
+Expected errors are `esroll.errors.InputError`s (config keys and values, model folders, data rows, workdirs) and
+flag-parsing errors: each is printed as one line on stderr and the process exits with status 2 (command line) or 1
+(input). Anything else is a bug and keeps its traceback; `--debug` keeps the traceback of expected errors too.
+"""
 
 from __future__ import annotations
 
-from absl import app, logging
+import os
+import runpy
+import sys
+from typing import Any
+
+from absl import app, flags, logging
+from ml_collections import config_flags
 
 from esroll import parallel
+from esroll.errors import InputError, unknown_key
+
+_DEBUG = flags.DEFINE_bool("debug", False, "Show the traceback of expected errors (bad config, model, data, workdir).")
 
 
-def start(argv) -> None:
-    """Call first in `main(argv)`, before anything touches a JAX device."""
-    parallel.use_cpu_cores_as_devices()
-    logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+def run(main) -> None:
+    """`app.run(main)` with this module's help and error handling."""
+    argv = sys.argv
+    if any(a in ("-h", "--help", "-help", "--helpshort", "--helpfull") for a in argv[1:]):
+        print(help_text(argv))
+        sys.exit(0)
+    try:
+        check_config_flag(argv)
+    except InputError as e:
+        _fail(e, 2, "--debug" in argv)
+
+    def parse(args):
+        try:
+            return flags.FLAGS(args)
+        except Exception as e:  # noqa: BLE001 — any flag-parsing failure is the command line's fault
+            _fail(InputError(_first_line(e)), 2, "--debug" in args)
+
+    def guarded(args):
+        parallel.use_cpu_cores_as_devices()
+        logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+        if len(args) > 1:
+            _fail(InputError(f"unexpected arguments: {' '.join(args[1:])}"), 2, _DEBUG.value)
+        try:
+            return main(args)
+        except InputError as e:
+            _fail(e, 1, _DEBUG.value)
+
+    app.run(guarded, flags_parser=parse)
+
+
+def _fail(error: Exception, status: int, debug: bool):
+    if debug:
+        raise error
+    print(f"error: {_first_line(error)}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+# ---- the config file named by --config
+
+
+def _config_arg(argv: list[str], name: str = "config") -> str | None:
+    for i, a in enumerate(argv):
+        if a.startswith(f"--{name}="):
+            return a.split("=", 1)[1]
+        if a == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def load_config(spec: str) -> tuple[Any, Any]:
+    """(config module namespace, ConfigDict) for 'path/to/file.py[:variant]', with one-line errors."""
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        raise InputError(f"--config: {path}: no such config file")
+    module = runpy.run_path(path)
+    if "get_config" not in module:
+        raise InputError(f"--config: {path} defines no get_config(arg)")
+    try:
+        return module, module["get_config"](arg or None)
+    except (ValueError, KeyError) as e:
+        raise InputError(_first_line(e)) from None
+
+
+def check_config_flag(argv: list[str]) -> None:
+    """Refuse, before absl parses them, a missing config file or variant and `--config.KEY` overrides of keys the
+    config does not have (naming the nearest one)."""
+    spec = _config_arg(argv)
+    if spec is None:
+        return
+    _, cd = load_config(spec)
+    for a in argv:
+        if not a.startswith("--config."):
+            continue
+        key = a[len("--config.") :].split("=", 1)[0]
+        node, parts = cd, key.split(".")
+        for i, part in enumerate(parts):
+            if not hasattr(node, "keys") or part not in node:
+                raise InputError(unknown_key(".".join(parts[: i + 1]), node.keys() if hasattr(node, "keys") else []))
+            node = node[part]
+
+
+def override_values(flag: str = "config") -> dict[str, Any]:
+    return config_flags.get_override_values(flags.FLAGS[flag])
+
+
+def help_text(argv: list[str]) -> str:
+    """The entry script's docstring and flags; with --config, the config's variants and every key with its value."""
+    main = sys.modules["__main__"]
+    parts = [(main.__doc__ or "").strip(), "", "flags:", flags.FLAGS.module_help(main).strip() or "  (none)"]
+    parts += ["", flags.FLAGS.module_help(__name__).strip()]
+    spec = _config_arg(argv)
+    if spec is None:
+        parts += ["", "Add --config=FILE[:variant] to --help to list that config's variants and keys."]
+        return "\n".join(parts)
+    try:
+        module, cd = load_config(spec)
+    except InputError as e:
+        return "\n".join(parts + ["", f"error: {e}"])
+    variants = module.get("VARIANTS")
+    if variants:
+        parts += ["", f"variants of {spec.partition(':')[0]} (--config=FILE:variant):"]
+        parts += [f"  {name:<22}{what}" for name, what in variants.items()]
+    parts += ["", f"keys of {spec} (override with --config.KEY=VALUE):"]
+    parts += [f"  {key} = {value!r}" for key, value in _flatten(cd.to_dict())]
+    return "\n".join(parts)
+
+
+def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict) and v and k != "overrides":  # a comparison's overrides read best as one dict
+            out += _flatten(v, f"{prefix}{k}.")
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out

@@ -33,22 +33,35 @@ def registry() -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    reg = registry()
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="benchmarks: " + ", ".join(sorted(reg)),
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, for CI smoke runs")
     parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--only", default="", help="comma-separated benchmark names")
+    parser.add_argument("--only", default="", help="comma-separated benchmark names (default: all, listed below)")
     parser.add_argument("--model", default="", help="a named real-model shape with random weights, e.g. qwen3-0.6b")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", help="parameter dtype of the benchmark models")
     args = parser.parse_args(argv)
     parallel.use_cpu_cores_as_devices()  # generate_vs_hf splits rows over one device per core, as the trainers do
 
-    reg = registry()
     names = [n for n in args.only.split(",") if n] or sorted(reg)
     unknown = [n for n in names if n not in reg]
     if unknown:
         parser.error(f"unknown benchmark {unknown[0]!r}; known: {', '.join(sorted(reg))}")
-    results = {"_meta": {"backend": jax.default_backend(), "devices": str(jax.devices()), "host": platform.node(),
-                         "quick": args.quick, "model": args.model, "dtype": args.dtype, "time": time.time()}}  # fmt: skip
+    results = {
+        "_meta": {
+            "backend": jax.default_backend(),
+            "devices": str(jax.devices()),
+            "host": platform.node(),
+            "quick": args.quick,
+            "model": args.model,
+            "dtype": args.dtype,
+            "time": time.time(),
+        }
+    }
     for name in names:
         print(f"\n== {name}", flush=True)
         res = reg[name](args)

@@ -4,14 +4,15 @@
 
 Runs every (method, seed) not yet finished in DIR/<method>/seed<k> (an interrupted comparison resumes), then writes
 DIR/accuracy_vs_time.png, DIR/results.md, DIR/results.csv and DIR/runs.csv. With --report_only, only the report is
-(re)written from the runs already there.
+(re)written from the runs already there. `--help --config=configs/compare.py` lists the variants and keys.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from esroll.compare import comparison_from_dict, run_comparison, write_report
-from experiments._entry import start
+from esroll.compare import comparison_from_dict, run_comparison
+from esroll.report import write_report
+from experiments._entry import run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/compare.py[:variant]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory holding one sub-workdir per (method, seed) and the report.")
@@ -22,7 +23,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
-    start(argv)
     if not _REPORT_ONLY.value:
         comparison = comparison_from_dict(_CONFIG.value.to_dict())
         run_comparison(comparison, _WORKDIR.value, overwrite=_OVERWRITE.value, mesh_devices=_MESH_DEVICES.value)
@@ -32,4 +32,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run(main)

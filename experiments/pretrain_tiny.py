@@ -49,10 +49,20 @@ def build_tokenizer(texts: list[str], vocab_size: int):
 def model_config(vocab_size: int, eos_id: int) -> ModelConfig:
     hf = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id, "torch_dtype": "float32"}
     return ModelConfig(
-        family="qwen3", vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=32, rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=True,
-        qk_norm=True, hf_json=json.dumps(hf),
-    )  # fmt: skip
+        family="qwen3",
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        hf_json=json.dumps(hf),
+    )
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
@@ -88,14 +98,15 @@ def main(argv=None) -> dict:
     from configs.default import get_config
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("assets/tiny-qwen3-arith"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--max_steps", type=int, default=4000)
-    parser.add_argument("--eval_every", type=int, default=10)
-    parser.add_argument("--stop_at", type=float, default=0.35)
-    parser.add_argument("--vocab", type=int, default=384)
+    add = parser.add_argument
+    add("--out", type=Path, default=Path("assets/tiny-qwen3-arith"), help="folder to write the model and tokenizer to")
+    add("--seed", type=int, default=0, help="initialisation and batch-order seed")
+    add("--batch", type=int, default=128, help="training sequences per step")
+    add("--lr", type=float, default=1e-3, help="Adam learning rate")
+    add("--max_steps", type=int, default=4000, help="stop after this many steps if --stop_at is not reached")
+    add("--eval_every", type=int, default=10, help="steps between held-out exact-match evaluations")
+    add("--stop_at", type=float, default=0.35, help="stop at the first evaluation with at least this exact match")
+    add("--vocab", type=int, default=384, help="BPE vocabulary size of the tokenizer")
     args = parser.parse_args(argv)
 
     data_cfg = from_config_dict(get_config()).data
@@ -136,12 +147,21 @@ def main(argv=None) -> dict:
         if i % args.eval_every == 0:
             eval_loss, acc = (float(x) for x in evaluate(params, *eval_arrays))
             history.append({"step": i, "train_loss": float(loss), "eval_loss": eval_loss, "eval_exact_match": acc})
-            print(f"step {i:5d}  train loss {float(loss):.3f}  eval loss {eval_loss:.3f}  eval exact match {acc:.3f}", flush=True)
+            print(
+                f"step {i:5d}  train loss {float(loss):.3f}  eval loss {eval_loss:.3f}  eval exact match {acc:.3f}",
+                flush=True,
+            )
             if acc >= args.stop_at:
                 break
     save_hf(args.out, cfg, params, tokenizer=tokenizer)
-    summary = {"seed": args.seed, "steps": history[-1]["step"], "eval_exact_match": history[-1]["eval_exact_match"],
-               "n_train": len(train), "n_eval": len(held_out), "history": history}  # fmt: skip
+    summary = {
+        "seed": args.seed,
+        "steps": history[-1]["step"],
+        "eval_exact_match": history[-1]["eval_exact_match"],
+        "n_train": len(train),
+        "n_eval": len(held_out),
+        "history": history,
+    }
     (args.out / "pretrain_summary.json").write_text(json.dumps(summary, indent=2))
     print(f"saved {args.out} ({sum(x.size for x in jax.tree.leaves(params))} parameters)")
     return summary

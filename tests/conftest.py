@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Hugging Face models built locally (never downloaded) and saved to temp folders."""
+"""Shared fixtures and helpers: tiny random Hugging Face models built locally (never downloaded) and saved to temp
+folders; quick configs of the shipped model; the exact-resumption check shared by ES and GRPO."""
 
 from __future__ import annotations
 
@@ -11,12 +12,47 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from pathlib import Path  # noqa: E402
+
+import chex  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 FAMILIES = ("qwen3", "qwen2", "llama")
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_MODEL = str(REPO / "assets/tiny-qwen3-arith")
+
+
+def quick_config(variant: str = "quick", *, grpo: dict | None = None, **train_overrides):
+    """`configs/default.py:<variant>` on the shipped model (found from any working directory), with `train.*` and
+    `grpo.*` overrides, as the trainer's typed config."""
+    from configs.default import get_config
+    from esroll.config import from_config_dict
+
+    cd = get_config(variant)
+    cd.model.path = SHIPPED_MODEL
+    cd.grpo.update(grpo or {})
+    cd.train.update(train_overrides)
+    return from_config_dict(cd.to_dict())
+
+
+def check_exact_resume(cfg, tmp_path) -> list[dict]:
+    """Run 4 steps straight, and 2 + a resumed 2; the parameters must be bit-identical. Returns the step records."""
+    from esroll.metrics import read_metrics
+    from esroll.train import train_and_evaluate
+
+    full = train_and_evaluate(cfg, tmp_path / "full", progress=False)
+    first = train_and_evaluate(cfg, tmp_path / "split", stop_after_steps=2, progress=False)
+    assert first["stopped_at"] == 2
+    resumed = train_and_evaluate(cfg, tmp_path / "split", progress=False)
+    assert resumed["resumed_from"] == 2
+    chex.assert_trees_all_equal(jax.device_get(full["params"]), jax.device_get(resumed["params"]))
+    records = read_metrics(tmp_path / "split" / "metrics.jsonl")
+    steps = [r for r in records if r["step"] > 0 and "fitness_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    return steps
 
 
 def tiny_hf_config(family: str, **overrides):
@@ -24,16 +60,29 @@ def tiny_hf_config(family: str, **overrides):
     import transformers
 
     common = dict(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     if family == "qwen3":
         cfg = transformers.Qwen3Config(**{**common, "head_dim": 24, "rope_theta": 1e6, **overrides})
     elif family == "qwen2":
         cfg = transformers.Qwen2Config(**{**common, "tie_word_embeddings": True, **overrides})
     elif family == "llama":
-        rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 5e5,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
         cfg = transformers.LlamaConfig(**{**common, "rope_parameters": rope, **overrides})
     else:
         raise ValueError(family)

@@ -9,14 +9,14 @@ import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from test_train import quick  # noqa: E402
+from conftest import quick_config  # noqa: E402
 from esroll.parallel import maybe_initialize_distributed  # noqa: E402
 from esroll.train import train_and_evaluate  # noqa: E402
 
 if __name__ == "__main__":
     maybe_initialize_distributed(True)
     workdir, out = sys.argv[1], sys.argv[2]
-    cfg = quick(steps=2, eval_every=100, checkpoint_every=100, export=False)
+    cfg = quick_config("quick", steps=2, eval_every=100, checkpoint_every=100, export=False)
     result = train_and_evaluate(cfg, workdir, progress=False)
     params = jax.experimental.multihost_utils.process_allgather(result["params"], tiled=True)
     np.savez(out, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)})

@@ -1,5 +1,6 @@
-"""The matched wall-time comparison: statistics on cases with known answers, the configs, and the quick comparison end
-to end (its tables recomputed from the runs' metrics.jsonl), including resumption."""
+"""The matched wall-time comparison: statistics on cases with known answers, the configs, the report of a hand-written
+workdir, and the quick comparison end to end (its tables recomputed from the runs' metrics.jsonl), including
+resumption."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import numpy as np
 import pytest
 
 from configs.compare import get_config
-from esroll.compare import area_under_curve, comparison_from_dict, paired_test, run_comparison, write_report
+from esroll.compare import comparison_from_dict, run_comparison
+from esroll.metrics import read_metrics
+from esroll.report import area_under_curve, load_comparison, paired_test, write_report
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, SHIPPED_MODEL
 
 
 # ---- statistics with known answers
@@ -90,6 +93,60 @@ def test_methods_follow_their_training_configs_and_seeds_pair_them():
         comparison_from_dict(cd.to_dict())
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"reference": "eggroll", "methods": "looroll,grpo"}, "reference 'eggroll' is not one of the methods"),
+        ({"time_budget_s": 0.0}, "need time_budget_s > 0"),
+        ({"seeds": ()}, "at least one seed"),
+    ],
+)
+def test_invalid_comparisons_are_refused(change, message):
+    d = {**get_config().to_dict(), **change}
+    with pytest.raises(ValueError, match=message):
+        comparison_from_dict(d)
+
+
+# ---- the report of a hand-written workdir
+
+
+def _write_run(directory: Path, method: str, evals: list[tuple[int, float, float]], tail: str = "") -> None:
+    """A run directory as `train_and_evaluate` leaves it: config.json and one metrics record per (step, time, acc)."""
+    directory.mkdir(parents=True)
+    train = {"prompts_per_step": 4, "steps": 100, "time_budget_s": 10.0}
+    cfg = {"method": method, "train": train, "es": {"population": 8}}
+    (directory / "config.json").write_text(json.dumps(cfg))
+    lines = [json.dumps({"step": s, "wall_time": t, "eval_accuracy": a}) for s, t, a in evals]
+    (directory / "metrics.jsonl").write_text("".join(line + "\n" for line in lines) + tail)
+
+
+def test_report_reads_the_workdir_only_and_skips_unfinished_runs(tmp_path):
+    spec = {"methods": ["looroll", "eggroll"], "seeds": [0, 1], "time_budget_s": 10.0, "reference": "looroll"}
+    (tmp_path / "comparison.json").write_text(json.dumps(spec))
+    for seed in (0, 1):
+        _write_run(tmp_path / "looroll" / f"seed{seed}", "looroll", [(0, 0.0, 0.4), (5, 10.0, 0.5)])
+    _write_run(tmp_path / "eggroll" / "seed0", "eggroll", [(0, 0.0, 0.4), (5, 10.0, 0.7)])
+    # Killed mid-append before its last evaluation: a partial last line, and the run is not finished.
+    _write_run(tmp_path / "eggroll" / "seed1", "eggroll", [(0, 0.0, 0.4), (3, 6.0, 0.6)], tail='{"step": 5, "wall')
+
+    _, runs = load_comparison(tmp_path)
+    complete = {(r.method, r.seed): r.complete for r in runs}
+    assert complete == {("looroll", 0): True, ("looroll", 1): True, ("eggroll", 0): True, ("eggroll", 1): False}
+    paths = write_report(tmp_path)
+    assert len(_rows(paths["runs_csv"])) == 4
+    results = {r["method"]: r for r in _rows(paths["results_csv"])}
+    assert int(results["eggroll"]["n_seeds"]) == 1 and int(results["eggroll"]["n_pairs"]) == 1
+    assert float(results["eggroll"]["final_accuracy_diff_mean"]) == pytest.approx(0.2)
+    assert float(results["looroll"]["auc_mean"]) == pytest.approx(0.45)
+    assert float(results["looroll"]["evaluations_mean"]) == 8 * 5
+
+
+def test_reporting_does_not_import_jax():
+    code = "import sys, esroll.report; assert 'jax' not in sys.modules, 'esroll.report imported jax'"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 # ---- the quick comparison, end to end
 
 
@@ -114,7 +171,7 @@ def _auc_by_segments(times, accs, budget):
 @pytest.fixture(scope="module")
 def quick_comparison(tmp_path_factory):
     cd = get_config("quick")
-    cd.experiment.model.path = str(REPO / "assets/tiny-qwen3-arith")
+    cd.experiment.model.path = SHIPPED_MODEL
     comp = comparison_from_dict(cd.to_dict())
     workdir = tmp_path_factory.mktemp("compare")
     statuses = run_comparison(comp, workdir, mesh_devices=1, progress=False)
@@ -134,7 +191,7 @@ def test_quick_comparison_tables_match_the_runs(quick_comparison):
         run = workdir / method / f"seed{seed}"
         cfg = json.loads((run / "config.json").read_text())
         assert (cfg["method"], cfg["seed"], cfg["data"]["seed"]) == (method, seed, seed)
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        records = read_metrics(run / "metrics.jsonl")
         evals = [r for r in records if "eval_accuracy" in r]
         steps = records[-1]["step"]
         finals[method, seed] = evals[-1]["eval_accuracy"]
@@ -184,15 +241,27 @@ def test_rerun_skips_finished_runs_and_resumes_an_interrupted_one(quick_comparis
     statuses = run_comparison(comp, workdir, mesh_devices=1, progress=False)
     assert [s for s in statuses if s[2] == "ran"] == [("looroll", 1, "ran")]
     resumed = interrupted.read_text().splitlines(keepends=True)
-    assert resumed[: len(kept)] == kept and "eval_accuracy" in json.loads(resumed[-1])
+    assert resumed[: len(kept)] == kept and "eval_accuracy" in read_metrics(interrupted)[-1]
 
 
 def test_entry_script_writes_the_report(quick_comparison):
     _, workdir, _ = quick_comparison
     (workdir / "results.md").unlink(missing_ok=True)
     out = subprocess.run(
-        [sys.executable, "-m", "experiments.compare", "--config", "configs/compare.py:quick", "--workdir", str(workdir),
-         "--report_only"], cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "experiments.compare",
+            "--config",
+            "configs/compare.py:quick",
+            "--workdir",
+            str(workdir),
+            "--report_only",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert (workdir / "results.md").read_text() in out.stdout

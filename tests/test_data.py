@@ -13,9 +13,9 @@ from esroll.data import Example
 
 GSM8K_ROW = {
     "question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-                "How many clips did Natalia sell altogether in April and May?",
+    "How many clips did Natalia sell altogether in April and May?",
     "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
-              "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72",
+    "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72",
 }
 
 
@@ -38,24 +38,26 @@ def test_load_gsm8k_jsonl(tmp_path):
     assert data.score(example, example.target_text) == 1.0
 
 
-@pytest.mark.parametrize("line, problem", [
-    ("{not json", "invalid JSON"),
-    ('["question", "answer"]', "expected an object"),
-    ('{"question": "q?"}', "missing key 'answer'"),
-    ('{"answer": "#### 1"}', "missing key 'question'"),
-    ('{"question": 3, "answer": "#### 1"}', "'question' must be a non-empty string"),
-    ('{"question": "q?", "answer": null}', "'answer' must be a non-empty string"),
-    ('{"question": "  ", "answer": "#### 1"}', "'question' must be a non-empty string"),
-    ('{"question": "q?", "answer": "it is 4"}', "must end in '#### <number>'"),
-    ('{"question": "q?", "answer": "#### four"}', "must end in '#### <number>'"),
-    ('{"question": "q?", "answer": "#### 4 apples"}', "must end in '#### <number>'"),
-])
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ("{not json", "invalid JSON"),
+        ('["question", "answer"]', "expected an object"),
+        ('{"question": "q?"}', "missing key 'answer'"),
+        ('{"answer": "#### 1"}', "missing key 'question'"),
+        ('{"question": 3, "answer": "#### 1"}', "'question' must be a non-empty string"),
+        ('{"question": "q?", "answer": null}', "'answer' must be a non-empty string"),
+        ('{"question": "  ", "answer": "#### 1"}', "'question' must be a non-empty string"),
+        ('{"question": "q?", "answer": "it is 4"}', "must end in '#### <number>'"),
+        ('{"question": "q?", "answer": "#### four"}', "must end in '#### <number>'"),
+        ('{"question": "q?", "answer": "#### 4 apples"}', "must end in '#### <number>'"),
+    ],
+)
 def test_load_gsm8k_names_file_and_line_of_bad_row(tmp_path, line, problem):
     path = _write_lines(tmp_path / "bad.jsonl", [json.dumps(GSM8K_ROW), "", line, json.dumps(GSM8K_ROW)])
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}:3: .*{re.escape(problem)}") as info:
         data.load_gsm8k(path)
-    message = str(info.value)
-    assert message.startswith(f"{path}:3: ") and problem in message and "\n" not in message
+    assert "\n" not in str(info.value)
 
 
 def test_load_gsm8k_empty_file(tmp_path):
@@ -241,8 +243,14 @@ def test_format_prompt_errors():
 
 
 def test_score_dispatches_on_task():
-    example = Example(task="countdown", prompt="p", answer="4", solution="8 / 2", target_text="",
-                      meta={"numbers": (8, 2), "target": 4})
+    example = Example(
+        task="countdown",
+        prompt="p",
+        answer="4",
+        solution="8 / 2",
+        target_text="",
+        meta={"numbers": (8, 2), "target": 4},
+    )
     assert data.score(example, "<answer>8 / 2</answer>") == 1.0
     assert data.score(example, "#### 4") == 0.0  # a number is not an expression
     with pytest.raises(ValueError, match="unknown task"):
@@ -266,21 +274,49 @@ def test_split_is_deterministic_and_disjoint():
         data.split_examples(examples, n_eval=distinct + 1, seed=0)
 
 
+def reference_stream(n_examples, seed, epochs):
+    """The documented prompt stream, built independently of esroll: one numpy permutation per epoch, seeded (seed, e)."""
+    return np.concatenate([np.random.default_rng([seed, e]).permutation(n_examples) for e in range(epochs)])
+
+
+@pytest.mark.parametrize("n, batch_size, seed", [(10, 4, 3), (7, 7, 0), (5, 3, 12), (3, 7, 1), (1, 2, 5), (23, 5, 11)])
+def test_batches_are_windows_of_the_per_epoch_permutation_stream(n, batch_size, seed):
+    steps = 9
+    stream = reference_stream(n, seed, epochs=-(-steps * batch_size // n))
+    for step in range(steps):
+        batch = data.batch_indices(n, batch_size, seed=seed, step=step)
+        assert batch.shape == (batch_size,) and batch.dtype.kind == "i"
+        np.testing.assert_array_equal(batch, stream[step * batch_size : (step + 1) * batch_size], err_msg=f"{step=}")
+    far = 10_000  # a late step needs no history: its epochs are drawn directly
+    start = far * batch_size
+    late = [np.random.default_rng([seed, p // n]).permutation(n)[p % n] for p in range(start, start + batch_size)]
+    np.testing.assert_array_equal(data.batch_indices(n, batch_size, seed=seed, step=far), late)
+
+
+def test_epoch_permutation_is_the_seeded_numpy_permutation():
+    for seed, epoch in [(0, 0), (3, 1), (7, 12)]:
+        expected = np.random.default_rng([seed, epoch]).permutation(10)
+        np.testing.assert_array_equal(data.epoch_permutation(10, seed=seed, epoch=epoch), expected)
+
+
 def test_batches_cover_each_epoch_once_and_wrap_across_epochs():
     n, batch_size = 10, 4
     stream = np.concatenate([data.batch_indices(n, batch_size, seed=3, step=s) for s in range(5)])  # 2 epochs
-    np.testing.assert_array_equal(stream[:n], data.epoch_permutation(n, seed=3, epoch=0))
-    np.testing.assert_array_equal(stream[n:], data.epoch_permutation(n, seed=3, epoch=1))
-    assert sorted(stream[:n]) == list(range(n)) and sorted(stream[n:]) == list(range(n))
-    straddling = data.batch_indices(n, batch_size, seed=3, step=2)  # positions 8..11: end of epoch 0, start of 1
-    np.testing.assert_array_equal(straddling, np.concatenate([stream[8:10], stream[10:12]]))
+    assert sorted(stream[:n]) == list(range(n)) and sorted(stream[n:]) == list(range(n))  # each example once an epoch
     assert not np.array_equal(stream[:n], stream[n:])  # a fresh order each epoch
-    assert not np.array_equal(stream[:n], data.epoch_permutation(n, seed=4, epoch=0))
+    # step 2 holds positions 8..11: the last two of epoch 0's permutation, then the first two of epoch 1's
+    epoch0, epoch1 = (np.random.default_rng([3, e]).permutation(n) for e in (0, 1))
+    np.testing.assert_array_equal(data.batch_indices(n, batch_size, seed=3, step=2), [*epoch0[8:], *epoch1[:2]])
+    other_seed = np.concatenate([data.batch_indices(n, batch_size, seed=4, step=s) for s in range(5)])
+    assert not np.array_equal(stream, other_seed)
 
 
 def test_batch_larger_than_dataset():
-    batch = data.batch_indices(3, 7, seed=0, step=1)  # positions 7..13 span epochs 2, 3 and 4
-    assert batch.shape == (7,) and set(batch) == {0, 1, 2}
+    """Positions 7..13 of a 3-example stream: the last two of epoch 2, all of epoch 3, the first two of epoch 4."""
+    perm = {e: np.random.default_rng([0, e]).permutation(3) for e in (2, 3, 4)}
+    batch = data.batch_indices(3, 7, seed=0, step=1)
+    np.testing.assert_array_equal(batch, [*perm[2][1:], *perm[3], *perm[4][:2]])
+    assert sorted(batch[2:5]) == [0, 1, 2]
 
 
 def test_resuming_from_a_step_gives_the_same_batches():
@@ -293,7 +329,7 @@ def test_resuming_from_a_step_gives_the_same_batches():
 
 
 def test_batch_indices_validates():
-    with pytest.raises(ValueError):
-        data.batch_indices(0, 4, seed=0, step=0)
-    with pytest.raises(ValueError):
-        data.batch_indices(10, 4, seed=0, step=-1)
+    for n_examples, batch_size, seed, step in [(0, 4, 0, 0), (10, 0, 0, 0), (10, 4, -1, 0), (10, 4, 0, -1)]:
+        detail = f"{n_examples=} {batch_size=} {seed=} {step=}"
+        with pytest.raises(ValueError, match=re.escape(f"need positive sizes, non-negative seed, step: {detail}")):
+            data.batch_indices(n_examples, batch_size, seed, step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +13,8 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from esroll import advantages, es
+from esroll import es
+from esroll.errors import ConfigError
 from esroll.es import estimators, noise
 from esroll.models import LowRank, Perturbation, forward, load_hf
 
@@ -56,47 +58,42 @@ def explicit_E(cfg, factors):
     return out
 
 
-# ---------------------------------------------------------------- advantages
-
-
-def test_advantages_values():
-    r = np.array([[1.0, 2.0, 4.0, 4.0], [0.0, 0.0, 0.0, 3.0]])
-    np.testing.assert_allclose(advantages.get("dr_grpo")(r), r - r.mean(1, keepdims=True), atol=1e-6)
-    np.testing.assert_allclose(
-        advantages.get("grpo")(r), (r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4), atol=1e-5
-    )
-    np.testing.assert_allclose(advantages.get("zscore")(r[0]), (r[0] - r[0].mean()) / r[0].std(), atol=1e-5)
-    loo = r - (r.sum(1, keepdims=True) - r) / 3
-    np.testing.assert_allclose(advantages.get("rloo")(r), loo, atol=1e-6)
-    # ties share their mean rank: [0, 1, 2.5, 2.5] / 3 - 1/2
-    np.testing.assert_allclose(advantages.get("centered_ranks")(r[0]), [-0.5, -1 / 6, 1 / 3, 1 / 3], atol=1e-6)
-    np.testing.assert_allclose(advantages.get("raw")(r), r)
-    with pytest.raises(ValueError, match="unknown fitness shaping / advantage 'bogus'"):
-        advantages.get("bogus")
-
-
-@pytest.mark.parametrize("name", sorted(advantages.SHAPINGS))
-def test_advantages_ignore_invalid_entries(name):
-    """A NaN or masked entry comes out 0 and the others are shaped as if it were absent."""
-    fn = advantages.get(name)
-    r = np.array([3.0, np.nan, -1.0, 0.5, 7.0])
-    valid = np.array([True, True, True, False, True])
-    out = np.asarray(fn(r, valid))
-    assert out[1] == 0 and out[3] == 0
-    np.testing.assert_allclose(out[[0, 2, 4]], fn(r[[0, 2, 4]]), atol=1e-6)
-
-
 # ---------------------------------------------------------------- config and leaf selection
 
 
 def test_config_errors_name_the_field():
-    for kwargs, field in [({"method": "eggroll", "population": 5}, "population"), ({"method": "cma"}, "method"),
-                          ({"sigma": 0.0}, "sigma"), ({"rank": 0}, "rank"), ({"shaping": "softmax"}, "shaping"),
-                          ({"chunk_size": 0}, "chunk_size"), ({"frozen_patterns": ("(",)}, "frozen_patterns")]:  # fmt: skip
-        with pytest.raises(ValueError, match=rf"ESConfig\.{field} = "):
+    for kwargs, field in [
+        ({"method": "eggroll", "population": 5}, "population"),
+        ({"method": "cma"}, "method"),
+        ({"sigma": 0.0}, "sigma"),
+        ({"rank": 0}, "rank"),
+        ({"shaping": "softmax"}, "shaping"),
+        ({"chunk_size": -1}, "chunk_size"),
+        ({"frozen_patterns": ("(",)}, "frozen_patterns"),
+        ({"min_valid_fraction": 1.5}, "min_valid_fraction"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"^ESConfig: invalid value for '{field}'"):
             es.ESConfig(**kwargs)
     with pytest.raises(ValueError, match="no parameter leaf is perturbed"):
-        es.init(es.ESConfig(frozen_patterns=(".*",)), toy_params(), optax.sgd(1.0), jax.random.key(0))
+        es.make_strategy(es.ESConfig(frozen_patterns=(".*",)), optax.sgd(1.0)).init(toy_params(), jax.random.key(0))
+    with pytest.raises(ConfigError, match="frozen_patterns.*freeze 'embed'"):
+        es.make_strategy(es.ESConfig(frozen_patterns=("lm_head",)), optax.sgd(1.0)).init(
+            toy_params(), jax.random.key(0)
+        )
+
+
+def test_strategy_functions_are_plain_jittable_functions():
+    """make_strategy closes over config and optimizer: init / ask / tell jit with no static arguments and give the
+    same result as the module-level functions they are built from."""
+    params = toy_params()
+    strategy = es.make_strategy(TOY, optax.sgd(0.1))
+    state = jax.jit(strategy.init)(params, jax.random.key(5))
+    chex.assert_trees_all_equal(jax.jit(strategy.ask)(state, params), member_deltas(TOY, state.key, 0, params))
+    f = jnp.arange(8.0)
+    new, state1, _ = jax.jit(strategy.tell)(state, params, f)
+    grad, _ = es.estimate(TOY, state.key, 0, params, f)
+    chex.assert_trees_all_close(new, jax.tree.map(lambda p, g: p + 0.1 * g, params, grad), atol=1e-6)
+    assert int(state1.step) == 1
 
 
 def test_leaf_kinds_defaults_and_patterns():
@@ -143,8 +140,9 @@ def test_perturbed_forward_equals_explicit(tiny_qwen3, rank):
     model_cfg, params = tiny_qwen3
     dense = ("layers/.*norm",) if rank == 4 else ()
     cfg = es.ESConfig(method="eggroll", population=4, rank=rank, sigma=0.05, dense_patterns=dense)
-    state = es.init(cfg, params, optax.sgd(1.0), jax.random.key(1))
-    deltas, factors = with_factors(cfg, functools.partial(es.ask, cfg))(state, params)
+    strategy = es.make_strategy(cfg, optax.sgd(1.0))
+    state = strategy.init(params, jax.random.key(1))
+    deltas, factors = with_factors(cfg, strategy.ask)(state, params)
     assert "embed" not in deltas and "lm_head" not in deltas
     assert ("q_norm" in deltas["layers"]) == bool(dense)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, model_cfg.vocab_size, (4 * 2, 6)))
@@ -167,7 +165,7 @@ def test_perturbed_forward_equals_explicit(tiny_qwen3, rank):
 
 @pytest.mark.parametrize("method", ["eggroll", "looroll"])
 def test_update_equals_explicit_sum(method):
-    """ĝ equals THEORY's formula with E_i built densely, on the members left after dropping non-finite ones."""
+    """ĝ equals the formula of docs/theory.md with E_i built densely, on the members left after dropping non-finite ones."""
     params = toy_params()
     cfg = dataclasses.replace(TOY, method=method)
     state = es.ESState(jnp.asarray(2), jax.random.key(7), None)
@@ -197,9 +195,9 @@ def test_update_equals_explicit_sum(method):
 def test_weights_use_the_shaped_fitness():
     """Shaping happens before the estimator: antithetic weights are differences of centered ranks."""
     f = jnp.array([3.0, 1.0, 0.0, 2.0])  # centered ranks [1/2, -1/6, -1/2, 1/6]
-    w = estimators.direction_weights("eggroll", f, 0.5, "centered_ranks").w_K
+    w = estimators.direction_weights("eggroll", f, 0.5, "centered_ranks").w_E
     np.testing.assert_allclose(w, np.array([2 / 3, -2 / 3]) / (2 * 2 * 0.5), rtol=1e-6)
-    w = estimators.direction_weights("looroll", f, 0.5, "zscore").w_K
+    w = estimators.direction_weights("looroll", f, 0.5, "zscore").w_E
     z = (np.asarray(f) - 1.5) / np.sqrt(1.25)
     np.testing.assert_allclose(w, z / (3 * 0.5), rtol=1e-5)
 
@@ -229,7 +227,8 @@ def test_same_result_on_1_and_8_devices():
     params = toy_params()
     cfg = dataclasses.replace(TOY, population=16)
     opt = optax.adam(1e-2)
-    state = es.init(cfg, params, opt, jax.random.key(4))
+    strategy = es.make_strategy(cfg, opt)
+    state = strategy.init(params, jax.random.key(4))
     f = jnp.asarray(np.random.default_rng(2).normal(size=16), jnp.float32)
     results = []
     for n in (1, 8):
@@ -237,8 +236,8 @@ def test_same_result_on_1_and_8_devices():
 
         @functools.partial(jax.jit, static_argnums=0)
         def ask_and_tell(mesh, state, params, f):
-            deltas = _member_sharded(es.ask(cfg, state, params), mesh)  # the factors, scaled per member
-            return deltas, es.tell(cfg, state, params, f, opt)[0]
+            deltas = _member_sharded(strategy.ask(state, params), mesh)  # the factors, scaled per member
+            return deltas, strategy.tell(state, params, f)[0]
 
         deltas, new_params = ask_and_tell(mesh, state, params, jax.device_put(f, NamedSharding(mesh, P("pop"))))
         assert len(deltas["layers"]["w"].a.sharding.device_set) == n
@@ -253,8 +252,9 @@ def test_nonfinite_step_is_skipped():
     params = toy_params()
     cfg = dataclasses.replace(TOY, method="looroll", min_valid_fraction=0.5)
     opt = optax.adam(1e-2)
-    tell = jax.jit(functools.partial(es.tell, cfg, optimizer=opt))
-    state = es.init(cfg, params, opt, jax.random.key(0))
+    strategy = es.make_strategy(cfg, opt)
+    tell = jax.jit(strategy.tell)
+    state = strategy.init(params, jax.random.key(0))
     f = jnp.array([1.0, np.nan, np.inf, -np.inf, np.nan, 2.0, 0.0, 3.0])  # 4 finite members: exactly the minimum
     new, state1, m = tell(state, params, f)
     assert not bool(m["skipped"]) and int(m["num_nonfinite"]) == 4 and float(m["update_norm"]) > 0
@@ -302,12 +302,13 @@ def test_es_trains_mlp(method, opt_name):
         method=method, population=32, rank=1, sigma=0.05, shaping="zscore" if opt_name == "adam" else "raw"
     )
     opt = optax.adam(0.03) if opt_name == "adam" else optax.sgd(0.005, momentum=0.9)
-    state = es.init(cfg, params, opt, jax.random.key(0))
+    strategy = es.make_strategy(cfg, opt)
+    state = strategy.init(params, jax.random.key(0))
 
     def step(carry, _):
         params, state = carry
-        fitness = -loss(params, es.ask(cfg, state, params), cfg.population)
-        params, state, metrics = es.tell(cfg, state, params, fitness, opt)
+        fitness = -loss(params, strategy.ask(state, params), cfg.population)
+        params, state, metrics = strategy.tell(state, params, fitness)
         return (params, state), metrics["fitness_mean"]
 
     (final, state), fit = jax.jit(lambda p, s: jax.lax.scan(step, (p, s), length=200))(params, state)

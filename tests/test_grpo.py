@@ -20,7 +20,7 @@ from esroll.models import load_hf
 from esroll.task import load_task
 from esroll.train import make_optimizer, train_and_evaluate
 
-from test_train import REPO, check_exact_resume
+from conftest import check_exact_resume, quick_config
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.1
 grpo_loss = jax.jit(_grpo_loss, static_argnames=("eps_low", "eps_high", "beta", "aggregation"))
@@ -34,12 +34,7 @@ EIGHT = dict(microbatches=2, remat=True)
 def strict_quick(grpo: dict | None = None, **train_overrides):
     """grpo_quick with ε_low = ε_high = 0, so that any ratio ρ ≠ 1 clips. With μ = 1 and one minibatch every update
     is on-policy, so training is unchanged."""
-    cd = get_config("grpo_quick")
-    cd.model.path = str(REPO / "assets/tiny-qwen3-arith")
-    cd.grpo.epsilon_low = cd.grpo.epsilon_high = 0.0
-    cd.grpo.update(grpo or {})
-    cd.train.update(train_overrides)
-    return from_config_dict(cd.to_dict())
+    return quick_config("grpo_quick", grpo={"epsilon_low": 0.0, "epsilon_high": 0.0, **(grpo or {})}, **train_overrides)
 
 
 def hand_built(seed=0):
@@ -82,8 +77,9 @@ def test_loss_and_gradient_match_reference(aggregation):
     kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA, aggregation=aggregation)
 
     def loss_fn(new):
-        return grpo_loss(new, jnp.asarray(logp_old, jnp.float32), jnp.asarray(logp_ref, jnp.float32), advantage,
-                         mask, **kw)  # fmt: skip
+        return grpo_loss(
+            new, jnp.asarray(logp_old, jnp.float32), jnp.asarray(logp_ref, jnp.float32), advantage, mask, **kw
+        )
 
     (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(logp_new, jnp.float32))
     ref_loss, ref_grad = reference(logp_new, logp_old, logp_ref, advantage, mask, aggregation)
@@ -104,8 +100,10 @@ def test_microbatch_losses_sum_to_minibatch_loss(aggregation):
     kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA, aggregation=aggregation)
     whole, _ = grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, **kw)
     w = token_weights(mask, aggregation)
-    parts = [grpo_loss(logp_new[s], logp_old[s], logp_ref[s], advantage[s], mask[s], weights_BxN=w[s], **kw)[0]
-             for s in (slice(0, 1), slice(1, 3))]  # fmt: skip
+    parts = [
+        grpo_loss(logp_new[s], logp_old[s], logp_ref[s], advantage[s], mask[s], weights_BxN=w[s], **kw)[0]
+        for s in (slice(0, 1), slice(1, 3))
+    ]
     np.testing.assert_allclose(float(sum(parts)), float(whole), rtol=1e-6)
 
 

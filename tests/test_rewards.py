@@ -9,46 +9,57 @@ import pytest
 from esroll import rewards
 
 
-@pytest.mark.parametrize("completion, expected", [
-    ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72"),
-    ("#### 12\nwait, let me redo.\n#### 13", "13"),
-    ("#### 1,234", "1234"),
-    ("#### $18.00", "18"),
-    ("#### -5", "-5"),
-    ("#### +7", "7"),
-    ("So the total is \\boxed{42}.", "42"),
-    ("\\boxed{1} no, \\boxed{\\$2,500}", "2500"),
-    ("\\boxed{\\text{18}} and then 3", "18"),
-    ("The answer is 3.50.", "3.5"),
-    ("the answer is: €1,000,000", "1000000"),
-    ("THE ANSWER IS £12", "12"),
-    ("Final Answer: **42**", "42"),
-    ("answer = 0.25", "0.25"),
-    ("She saves 25%. The answer is 25%.", "25"),
-    ("The answer is 5. Hmm, actually the answer is 6.", "6"),
-    ("#### 7\nThe answer is 8", "7"),  # "####" outranks "answer is"
-    ("\\boxed{9} and the answer is 10", "9"),  # \boxed outranks "answer is"
-    ("He has 3 apples, then 4 more, so 7 apples", "7"),
-    ("x = -4", "-4"),
-    ("between 3-4 apples", "4"),  # a hyphen glued to a number is not a sign
-    ("items 1,2,3", "3"),  # not a thousands separator
-    ("It costs 18.00 dollars.", "18"),
-    ("007", "7"),
-    ("-0.0", "0"),
-    ("no number here", None),
-    ("", None),
-    ("５", None),  # full-width digit
-    ("٣", None),  # Arabic-Indic digit
-    ("#### ٤٢", None),
-    ("#### ５ but 3 before", "3"),
-])
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72"),
+        ("#### 12\nwait, let me redo.\n#### 13", "13"),
+        ("#### 1,234", "1234"),
+        ("#### $18.00", "18"),
+        ("#### -5", "-5"),
+        ("#### +7", "7"),
+        ("So the total is \\boxed{42}.", "42"),
+        ("\\boxed{1} no, \\boxed{\\$2,500}", "2500"),
+        ("\\boxed{\\text{18}} and then 3", "18"),
+        ("The answer is 3.50.", "3.5"),
+        ("the answer is: €1,000,000", "1000000"),
+        ("THE ANSWER IS £12", "12"),
+        ("Final Answer: **42**", "42"),
+        ("answer = 0.25", "0.25"),
+        ("She saves 25%. The answer is 25%.", "25"),
+        ("The answer is 5. Hmm, actually the answer is 6.", "6"),
+        ("#### 7\nThe answer is 8", "7"),  # "####" outranks "answer is"
+        ("\\boxed{9} and the answer is 10", "9"),  # \boxed outranks "answer is"
+        ("He has 3 apples, then 4 more, so 7 apples", "7"),
+        ("x = -4", "-4"),
+        ("between 3-4 apples", "4"),  # a hyphen glued to a number is not a sign
+        ("items 1,2,3", "3"),  # not a thousands separator
+        ("It costs 18.00 dollars.", "18"),
+        ("007", "7"),
+        ("-0.0", "0"),
+        ("no number here", None),
+        ("", None),
+        ("５", None),  # full-width digit
+        ("٣", None),  # Arabic-Indic digit
+        ("#### ٤٢", None),
+        ("#### ５ but 3 before", "3"),
+    ],
+)
 def test_extract_answer(completion, expected):
     assert rewards.extract_answer(completion) == expected
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("42", "42"), (" -1,000.50 ", "-1000.5"), ("$3", "3"), ("12 apples", None), ("", None), ("1" * 31, None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("42", "42"),
+        (" -1,000.50 ", "-1000.5"),
+        ("$3", "3"),
+        ("12 apples", None),
+        ("", None),
+        ("1" * 31, None),
+    ],
+)
 def test_parse_number(text, expected):
     assert rewards.parse_number(text) == expected
 
@@ -66,9 +77,15 @@ def test_gsm8k_reward_equal_forms(completion):
     assert rewards.gsm8k_reward(completion, "$18.00") == 1.0
 
 
-@pytest.mark.parametrize("completion, gold", [
-    ("#### 18.01", "18"), ("#### 0.1", "0.10000000000000001"), ("#### -18", "18"), ("nothing", "18"),
-])
+@pytest.mark.parametrize(
+    "completion, gold",
+    [
+        ("#### 18.01", "18"),
+        ("#### 0.1", "0.10000000000000001"),
+        ("#### -18", "18"),
+        ("nothing", "18"),
+    ],
+)
 def test_gsm8k_reward_exact_mismatch(completion, gold):
     assert rewards.gsm8k_reward(completion, gold) == 0.0
 
@@ -78,32 +95,35 @@ def test_gsm8k_reward_rejects_bad_gold():
         rewards.gsm8k_reward("#### 1", "#### many")
 
 
-@pytest.mark.parametrize("completion, numbers, target, expected", [
-    ("<answer>(3 + 5) * 2</answer>", [3, 5, 2], 16, 1.0),
-    ("<answer>3 * 5 + 2 = 17</answer>", [3, 5, 2], 17, 1.0),
-    ("<answer>(3 + 5) * 2</answer>", [3, 5, 2], 17, 0.0),
-    ("<answer>1</answer> no wait <answer>8 / 2</answer>", [8, 2], 4, 1.0),  # last tag wins
-    ("<answer>8 / 3 * 3</answer>", [8, 3, 3], 8, 1.0),  # exact rational arithmetic
-    ("<answer>7 / (3 - 3)</answer>", [7, 3, 3], 0, 0.0),  # division by zero
-    ("<answer>5 + 7</answer>", [5, 7, 9], 12, 1.0),  # not every number must be used
-    ("<answer>5 + 5</answer>", [5, 7], 10, 0.0),  # reuse beyond what is given
-    ("<answer>5 + 5</answer>", [5, 5], 10, 1.0),  # a number given twice may be used twice
-    ("<answer>5 + 8</answer>", [5, 7], 13, 0.0),  # a number not given
-    ("<answer>-5 + 15</answer>", [5, 15], 10, 0.0),  # no unary minus
-    ("<answer>3 ** 2</answer>", [3, 2], 9, 0.0),
-    ("<answer>7 // 2</answer>", [7, 2], 3, 0.0),
-    ("<answer>7 % 4</answer>", [7, 4], 3, 0.0),
-    ("<answer>2.5 * 2</answer>", [2, 5], 5, 0.0),
-    ("<answer>abs(4)</answer>", [4], 4, 0.0),
-    ("<answer>__import__('os').system('true')</answer>", [], 0, 0.0),
-    ("<answer>(4).real</answer>", [4], 4, 0.0),
-    ("<answer>x</answer>", [], 0, 0.0),
-    ("<answer>4 (2)</answer>", [4, 2], 4, 0.0),
-    ("<answer></answer>", [1], 1, 0.0),
-    ("I think\n(3 + 5) × 2 = 16\n", [3, 5, 2], 16, 1.0),  # last expression line, no tags
-    ("(3 + 5) * 2\nThat works because 3 + 5 = 8.", [3, 5, 2], 16, 1.0),
-    ("no expression at all", [1], 1, 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, numbers, target, expected",
+    [
+        ("<answer>(3 + 5) * 2</answer>", [3, 5, 2], 16, 1.0),
+        ("<answer>3 * 5 + 2 = 17</answer>", [3, 5, 2], 17, 1.0),
+        ("<answer>(3 + 5) * 2</answer>", [3, 5, 2], 17, 0.0),
+        ("<answer>1</answer> no wait <answer>8 / 2</answer>", [8, 2], 4, 1.0),  # last tag wins
+        ("<answer>8 / 3 * 3</answer>", [8, 3, 3], 8, 1.0),  # exact rational arithmetic
+        ("<answer>7 / (3 - 3)</answer>", [7, 3, 3], 0, 0.0),  # division by zero
+        ("<answer>5 + 7</answer>", [5, 7, 9], 12, 1.0),  # not every number must be used
+        ("<answer>5 + 5</answer>", [5, 7], 10, 0.0),  # reuse beyond what is given
+        ("<answer>5 + 5</answer>", [5, 5], 10, 1.0),  # a number given twice may be used twice
+        ("<answer>5 + 8</answer>", [5, 7], 13, 0.0),  # a number not given
+        ("<answer>-5 + 15</answer>", [5, 15], 10, 0.0),  # no unary minus
+        ("<answer>3 ** 2</answer>", [3, 2], 9, 0.0),
+        ("<answer>7 // 2</answer>", [7, 2], 3, 0.0),
+        ("<answer>7 % 4</answer>", [7, 4], 3, 0.0),
+        ("<answer>2.5 * 2</answer>", [2, 5], 5, 0.0),
+        ("<answer>abs(4)</answer>", [4], 4, 0.0),
+        ("<answer>__import__('os').system('true')</answer>", [], 0, 0.0),
+        ("<answer>(4).real</answer>", [4], 4, 0.0),
+        ("<answer>x</answer>", [], 0, 0.0),
+        ("<answer>4 (2)</answer>", [4, 2], 4, 0.0),
+        ("<answer></answer>", [1], 1, 0.0),
+        ("I think\n(3 + 5) × 2 = 16\n", [3, 5, 2], 16, 1.0),  # last expression line, no tags
+        ("(3 + 5) * 2\nThat works because 3 + 5 = 8.", [3, 5, 2], 16, 1.0),
+        ("no expression at all", [1], 1, 0.0),
+    ],
+)
 def test_countdown_reward(completion, numbers, target, expected):
     assert rewards.countdown_reward(completion, numbers, target) == expected
 

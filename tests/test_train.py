@@ -8,29 +8,23 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
+import chex
 import jax
 import numpy as np
 import pytest
 
 from configs.default import get_config
 from esroll.config import from_config_dict
+from esroll.errors import InputError
+from esroll.metrics import read_metrics
 from esroll.train import train_and_evaluate
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, check_exact_resume, quick_config
 
 
 def quick(**train_overrides):
-    cd = get_config("quick")
-    cd.model.path = str(REPO / "assets/tiny-qwen3-arith")
-    for k, v in train_overrides.items():
-        cd.train[k] = v
-    return from_config_dict(cd.to_dict())
-
-
-def assert_trees_equal(a, b):
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+    return quick_config("quick", **train_overrides)
 
 
 def test_quick_run_writes_everything(tmp_path):
@@ -38,7 +32,7 @@ def test_quick_run_writes_everything(tmp_path):
     import transformers
 
     out = train_and_evaluate(quick(), tmp_path, progress=False)
-    records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path / "metrics.jsonl")
     steps = [r for r in records if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
@@ -51,26 +45,12 @@ def test_quick_run_writes_everything(tmp_path):
     from esroll.models import forward, load_hf
 
     cfg, params = load_hf(tmp_path / "final")
-    assert_trees_equal(params, jax.device_get(out["params"]))
+    chex.assert_trees_all_equal(params, jax.device_get(out["params"]))
     ids = np.array([[5, 9, 17, 3, 40]])
     ours, _ = forward(cfg, params, ids)
     with torch.no_grad():
         ref = model(torch.tensor(ids)).logits.numpy()
     assert np.abs(np.asarray(ours) - ref).max() < 1e-4
-
-
-def check_exact_resume(cfg, tmp_path) -> list[dict]:
-    """Run 4 steps straight, and 2 + a resumed 2; the parameters must be bit-identical. Returns the step records."""
-    full = train_and_evaluate(cfg, tmp_path / "full", progress=False)
-    first = train_and_evaluate(cfg, tmp_path / "split", stop_after_steps=2, progress=False)
-    assert first["stopped_at"] == 2
-    resumed = train_and_evaluate(cfg, tmp_path / "split", progress=False)
-    assert resumed["resumed_from"] == 2
-    assert_trees_equal(full["params"], resumed["params"])
-    records = [json.loads(l) for l in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["step"] > 0 and "fitness_mean" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    return steps
 
 
 def test_resume_is_exact(tmp_path):
@@ -83,8 +63,11 @@ def test_sharded_equals_unsharded(tmp_path):
     one = train_and_evaluate(cfg, tmp_path / "one", mesh_devices=1, progress=False)
     eight = train_and_evaluate(cfg, tmp_path / "eight", mesh_devices=8, progress=False)
     assert len(jax.devices()) == 8
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6),
-                 one["params"], eight["params"])  # fmt: skip
+    jax.tree.map(
+        lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6),
+        one["params"],
+        eight["params"],
+    )
 
 
 def _free_port() -> int:
@@ -97,17 +80,27 @@ def test_two_processes_equal_one(tmp_path):
     """Two processes with two CPU devices each (gloo collectives on localhost) match one process with four."""
     script = REPO / "tests" / "multiprocess_worker.py"
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2"}  # fmt: skip
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+        "JAX_NUM_PROCESSES": "2",
+    }
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(tmp_path / "multi"), str(tmp_path / f"p{i}.npz")],
-                         env={**env, "JAX_PROCESS_ID": str(i)}, cwd=REPO)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "multi"), str(tmp_path / f"p{i}.npz")],
+            env={**env, "JAX_PROCESS_ID": str(i)},
+            cwd=REPO,
+        )
         for i in range(2)
     ]
     assert all(p.wait(timeout=600) == 0 for p in procs)
     cfg = quick(steps=2, eval_every=100, checkpoint_every=100, export=False)
     single = train_and_evaluate(cfg, tmp_path / "single", mesh_devices=4, progress=False)
-    flat_single = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(single["params"])}
+    flat_single = {
+        jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(single["params"])
+    }
     for i in range(2):
         got = np.load(tmp_path / f"p{i}.npz")
         assert set(got.files) == set(flat_single)
@@ -132,34 +125,65 @@ def test_config_errors(tmp_path):
     cd.es.population = 7
     with pytest.raises(ValueError, match="es.population.*even"):
         from_config_dict(cd.to_dict())
-    cfg = dataclasses.replace(quick(), model=dataclasses.replace(quick().model, path=str(tmp_path / "no-model")))
-    with pytest.raises(FileNotFoundError, match="no-model"):
-        train_and_evaluate(cfg, tmp_path / "w", progress=False)
+    cd = get_config("quick")
+    cd.es.sigmaa = 0.1
+    with pytest.raises(InputError, match=r"unknown key 'es.sigmaa' \(did you mean 'es.sigma'\?\)"):
+        from_config_dict(cd.to_dict())
+
+
+def test_failed_start_leaves_nothing_then_runs_and_a_finished_run_is_left_alone(tmp_path):
+    """A run that cannot start (no model folder) writes nothing; the corrected command then trains in the same
+    workdir; rerunning the finished run reports it complete and changes no file."""
+    workdir = tmp_path / "w"
+    bad = dataclasses.replace(quick(), model=dataclasses.replace(quick().model, path=str(tmp_path / "no-model")))
+    with pytest.raises(InputError, match="'model.path'.*no-model"):
+        train_and_evaluate(bad, workdir, progress=False)
+    assert not workdir.exists() or not any(workdir.iterdir())
+    done = train_and_evaluate(quick(), workdir, progress=False)
+    assert done["steps"] == 3 and done["ran_steps"] == 3 and done["resumed_from"] == 0
+    before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    again = train_and_evaluate(quick(), workdir, progress=False)
+    assert again["ran_steps"] == 0 and again["resumed_from"] == 3
+    assert again["final_eval_accuracy"] == done["final_eval_accuracy"]
+    assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
 
 
 def test_workdir_with_other_config_is_refused(tmp_path):
-    from esroll.checkpoint import guard_workdir
+    from esroll.checkpoint import check_workdir, claim_workdir
 
-    assert guard_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.1}}, overwrite=False) is False
+    assert check_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.1}}, overwrite=False) is False
+    assert not (tmp_path / "config.json").exists()  # checking writes nothing
+    claim_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.1}})
     (tmp_path / "metrics.jsonl").write_text("precious\n")
-    assert guard_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.1}}, overwrite=False) is True
-    with pytest.raises(ValueError, match=r"config\.json.*'es\.sigma' was 0\.1, now 0\.2.*--overwrite"):
-        guard_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.2}}, overwrite=False)
+    assert check_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.1}}, overwrite=False) is True
+    with pytest.raises(InputError, match=r"config\.json.*'es\.sigma' was 0\.1, now 0\.2.*--overwrite"):
+        check_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.2}}, overwrite=False)
     assert (tmp_path / "metrics.jsonl").read_text() == "precious\n"
-    guard_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.2}}, overwrite=True)
+    assert check_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.2}}, overwrite=True) is False
+    claim_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.2}})
     assert (tmp_path / "replaced-1" / "metrics.jsonl").read_text() == "precious\n"
+    assert json.loads((tmp_path / "config.json").read_text()) == {"a": 1, "es": {"sigma": 0.2}}
 
 
 def test_entry_scripts_use_one_cpu_device_per_core():
     """`parallel.use_cpu_cores_as_devices` (called first by the entry scripts) gives one CPU device per available core,
     and leaves an explicit --xla_force_host_platform_device_count alone."""
-    code = ("from esroll import parallel; parallel.use_cpu_cores_as_devices(); import jax, os; "
-            "print(len(jax.devices('cpu')), len(os.sched_getaffinity(0)))")  # fmt: skip
+    code = (
+        "from esroll import parallel; parallel.use_cpu_cores_as_devices(); import jax, os; "
+        "print(len(jax.devices('cpu')), len(os.sched_getaffinity(0)))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "JAX_PLATFORMS": "cpu"}, cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert out[0] == out[1]
     flags = {**env, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
-    out = subprocess.run([sys.executable, "-c", code], env=flags, cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout.split()  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=flags, cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     assert out[0] == "3"

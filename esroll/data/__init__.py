@@ -1,13 +1,30 @@
-"""Tasks (GSM8K, synthetic arithmetic, Countdown), prompt formatting, scoring, splits and resumable batching."""
+"""Tasks (GSM8K, GSM-Symbolic, synthetic arithmetic, Countdown), prompts, scoring, splits and resumable batching."""
 
 from esroll.data.batching import batch_indices, epoch_permutation, get_batch, split_examples
 from esroll.data.build import make_splits
 from esroll.data.gsm8k import example_from_gsm8k, load_gsm8k, to_gsm8k_dict, write_jsonl
+from esroll.data.gsm_symbolic import gsm_symbolic_templates, make_gsm_symbolic, make_gsm_symbolic_splits
 from esroll.data.synthetic import make_arithmetic, make_countdown
 from esroll.data.tasks import PLAIN_TEMPLATE, TASKS, Example, format_prompt, score
 
 __all__ = [
-    "PLAIN_TEMPLATE", "TASKS", "Example", "batch_indices", "epoch_permutation", "example_from_gsm8k",
-    "format_prompt", "get_batch", "load_gsm8k", "make_arithmetic", "make_countdown", "make_splits", "score", "split_examples",
-    "to_gsm8k_dict", "write_jsonl",
+    "PLAIN_TEMPLATE",
+    "TASKS",
+    "Example",
+    "batch_indices",
+    "epoch_permutation",
+    "example_from_gsm8k",
+    "format_prompt",
+    "get_batch",
+    "gsm_symbolic_templates",
+    "load_gsm8k",
+    "make_arithmetic",
+    "make_countdown",
+    "make_gsm_symbolic",
+    "make_gsm_symbolic_splits",
+    "make_splits",
+    "score",
+    "split_examples",
+    "to_gsm8k_dict",
+    "write_jsonl",
 ]

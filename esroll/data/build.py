@@ -2,23 +2,42 @@
 
 from __future__ import annotations
 
-from esroll.config import DataConfig
+from typing import TYPE_CHECKING
+
 from esroll.data.batching import split_examples
 from esroll.data.gsm8k import load_gsm8k
+from esroll.data.gsm_symbolic import make_gsm_symbolic_splits
 from esroll.data.synthetic import make_arithmetic, make_countdown
 from esroll.data.tasks import Example
+
+if TYPE_CHECKING:  # esroll.config imports the task names from here
+    from esroll.config import DataConfig
 
 
 def make_splits(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
     """Synthetic tasks are generated from `cfg.seed`; GSM8K is read from `cfg.path` (and `cfg.eval_path`).
 
-    The held-out split never shares a prompt with the training split.
+    The held-out split never shares a prompt with the training split. GSM-Symbolic's never shares a template: its
+    `cfg.n_examples` rows are `cfg.eval_size` held-out ones from templates never trained on and the rest for training.
     """
     if cfg.task == "arithmetic":
-        rows = make_arithmetic(cfg.n_examples, cfg.seed, digits=cfg.digits, ops=tuple(cfg.ops), n_terms=cfg.n_terms,
-                               word_problems=cfg.word_problems)  # fmt: skip
+        rows = make_arithmetic(
+            cfg.n_examples,
+            cfg.seed,
+            digits=cfg.digits,
+            ops=tuple(cfg.ops),
+            n_terms=cfg.n_terms,
+            word_problems=cfg.word_problems,
+        )
     elif cfg.task == "countdown":
         rows = make_countdown(cfg.n_examples, cfg.seed, n_numbers=cfg.countdown_numbers)
+    elif cfg.task == "gsm_symbolic":  # split by template, not by prompt: see esroll.data.gsm_symbolic
+        if cfg.n_examples <= cfg.eval_size:
+            raise ValueError(
+                f"config: data.n_examples={cfg.n_examples} leaves no training examples after "
+                f"data.eval_size={cfg.eval_size} for data.task='gsm_symbolic'"
+            )
+        return make_gsm_symbolic_splits(cfg.n_examples - cfg.eval_size, cfg.eval_size, cfg.seed)
     elif cfg.task == "gsm8k":
         if not cfg.path:
             raise ValueError("config: 'data.path' must name a GSM8K file or dataset for data.task='gsm8k'")

@@ -84,10 +84,15 @@ def make_arithmetic(
         terms = [_operand(rng, digits) for _ in range(n_terms)]
         row_ops = [_pick(rng, ops) for _ in range(n_terms - 1)]
         question, work, value = _word_row(rng, terms, row_ops) if word_problems else _expression_row(terms, row_ops)
-        examples.append(Example(
-            task="arithmetic", prompt=question, answer=str(value),
-            solution=f"{work}\n#### {value}", target_text=f" {value}",
-        ))
+        examples.append(
+            Example(
+                task="arithmetic",
+                prompt=question,
+                answer=str(value),
+                solution=f"{work}\n#### {value}",
+                target_text=f" {value}",
+            )
+        )
     return examples
 
 
@@ -127,9 +132,14 @@ def make_countdown(n: int, seed: int, *, n_numbers: int = 3, max_number: int = 2
             "You may use +, -, * and /, and each number at most once. "
             "Give the expression in <answer></answer> tags, for example <answer>(1 + 2) * 3</answer>."
         )
-        examples.append(Example(
-            task="countdown", prompt=prompt, answer=str(target), solution=expression,
-            target_text=f" <answer>{expression}</answer>",
-            meta={"numbers": tuple(numbers), "target": target, "expression": expression},
-        ))
+        examples.append(
+            Example(
+                task="countdown",
+                prompt=prompt,
+                answer=str(target),
+                solution=expression,
+                target_text=f" <answer>{expression}</answer>",
+                meta={"numbers": tuple(numbers), "target": target, "expression": expression},
+            )
+        )
     return examples

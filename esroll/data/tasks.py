@@ -5,23 +5,25 @@ from typing import Any, Literal, Mapping
 
 from esroll import rewards
 
-TASKS = ("gsm8k", "arithmetic", "countdown")
+TASKS = ("gsm8k", "arithmetic", "countdown", "gsm_symbolic")
 
 # The fixed "plain" template. The tiny shipped model is trained on synthetic arithmetic with exactly this template
 # and the completion `Example.target_text` (" 47"), so changing it invalidates that model.
 PLAIN_TEMPLATE = "Question: {question}\nAnswer:"
+TEMPLATES = ("plain", "chat")
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
     """One prompt and what counts as answering it.
 
-    task: which reward applies ("gsm8k" and "arithmetic": final number; "countdown": expression).
+    task: which reward applies ("gsm8k", "gsm_symbolic" and "arithmetic": final number; "countdown": expression).
     prompt: the question text, before any template.
     answer: the canonical gold number, e.g. "42".
     solution: a worked solution in GSM8K form ending in "#### <answer>" (Countdown: the constructing expression).
     target_text: the supervised completion after the template, e.g. " 47" (the trainer appends EOS).
-    meta: task data the reward needs; Countdown stores `numbers` (a tuple) and `target` (an int).
+    meta: task data the reward needs; Countdown stores `numbers` (a tuple) and `target` (an int). GSM-Symbolic stores
+        the `template` id (an int) and its `draw`.
     """
 
     task: str
@@ -50,18 +52,16 @@ def format_prompt(
     if template == "chat":
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("template='chat' needs a tokenizer with a chat template; use template='plain'")
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": question}
-        ]
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
         return tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
         )
-    raise ValueError(f"unknown prompt template {template!r}; expected 'plain' or 'chat'")
+    raise ValueError(f"unknown prompt template {template!r}; expected one of {', '.join(TEMPLATES)}")
 
 
 def score(example: Example, completion: str) -> float:
     """The reward of one completion for one row, picked by `example.task`."""
-    if example.task in ("gsm8k", "arithmetic"):
+    if example.task in ("gsm8k", "gsm_symbolic", "arithmetic"):
         return rewards.gsm8k_reward(completion, example.answer)
     if example.task == "countdown":
         return rewards.countdown_reward(completion, example.meta["numbers"], example.meta["target"])

@@ -1,9 +1,28 @@
-"""Evolution strategies with low-rank noise: antithetic EGGROLL and LOO-ROLL (see /THEORY.md).
+"""Evolution strategies with low-rank noise: antithetic EGGROLL and LOO-ROLL (the mathematics: docs/theory.md).
 
-`strategy` is the entry point (ESConfig, init / ask / tell); `noise` draws the factors, `estimators` turns fitness
-into an update, `theory` holds the variance predictions and Monte-Carlo helpers used by tests and notebooks.
+`strategy` is the entry point (`ESConfig`, `make_strategy` → init / ask / tell); `noise` draws the factors,
+`estimators` turns fitness into an update, `theory` holds the variance predictions and Monte-Carlo helpers used by
+tests and notebooks.
 """
 
-from esroll.es.strategy import ESConfig, ESState, ask, estimate, init, member_deltas, step_factors, tell
+from esroll.es.strategy import (
+    ESConfig,
+    ESSettings,
+    ESState,
+    Strategy,
+    estimate,
+    make_strategy,
+    member_deltas,
+    step_factors,
+)
 
-__all__ = ["ESConfig", "ESState", "ask", "estimate", "init", "member_deltas", "step_factors", "tell"]
+__all__ = [
+    "ESConfig",
+    "ESSettings",
+    "ESState",
+    "Strategy",
+    "estimate",
+    "make_strategy",
+    "member_deltas",
+    "step_factors",
+]

@@ -1,10 +1,10 @@
 """EGGROLL noise as a pure function of (key, step, leaf, layer, direction).
 
-Parameters are a nested dict of arrays; a leaf is named by its path ("layers/q", "embed"). Leaves under the top-level
-key "layers" are layer-stacked ([L, in, out] or [L, D]) and every layer gets its own draw; other leaves are single
-([in, out] or [D]). Each leaf is one of
+Parameters are a nested dict of arrays; a leaf is named by its path, its dict keys joined by "/" ("layers/q",
+"embed"). Leaves under the top-level key `esroll.models.STACKED` ("layers") are layer-stacked ([L, in, out] or
+[L, dim]) and every layer gets its own draw; other leaves are single ([in, out] or [dim]). Each leaf is one of
     lowrank  a matrix (per layer): direction k gets A_k [in, r], B_k [out, r] i.i.d. N(0, 1), E_k = A_k B_kᵀ / √r;
-    dense    a vector (per layer): direction k gets ε_k [D] i.i.d. N(0, 1);
+    dense    a vector (per layer): direction k gets ε_k [dim] i.i.d. N(0, 1);
     frozen   not perturbed, not updated.
 The kind comes from regexes on the path (`re.fullmatch`): the first of frozen_patterns, then lowrank_patterns
 (matrices only), then dense_patterns (vectors only) that matches decides; a leaf matched by none is frozen.
@@ -15,8 +15,10 @@ dense_patterns=(".*norm", ".*bias").
 
 Keys: key → fold_in(step) → fold_in(crc32(path)) → fold_in(layer) → fold_in(direction) → fold_in(block b); the draw
 of one (leaf, layer, direction) is its N(0, 1) blocks of BLOCK numbers, concatenated and cut to [in + out, r]
-(row-major: the first `in` rows are A, the rest B) or to [D]. No draw depends on the device count, the batch layout,
-chunking or sharding, and adding a leaf does not change the others.
+(row-major: the first `in` rows are A, the rest B) or to [dim]. No draw depends on the device count, the batch
+layout, chunking or sharding, or the order of the leaves, and adding a leaf does not change the others.
+
+Shape letters (see `esroll`): L layers, E directions, M population members, R rank.
 """
 
 from __future__ import annotations
@@ -29,23 +31,32 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from esroll.models import LowRank
+from esroll.models import STACKED, LowRank
 
 Array = jax.Array
 LOWRANK, DENSE = "lowrank", "dense"
 BLOCK = 128  # noise is drawn in blocks of this many numbers (part of the definition of the stream)
 
 
-def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+def _is_leaf(x) -> bool:
+    """Only dicts are inner nodes: `LowRank` factors (a NamedTuple), arrays, and shape tuples are leaves."""
+    return not isinstance(x, dict)
+
+
+def path_name(key_path: tuple) -> str:
+    """A `jax.tree_util` key path as a leaf name: ("layers", "q") -> "layers/q"."""
+    return jax.tree_util.keystr(key_path, simple=True, separator="/")
+
+
+def flatten(tree: dict) -> dict[str, Any]:
     """{"layers": {"q": x}} -> {"layers/q": x}; LowRank factors count as leaves."""
-    flat = {}
-    for name, value in tree.items():
-        path = f"{prefix}{name}"
-        if isinstance(value, dict):
-            flat.update(flatten(value, path + "/"))
-        else:
-            flat[path] = value
-    return flat
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+    return {path_name(key_path): leaf for key_path, leaf in leaves}
+
+
+def map_with_path(fn, tree: dict) -> dict:
+    """tree with every leaf x replaced by fn(path, x) (LowRank factors count as leaves)."""
+    return jax.tree_util.tree_map_with_path(lambda key_path, x: fn(path_name(key_path), x), tree, is_leaf=_is_leaf)
 
 
 def unflatten(flat: dict[str, Any]) -> dict:
@@ -61,7 +72,8 @@ def unflatten(flat: dict[str, Any]) -> dict:
 
 
 def is_stacked(path: str) -> bool:
-    return path.startswith("layers/")
+    """Whether the leaf at `path` is layer-stacked: it lies under the top-level key `esroll.models.STACKED`."""
+    return path.startswith(STACKED + "/")
 
 
 def plan(params: dict, lowrank_patterns=(".*",), dense_patterns=(), frozen_patterns=()) -> dict[str, str]:
@@ -82,10 +94,10 @@ def plan(params: dict, lowrank_patterns=(".*",), dense_patterns=(), frozen_patte
     return kinds
 
 
-def factors(key: Array, step, params: dict, kinds: dict[str, str], rank: int, directions_K: Array) -> dict:
-    """Unscaled N(0, 1) noise of directions `directions_K` (int array), generated once per step, float32.
+def factors(key: Array, step, params: dict, kinds: dict[str, str], rank: int, directions_E: Array) -> dict:
+    """Unscaled N(0, 1) noise of directions `directions_E` (int array), generated once per step, float32.
 
-    Mirrors `params` for perturbed leaves: LowRank(a [L, K, in, r], b [L, K, out, r]) or ε [L, K, D] for stacked
+    Mirrors `params` for perturbed leaves: LowRank(a [L, E, in, R], b [L, E, out, R]) or ε [L, E, dim] for stacked
     leaves, without the L axis for single leaves. Every draw is cut from blocks of BLOCK numbers, and all blocks of
     all leaves come from one vmapped generator call: XLA compiles one generator, not one per leaf.
     """
@@ -97,13 +109,13 @@ def factors(key: Array, step, params: dict, kinds: dict[str, str], rank: int, di
         draw = (per_layer[0] + per_layer[1], rank) if kind == LOWRANK else tuple(per_layer)  # A: first `in` rows
         leaves.append((path, layers, draw, -(-math.prod(draw) // BLOCK)))
     # One row per (leaf, layer, direction, block), leaf-major; one flat vmap (nested vmaps compile slowly on CPU).
-    K = directions_K.shape[0]
+    E = directions_E.shape[0]
     ids = []
     for path, layers, _, nb in leaves:
-        shape = (layers, K, nb)
+        shape = (layers, E, nb)
         leaf = jnp.full(shape, zlib.crc32(path.encode()) & 0x7FFFFFFF, jnp.int32)
         layer = jnp.broadcast_to(jnp.arange(layers)[:, None, None], shape)
-        direction = jnp.broadcast_to(directions_K[None, :, None], shape)
+        direction = jnp.broadcast_to(directions_E[None, :, None], shape)
         block = jnp.broadcast_to(jnp.arange(nb)[None, None, :], shape)
         ids.append(jnp.stack([leaf, layer, direction, block], -1).reshape(-1, 4))
     step_key = jax.random.fold_in(key, step)
@@ -114,13 +126,13 @@ def factors(key: Array, step, params: dict, kinds: dict[str, str], rank: int, di
             k = jax.random.fold_in(k, ids_4[i])
         return jax.random.normal(k, (BLOCK,), jnp.float32)
 
-    values_XxB = jax.vmap(block_noise)(jnp.concatenate(ids))
+    blocks = jax.vmap(block_noise)(jnp.concatenate(ids))  # [rows of ids, BLOCK]
 
     out, x = {}, 0
     for path, layers, draw, nb in leaves:
-        v = values_XxB[x : x + layers * K * nb].reshape(layers, K, nb * BLOCK)[:, :, : math.prod(draw)]
-        x += layers * K * nb
-        v = v.reshape((layers, K) + draw)
+        v = blocks[x : x + layers * E * nb].reshape(layers, E, nb * BLOCK)[:, :, : math.prod(draw)]
+        x += layers * E * nb
+        v = v.reshape((layers, E) + draw)
         if kinds[path] == LOWRANK:
             m = flat[path].shape[-2]
             v = LowRank(v[..., :m, :], v[..., m:, :])
@@ -128,23 +140,23 @@ def factors(key: Array, step, params: dict, kinds: dict[str, str], rank: int, di
     return unflatten(out)
 
 
-def member_deltas(factors_tree: dict, params: dict, direction_N: Array, scale_N: Array, rank: int) -> dict:
+def member_deltas(factors_tree: dict, params: dict, direction_M: Array, scale_M: Array, rank: int) -> dict:
     """Member-level deltas for `Perturbation`: member i is θ + scale_i·E_{direction_i}.
 
-    Low-rank: a_i = scale_i/√r · A, b_i = B; dense: scale_i · ε. Cast to each leaf's dtype.
+    Low-rank: a_i = scale_i/√r · A, b_i = B; dense: scale_i · ε. The member axis M replaces the direction axis E
+    (after L for stacked leaves). Cast to each leaf's dtype.
     """
     flat_params = flatten(params)
 
-    def scaled(x, s_N, axis, dtype):  # gather each member's direction along `axis`, times its scale
-        s = s_N.reshape((1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1))
-        return (jnp.take(x, direction_N, axis=axis) * s).astype(dtype)
+    def scaled(x, s_M, axis, dtype):  # gather each member's direction along `axis`, times its scale
+        s = s_M.reshape((1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1))
+        return (jnp.take(x, direction_M, axis=axis) * s).astype(dtype)
 
-    out = {}
-    for path, f in flatten(factors_tree).items():
+    def deltas(path, f):
         axis, dtype = (1 if is_stacked(path) else 0), flat_params[path].dtype  # the direction axis
         if isinstance(f, LowRank):
-            a = scaled(f.a, scale_N / math.sqrt(rank), axis, dtype)
-            out[path] = LowRank(a, scaled(f.b, jnp.ones_like(scale_N), axis, dtype))
-        else:
-            out[path] = scaled(f, scale_N, axis, dtype)
-    return unflatten(out)
+            a = scaled(f.a, scale_M / math.sqrt(rank), axis, dtype)
+            return LowRank(a, scaled(f.b, jnp.ones_like(scale_M), axis, dtype))
+        return scaled(f, scale_M, axis, dtype)
+
+    return map_with_path(deltas, factors_tree)

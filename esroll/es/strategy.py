@@ -1,14 +1,17 @@
-"""ES as init / ask / tell over parameter pytrees, with optax inside.
+"""ES shaped like an optax transformation: a factory closes over the ES config and the optimizer and returns pure
+`init / ask / tell` over parameter pytrees.
 
-    state = init(cfg, params, optimizer, key)
-    deltas = ask(cfg, state, params)                      # member-level low-rank factors of this step
-    fitness_N = ... forward(..., perturb=Perturbation(deltas, member_B)) ...
-    params, state, metrics = tell(cfg, state, params, fitness_N, optimizer)
+    strategy = es.make_strategy(es.ESConfig(method="looroll", population=64, sigma=5e-3), optax.adam(1e-3))
+    state = strategy.init(params, key)
+    deltas = strategy.ask(state, params)          # member-level low-rank factors of this step, scale folded in
+    fitness_M = ... generate / forward with Perturbation(deltas, member_B) ...
+    params, state, metrics = strategy.tell(state, params, fitness_M)
 
-`tell` regenerates the step's noise from (key, step) instead of receiving it, so across devices only the N fitness
-scalars travel. All three are jit-able with `cfg` static (close over `optimizer`). Members with non-finite fitness
-are dropped and a step with too few left is skipped (parameters and optimizer state kept): see `estimators`.
-Frozen leaves get a zero gradient: wrap the optimizer in `optax.masked` if it applies weight decay.
+All three are pure and jit-able as they are (`jax.jit(strategy.tell)`): nothing is a static argument. `tell`
+regenerates the step's noise from (key, step) instead of receiving it, so across devices only the M fitness scalars
+travel. Members with non-finite fitness are dropped and a step with too few left is skipped (parameters and
+optimizer state kept): see `estimators`. Frozen leaves get a zero gradient: wrap the optimizer in `optax.masked` if
+it applies weight decay.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -23,26 +27,26 @@ import jax.numpy as jnp
 import optax
 
 from esroll import advantages
+from esroll.errors import ConfigError
 from esroll.es import estimators, noise
 
 Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
-class ESConfig:
-    """What an ES step does; frozen and hashable, so it is a static jit argument.
+class ESSettings:
+    """The ES settings a config file's `es` section holds (the estimator, `method`, is the experiment's top level).
 
-    method: "eggroll" (antithetic pairs, population even) or "looroll" (one evaluation per direction, LOO baseline).
-    sigma: perturbation radius (member i is θ ± σ·E_i). rank: r of E = ABᵀ/√r.
+    These defaults are the only ones: config files start from them (`configs/default.py`) and set what differs.
+    population: members M per step. rank: r of E = ABᵀ/√r. sigma: perturbation radius (member i is θ ± σ·E_i).
     shaping: a name in `esroll.advantages`, applied to the fitness before the estimator (raw keeps it unbiased;
     zscore makes the update independent of the reward scale).
     Leaf selection by path regex (see `noise`): defaults freeze embed / lm_head and vectors, perturb other matrices.
-    chunk_size: directions per chunk when `tell` sums the update (None: all at once).
+    chunk_size: directions per chunk when `tell` sums the update (0: all at once).
     min_valid_fraction: non-finite fitness is dropped (see `estimators`); a step keeping fewer members than this
     fraction of the population is skipped.
     """
 
-    method: str = "looroll"
     population: int = 64
     rank: int = 1
     sigma: float = 1e-3
@@ -50,33 +54,57 @@ class ESConfig:
     lowrank_patterns: tuple[str, ...] = (".*",)
     dense_patterns: tuple[str, ...] = ()
     frozen_patterns: tuple[str, ...] = ("embed", "lm_head")
-    chunk_size: int | None = None
+    chunk_size: int = 0
     min_valid_fraction: float = 0.5
 
     def __post_init__(self):
-        def check(ok: bool, field: str, why: str):
-            if not ok:
-                raise ValueError(f"ESConfig.{field} = {getattr(self, field)!r}: {why}")
-
-        check(self.method in estimators.METHODS, "method", f"must be one of {', '.join(estimators.METHODS)}")
-        check(self.population >= 2, "population", "must be at least 2")
-        check(self.method != "eggroll" or self.population % 2 == 0, "population", "must be even for eggroll")
-        check(self.rank >= 1, "rank", "must be at least 1")
-        check(self.sigma > 0 and math.isfinite(self.sigma), "sigma", "must be a positive finite number")
-        check(self.shaping in advantages.SHAPINGS, "shaping", f"must be one of {', '.join(advantages.SHAPINGS)}")
-        check(self.chunk_size is None or self.chunk_size >= 1, "chunk_size", "must be None or at least 1")
-        check(0 <= self.min_valid_fraction <= 1, "min_valid_fraction", "must be in [0, 1]")
+        where = type(self).__name__
+        checks = [
+            ("population", self.population >= 2, ">= 2"),
+            ("rank", self.rank >= 1, ">= 1"),
+            ("sigma", self.sigma > 0 and math.isfinite(self.sigma), "a positive finite number"),
+            ("shaping", self.shaping in advantages.SHAPINGS, f"one of {', '.join(advantages.SHAPINGS)}"),
+            ("chunk_size", self.chunk_size >= 0, ">= 0 (0: all directions at once)"),
+            ("min_valid_fraction", 0 <= self.min_valid_fraction <= 1, "in [0, 1]"),
+        ]
         for field in ("lowrank_patterns", "dense_patterns", "frozen_patterns"):
-            check(isinstance(getattr(self, field), tuple), field, "must be a tuple of regexes")
-            for p in getattr(self, field):
-                try:
-                    re.compile(p)
-                except re.error as e:
-                    check(False, field, f"bad regex {p!r} ({e})")
+            patterns = getattr(self, field)
+            ok = isinstance(patterns, tuple) and all(isinstance(p, str) and _compiles(p) for p in patterns)
+            checks.append((field, ok, "a tuple of valid regular expressions"))
+        for field, ok, expected in checks:
+            if not ok:
+                raise ConfigError(field, getattr(self, field), expected, where=where)
+
+
+@dataclasses.dataclass(frozen=True)
+class ESConfig(ESSettings):
+    """What an ES step does: the settings plus the estimator, `method`: "eggroll" (antithetic pairs, population
+    even) or "looroll" (one evaluation per direction, leave-one-out baseline)."""
+
+    method: str = "looroll"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.method not in estimators.METHODS:
+            raise ConfigError("method", self.method, f"one of {', '.join(estimators.METHODS)}", where="ESConfig")
+        if self.method == "eggroll" and self.population % 2:
+            raise ConfigError("population", self.population, "even for eggroll (antithetic pairs)", where="ESConfig")
+
+    @classmethod
+    def of(cls, method: str, settings: ESSettings) -> ESConfig:
+        return cls(method=method, **{f.name: getattr(settings, f.name) for f in dataclasses.fields(ESSettings)})
 
     @property
     def num_directions(self) -> int:
         return estimators.num_directions(self.method, self.population)
+
+
+def _compiles(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True
 
 
 class ESState(NamedTuple):
@@ -89,63 +117,75 @@ def leaf_kinds(cfg: ESConfig, params: dict) -> dict[str, str]:
     return noise.plan(params, cfg.lowrank_patterns, cfg.dense_patterns, cfg.frozen_patterns)
 
 
-def init(cfg: ESConfig, params: dict, optimizer: optax.GradientTransformation, key: Array) -> ESState:
-    if not leaf_kinds(cfg, params):
-        raise ValueError(
-            "ESConfig: no parameter leaf is perturbed; check lowrank_patterns / dense_patterns / frozen_patterns"
-        )
-    return ESState(jnp.zeros((), jnp.int32), key, optimizer.init(params))
-
-
-def step_factors(cfg: ESConfig, key: Array, step, params: dict, directions_K: Array) -> dict:
+def step_factors(cfg: ESConfig, key: Array, step, params: dict, directions_E: Array) -> dict:
     """Unscaled noise of the given directions at `step` (see `noise.factors`)."""
-    return noise.factors(key, step, params, leaf_kinds(cfg, params), cfg.rank, directions_K)
+    return noise.factors(key, step, params, leaf_kinds(cfg, params), cfg.rank, directions_E)
 
 
 def member_deltas(cfg: ESConfig, key: Array, step, params: dict) -> dict:
     """Deltas of every member at `step`: member i is θ + sign_i·σ·E_{direction_i}."""
-    direction_N, sign_N = estimators.member_directions(cfg.method, cfg.population)
+    direction_M, sign_M = estimators.member_directions(cfg.method, cfg.population)
     factors = step_factors(cfg, key, step, params, jnp.arange(cfg.num_directions))
-    return noise.member_deltas(factors, params, direction_N, cfg.sigma * sign_N, cfg.rank)
+    return noise.member_deltas(factors, params, direction_M, cfg.sigma * sign_M, cfg.rank)
 
 
-def ask(cfg: ESConfig, state: ESState, params: dict) -> dict:
-    """This step's member-level deltas, ready for `Perturbation(deltas, member_B)`."""
-    return member_deltas(cfg, state.key, state.step, params)
-
-
-def estimate(cfg: ESConfig, key: Array, step, params: dict, fitness_N: Array) -> tuple[dict, estimators.Weights]:
+def estimate(cfg: ESConfig, key: Array, step, params: dict, fitness_M: Array) -> tuple[dict, estimators.Weights]:
     """ĝ (ascent direction, same tree as params, zeros on frozen leaves) from the members' fitness at `step`."""
-    weights = estimators.direction_weights(cfg.method, fitness_N, cfg.sigma, cfg.shaping, cfg.min_valid_fraction)
+    weights = estimators.direction_weights(cfg.method, fitness_M, cfg.sigma, cfg.shaping, cfg.min_valid_fraction)
     sums = estimators.weighted_sum(
-        lambda dirs: step_factors(cfg, key, step, params, dirs), weights.w_K, cfg.rank, cfg.chunk_size
+        lambda dirs: step_factors(cfg, key, step, params, dirs), weights.w_E, cfg.rank, cfg.chunk_size or None
     )
     flat = noise.flatten(params)
     grad = {path: sums[path].astype(p.dtype) if path in sums else jnp.zeros_like(p) for path, p in flat.items()}
     return noise.unflatten(grad), weights
 
 
-def tell(
-    cfg: ESConfig, state: ESState, params: dict, fitness_N: Array, optimizer: optax.GradientTransformation
-) -> tuple[dict, ESState, dict[str, Array]]:
-    """Apply one ES step from the members' fitness (higher is better); returns (params, state, metrics)."""
-    grad, weights = estimate(cfg, state.key, state.step, params, fitness_N)
-    updates, opt_state = optimizer.update(jax.tree.map(jnp.negative, grad), state.opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+class Strategy(NamedTuple):
+    """Pure functions of one ES configuration and optimizer, like `optax.GradientTransformation`."""
 
-    def unless_skipped(new, old):
-        return jax.tree.map(lambda n, o: jnp.where(weights.skipped, o, n), new, old)
+    init: Callable[[dict, Array], ESState]  # (params, key) -> state
+    ask: Callable[[ESState, dict], dict]  # (state, params) -> member deltas for `Perturbation`
+    tell: Callable[[ESState, dict, Array], tuple[dict, ESState, dict]]  # (state, params, fitness_M) -> ...
 
-    finite_N = jnp.where(jnp.isfinite(fitness_N), fitness_N, jnp.nan)
-    metrics = {
-        "fitness_mean": jnp.nanmean(finite_N),  # over finite members (NaN if there are none)
-        "fitness_std": jnp.nanstd(finite_N),
-        "fitness_max": jnp.nanmax(finite_N),
-        "num_nonfinite": weights.num_nonfinite,
-        "num_dropped": weights.num_dropped,
-        "skipped": weights.skipped,
-        "grad_norm": optax.tree.norm(grad),
-        "update_norm": jnp.where(weights.skipped, 0.0, optax.tree.norm(updates)),
-    }
-    new_state = ESState(state.step + 1, state.key, unless_skipped(opt_state, state.opt_state))
-    return unless_skipped(new_params, params), new_state, metrics
+
+def make_strategy(cfg: ESConfig, optimizer: optax.GradientTransformation) -> Strategy:
+    """ES with `cfg` whose update goes through `optimizer` (the ascent direction is negated for optax)."""
+
+    def init(params: dict, key: Array) -> ESState:
+        kinds = leaf_kinds(cfg, params)
+        if not kinds:
+            raise ValueError(
+                "ESConfig: no parameter leaf is perturbed; check lowrank_patterns / dense_patterns / frozen_patterns"
+            )
+        if "embed" in kinds:  # the token lookup (and a tied head) takes no perturbation: its update would be blind
+            raise ConfigError("frozen_patterns", cfg.frozen_patterns, "patterns that freeze 'embed'", where="ESConfig")
+        return ESState(jnp.zeros((), jnp.int32), key, optimizer.init(params))
+
+    def ask(state: ESState, params: dict) -> dict:
+        """This step's member-level deltas, ready for `Perturbation(deltas, member_B)`."""
+        return member_deltas(cfg, state.key, state.step, params)
+
+    def tell(state: ESState, params: dict, fitness_M: Array) -> tuple[dict, ESState, dict[str, Array]]:
+        """Apply one ES step from the members' fitness (higher is better); returns (params, state, metrics)."""
+        grad, weights = estimate(cfg, state.key, state.step, params, fitness_M)
+        updates, opt_state = optimizer.update(jax.tree.map(jnp.negative, grad), state.opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+
+        def unless_skipped(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(weights.skipped, o, n), new, old)
+
+        finite_M = jnp.where(jnp.isfinite(fitness_M), fitness_M, jnp.nan)
+        metrics = {
+            "fitness_mean": jnp.nanmean(finite_M),  # over finite members (NaN if there are none)
+            "fitness_std": jnp.nanstd(finite_M),
+            "fitness_max": jnp.nanmax(finite_M),
+            "num_nonfinite": weights.num_nonfinite,
+            "num_dropped": weights.num_dropped,
+            "skipped": weights.skipped,
+            "grad_norm": optax.tree.norm(grad),
+            "update_norm": jnp.where(weights.skipped, 0.0, optax.tree.norm(updates)),
+        }
+        new_state = ESState(state.step + 1, state.key, unless_skipped(opt_state, state.opt_state))
+        return unless_skipped(new_params, params), new_state, metrics
+
+    return Strategy(init, ask, tell)

@@ -1,14 +1,16 @@
 """Closed-form estimator errors under the local affine model, and Monte-Carlo helpers to measure them.
 
 Affine model: J(θ+σE) = J(θ) + σ⟨G, E⟩. Per-sample estimator ⟨G,E⟩E (one antithetic pair), summed over the perturbed
-units u (one matrix of one layer, or one vector) of total dimension D, with independent noise per unit:
-    V = E‖⟨G,E⟩E − G‖² = (D+1)‖G‖² + Σ_{low-rank u} 2(m_u+n_u+1)/r · ‖G_u‖²
+units u (one matrix of one layer, or one vector) of total dimension d, with independent noise per unit:
+    V = E‖⟨G,E⟩E − G‖² = (d+1)‖G‖² + Σ_{low-rank u} 2(m_u+n_u+1)/r · ‖G_u‖²
 (the first term is dense Gaussian noise; the second the rank-r excess, from E[⟨G,E⟩²‖E‖²] for E = ABᵀ/√r:
 ((m+2)(n+2) + (r−1)(mn+2))/r · ‖G‖²; for one m×n matrix at rank one, V = ((m+2)(n+2)−1)‖G‖²).
-At N evaluations (exact for every N, derived by expanding the LOO sum):
-    antithetic (N/2 directions):  2V/N
-    LOO-ROLL (N directions):      V/N + V_dense/(N(N−1)),   V_dense = (D+1)‖G‖²
-so the LOO / antithetic ratio is 1/2 + V_dense/(2V(N−1)) → 1/2.
+At M evaluations (members; exact for every M, derived by expanding the LOO sum):
+    antithetic (M/2 directions):  2V/M
+    LOO-ROLL (M directions):      V/M + V_dense/(M(M−1)),   V_dense = (d+1)‖G‖²
+so the LOO / antithetic ratio is 1/2 + V_dense/(2V(M−1)) → 1/2.
+
+Shape letters (see `esroll`): M population members, E directions, L layers, R rank.
 """
 
 from __future__ import annotations
@@ -55,15 +57,15 @@ def affine_fitness(grad: dict, deltas: dict) -> Array:
         g = flat_g[path].astype(jnp.float32)
         stacked = noise.is_stacked(path)
         if isinstance(d, LowRank):
-            spec = "lnir,lio,lnor->n" if stacked else "nir,io,nor->n"
+            spec = "lmir,lio,lmor->m" if stacked else "mir,io,mor->m"
             total = total + jnp.einsum(spec, d.a.astype(jnp.float32), g, d.b.astype(jnp.float32))
         else:
-            total = total + jnp.einsum("lnd,ld->n" if stacked else "nd,d->n", d.astype(jnp.float32), g)
+            total = total + jnp.einsum("lmd,ld->m" if stacked else "md,d->m", d.astype(jnp.float32), g)
     return total
 
 
 def inner_and_sqnorm(factors: dict, grad: dict, rank: int) -> dict[str, tuple[Array, Array]]:
-    """Per unit and direction, from unscaled factors without forming E: (⟨G_u, E_k⟩, ‖E_k‖²), each [L, K] or [K].
+    """Per unit and direction, from unscaled factors without forming E: (⟨G_u, E_k⟩, ‖E_k‖²), each [L, E] or [E].
 
     The per-sample squared error of one unit is then X²‖E‖² − 2X² + ‖G‖² (under the affine model).
     """
@@ -73,28 +75,28 @@ def inner_and_sqnorm(factors: dict, grad: dict, rank: int) -> dict[str, tuple[Ar
         g = flat_g[path].astype(jnp.float32)
         lead = "l" if noise.is_stacked(path) else ""
         if isinstance(f, LowRank):
-            x = jnp.einsum(f"{lead}kir,{lead}io,{lead}kor->{lead}k", f.a, g, f.b) / jnp.sqrt(rank)
-            gram_a = jnp.einsum(f"{lead}kir,{lead}kis->{lead}krs", f.a, f.a)
-            gram_b = jnp.einsum(f"{lead}kor,{lead}kos->{lead}krs", f.b, f.b)
+            x = jnp.einsum(f"{lead}eir,{lead}io,{lead}eor->{lead}e", f.a, g, f.b) / jnp.sqrt(rank)
+            gram_a = jnp.einsum(f"{lead}eir,{lead}eis->{lead}ers", f.a, f.a)
+            gram_b = jnp.einsum(f"{lead}eor,{lead}eos->{lead}ers", f.b, f.b)
             out[path] = (x, jnp.sum(gram_a * gram_b, (-2, -1)) / rank)  # ‖ABᵀ‖² = tr(AᵀA·BᵀB)
         else:
-            out[path] = (jnp.einsum(f"{lead}kd,{lead}d->{lead}k", f, g), jnp.sum(f**2, -1))
+            out[path] = (jnp.einsum(f"{lead}ed,{lead}d->{lead}e", f, g), jnp.sum(f**2, -1))
     return out
 
 
 def materialize(params: dict, deltas: dict) -> dict:
-    """Every member's parameters [N, *shape] built explicitly (small models and checks only)."""
+    """Every member's parameters [M, *shape] built explicitly (small models and checks only)."""
     flat_d = noise.flatten(deltas)
     path0, d0 = next(iter(flat_d.items()))
-    N = jax.tree.leaves(d0)[0].shape[1 if noise.is_stacked(path0) else 0]
+    M = jax.tree.leaves(d0)[0].shape[1 if noise.is_stacked(path0) else 0]
     out = {}
     for path, p in noise.flatten(params).items():
         d = flat_d.get(path)
         stacked = noise.is_stacked(path)
         if d is None:
-            delta = jnp.zeros((N,) + p.shape, p.dtype)
+            delta = jnp.zeros((M,) + p.shape, p.dtype)
         elif isinstance(d, LowRank):
-            delta = jnp.einsum("lnir,lnor->nlio" if stacked else "nir,nor->nio", d.a, d.b)
+            delta = jnp.einsum("lmir,lmor->mlio" if stacked else "mir,mor->mio", d.a, d.b)
         else:
             delta = jnp.moveaxis(d, 1, 0) if stacked else d
         out[path] = p[None] + delta.astype(p.dtype)
@@ -109,11 +111,11 @@ def sample_estimates(
     steps: int,
     reduce_fn: Callable[[dict], Array | dict] = lambda g: g,
 ):
-    """reduce_fn(ĝ) for `steps` independent steps (the step index draws fresh noise); fitness_fn(deltas) -> [N]."""
+    """reduce_fn(ĝ) for `steps` independent steps (the step index draws fresh noise); fitness_fn(deltas) -> [M]."""
 
     def one(step):
-        fitness_N = fitness_fn(strategy.member_deltas(cfg, key, step, params))
-        grad, _ = strategy.estimate(cfg, key, step, params, fitness_N)
+        fitness_M = fitness_fn(strategy.member_deltas(cfg, key, step, params))
+        grad, _ = strategy.estimate(cfg, key, step, params, fitness_M)
         return reduce_fn(grad)
 
     return jax.lax.map(one, jnp.arange(steps))

@@ -3,9 +3,24 @@
 from esroll.models.config import ModelConfig
 from esroll.models.hf import load_hf, param_shapes, save_hf
 from esroll.models.layers import LowRank, Perturbation, linear
-from esroll.models.transformer import KVCache, forward, init_cache, unstack_layers
+from esroll.models.presets import PRESETS, model_config, num_params, preset_config
+from esroll.models.transformer import STACKED, KVCache, forward, init_cache, unstack_layers
 
 __all__ = [
-    "KVCache", "LowRank", "ModelConfig", "Perturbation", "forward", "init_cache", "linear", "load_hf",
-    "param_shapes", "save_hf", "unstack_layers",
+    "STACKED",
+    "KVCache",
+    "LowRank",
+    "ModelConfig",
+    "PRESETS",
+    "Perturbation",
+    "forward",
+    "init_cache",
+    "linear",
+    "load_hf",
+    "model_config",
+    "num_params",
+    "param_shapes",
+    "preset_config",
+    "save_hf",
+    "unstack_layers",
 ]

@@ -73,9 +73,7 @@ class ModelConfig:
         family = SUPPORTED.get(arch) if arch else _MODEL_TYPE.get(d.get("model_type", ""))
         if family is None:
             name = arch or d.get("model_type") or "<none>"
-            raise ValueError(
-                f"{source}: unsupported architecture {name!r}; esroll supports {', '.join(SUPPORTED)}"
-            )
+            raise ValueError(f"{source}: unsupported architecture {name!r}; esroll supports {', '.join(SUPPORTED)}")
 
         def need(key: str) -> Any:
             if key not in d:
@@ -152,12 +150,15 @@ class ModelConfig:
         # Write both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta / rope_scaling.
         d["rope_parameters"] = rope
         d["rope_theta"] = self.rope_theta
-        d["rope_scaling"] = None if self.rope_scaling[0] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+        d["rope_scaling"] = (
+            None if self.rope_scaling[0] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+        )
         return d
 
 
 def _rope(d: dict[str, Any], source: str) -> tuple[float, tuple]:
-    """Read RoPE from either spelling: rope_theta/rope_scaling (published checkpoints) or rope_parameters (transformers 5)."""
+    """Read RoPE from either spelling: rope_theta / rope_scaling (published checkpoints) or rope_parameters
+    (transformers 5)."""
     params = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling") or {}
     if params and "rope_type" not in params and "type" not in params and "rope_theta" not in params:

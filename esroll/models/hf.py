@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from esroll.models.config import ModelConfig
+from esroll.models.transformer import STACKED
 
 # esroll layer leaf -> (Hugging Face name inside model.layers.{i}., is a Linear weight to transpose)
 _LAYER_KEYS = {
@@ -38,23 +39,30 @@ def param_shapes(cfg: ModelConfig) -> dict:
     D, F, L, H = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.head_dim
     q, kv = cfg.num_heads * H, cfg.num_kv_heads * H
     layers = {
-        "attn_norm": (L, D), "q": (L, D, q), "k": (L, D, kv), "v": (L, D, kv), "o": (L, q, D),
-        "mlp_norm": (L, D), "gate": (L, D, F), "up": (L, D, F), "down": (L, F, D),
-    }  # fmt: skip
+        "attn_norm": (L, D),
+        "q": (L, D, q),
+        "k": (L, D, kv),
+        "v": (L, D, kv),
+        "o": (L, q, D),
+        "mlp_norm": (L, D),
+        "gate": (L, D, F),
+        "up": (L, D, F),
+        "down": (L, F, D),
+    }
     if cfg.qkv_bias:
         layers.update(q_bias=(L, q), k_bias=(L, kv), v_bias=(L, kv))
     if cfg.o_bias:
         layers["o_bias"] = (L, D)
     if cfg.qk_norm:
         layers.update(q_norm=(L, H), k_norm=(L, H))
-    shapes = {"embed": (cfg.vocab_size, D), "layers": layers, "final_norm": (D,)}
+    shapes = {"embed": (cfg.vocab_size, D), STACKED: layers, "final_norm": (D,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (D, cfg.vocab_size)
     return shapes
 
 
 def _hf_names(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
-    """Every Hugging Face tensor name -> (esroll path 'layers/q/3' or 'embed', HF shape, transpose?)."""
+    """Every Hugging Face tensor name -> (esroll path f'{STACKED}/q/3' or 'embed', HF shape, transpose?)."""
     shapes = param_shapes(cfg)
     names = {
         "model.embed_tokens.weight": ("embed", shapes["embed"], False),
@@ -62,11 +70,11 @@ def _hf_names(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
     }
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = ("lm_head", shapes["lm_head"][::-1], True)
-    for leaf, shape in shapes["layers"].items():
+    for leaf, shape in shapes[STACKED].items():
         hf, transpose = _LAYER_KEYS[leaf]
         per_layer = shape[1:][::-1] if transpose else shape[1:]
         for i in range(cfg.num_layers):
-            names[f"model.layers.{i}.{hf}"] = (f"layers/{leaf}/{i}", per_layer, transpose)
+            names[f"model.layers.{i}.{hf}"] = (f"{STACKED}/{leaf}/{i}", per_layer, transpose)
     return names
 
 
@@ -81,7 +89,9 @@ def resolve(path: str | Path) -> Path:
 
             return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"]))
         except Exception as e:  # offline, unknown id, no hub access
-            raise FileNotFoundError(f"{path}: not a local folder and could not be fetched from the Hub ({type(e).__name__})") from None
+            raise FileNotFoundError(
+                f"{path}: not a local folder and could not be fetched from the Hub ({type(e).__name__})"
+            ) from None
     raise FileNotFoundError(f"{path}: model folder not found")
 
 
@@ -127,7 +137,9 @@ def load_hf(path: str | Path, dtype=None) -> tuple[ModelConfig, dict]:
                 flat[target] = t.T if transpose else t
     missing = [n for n, (target, _, _) in expected.items() if target not in flat]
     if missing:
-        raise ValueError(f"{folder}: missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise ValueError(
+            f"{folder}: missing tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
 
     def cast(a: np.ndarray):
         return jnp.asarray(a if dtype is None else a.astype(jnp.dtype(dtype)))
@@ -135,9 +147,9 @@ def load_hf(path: str | Path, dtype=None) -> tuple[ModelConfig, dict]:
     params = {
         "embed": cast(flat["embed"]),
         "final_norm": cast(flat["final_norm"]),
-        "layers": {
-            leaf: cast(np.stack([flat[f"layers/{leaf}/{i}"] for i in range(cfg.num_layers)]))
-            for leaf in param_shapes(cfg)["layers"]
+        STACKED: {
+            leaf: cast(np.stack([flat[f"{STACKED}/{leaf}/{i}"] for i in range(cfg.num_layers)]))
+            for leaf in param_shapes(cfg)[STACKED]
         },
     }
     if not cfg.tie_word_embeddings:
@@ -155,7 +167,7 @@ def save_hf(path: str | Path, cfg: ModelConfig, params: dict, tokenizer=None, dt
     tensors = {}
     for name, (target, _, transpose) in _hf_names(cfg).items():
         parts = target.split("/")
-        leaf = params["layers"][parts[1]][int(parts[2])] if parts[0] == "layers" else params[parts[0]]
+        leaf = params[STACKED][parts[1]][int(parts[2])] if parts[0] == STACKED else params[parts[0]]
         a = np.asarray(leaf if dtype is None else leaf.astype(dtype))
         tensors[name] = np.ascontiguousarray(a.T if transpose else a)
     hf = cfg.to_hf_dict()

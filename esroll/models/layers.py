@@ -20,17 +20,17 @@ class LowRank(NamedTuple):
     """Per-member low-rank perturbation of one weight W[in, out]: member i uses W + a_i · b_iᵀ.
 
     `a` already carries the member's scale (for EGGROLL, ±σ/√r), so the helper needs no scalar beside it.
-    Layer-stacked weights get layer-stacked factors: a [L, N, in, r], b [L, N, out, r].
+    Layer-stacked weights get layer-stacked factors: a [L, M, I, R], b [L, M, O, R].
     """
 
-    a: Array  # [N, in, r]
-    b: Array  # [N, out, r]
+    a: Array  # [M, I, R]
+    b: Array  # [M, O, R]
 
 
 class Perturbation(NamedTuple):
     """Per-row perturbation of a whole parameter pytree.
 
-    `deltas` mirrors the parameter dict: a `LowRank` for a perturbed matrix, an array [N, *shape] (added to the
+    `deltas` mirrors the parameter dict: a `LowRank` for a perturbed matrix, an array [M, *shape] (added to the
     leaf, scale included) for a perturbed vector, and a missing key for a leaf left as it is.
     """
 
@@ -59,14 +59,14 @@ def lowrank_term(x_BxTxI: Array, delta: LowRank, member_B: Array) -> Array:
 class Folded(NamedTuple):
     """A group's low-rank factors as `fuse_matmuls` folds them (see `linears`)."""
 
-    a: Array  # [in, G·N·r]: every member's `a` factors of every weight of the group, columns [weight][member][rank]
-    members: int  # N
+    a: Array  # [I, n·M·R] for a group of n weights: every member's `a` factors, columns [weight][member][rank]
+    members: int  # M
 
 
 def linears(x_BxTxI: Array, p: dict, d: dict, names: tuple[str, ...], member_B: Array | None) -> list[Array]:
     """`linear` for the weights `names` that read the same input, as one GEMM when `fuse_matmuls` prepared them.
 
-    Prepared, p[fused_key(names)] holds [W₁ | … | W_G] side by side. With folded perturbations it holds
+    Prepared, p[fused_key(names)] holds [W₁ | … | W_n] side by side. With folded perturbations it holds
     [W₁ | … | W_G ; blockdiag(b)ᵀ] (the `b` factors of every member stacked under the weights), and the input is
     extended by x·a for all members at once (one thin GEMM), zeroed outside each row's own member: one GEMM then gives
     every row x·W + (x·aᵢ)·bᵢᵀ. Unprepared groups, and unfolded factors, go through `linear`.
@@ -79,15 +79,18 @@ def linears(x_BxTxI: Array, p: dict, d: dict, names: tuple[str, ...], member_B: 
     if folded is None:
         y = jnp.einsum("bti,io->bto", x_BxTxI, p[fused])
     else:
-        xa = jnp.einsum("bti,ik->btk", x_BxTxI, folded.a.astype(x_BxTxI.dtype))
-        onehot_BxN = (member_B[:, None] == jnp.arange(folded.members)).astype(x_BxTxI.dtype)
+        xa = jnp.einsum("bti,ic->btc", x_BxTxI, folded.a.astype(x_BxTxI.dtype))  # [B, T, n·M·R], as folded.a
+        onehot_BxM = (member_B[:, None] == jnp.arange(folded.members)).astype(x_BxTxI.dtype)
         rank = xa.shape[-1] // folded.members // len(names)  # the columns are ordered [weight][member][rank]
-        mask_BxK = jnp.tile(jnp.repeat(onehot_BxN, rank, axis=-1), (1, len(names)))
+        own = jnp.tile(jnp.repeat(onehot_BxM, rank, axis=-1), (1, len(names)))  # [B, n·M·R]: the row's member's
         # [x | own x·a] · [W ; blockdiag(bᵀ)] = x·W + (x·aᵢ)·bᵢᵀ in one GEMM
-        y = jnp.einsum("bti,io->bto", jnp.concatenate([x_BxTxI, xa * mask_BxK[:, None]], -1), p[fused])
+        y = jnp.einsum("bti,io->bto", jnp.concatenate([x_BxTxI, xa * own[:, None]], -1), p[fused])
     outs = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
-    return [o if (d.get(n) is None or folded is not None) else o + lowrank_term(x_BxTxI, d[n], member_B)
-            for o, n in zip(outs, names)]  # fmt: skip
+    gathered = folded is None  # unfolded factors go through `lowrank_term`
+    return [
+        o + lowrank_term(x_BxTxI, d[n], member_B) if gathered and d.get(n) is not None else o
+        for o, n in zip(outs, names)
+    ]
 
 
 FUSED = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",), ("lm_head",))
@@ -101,8 +104,8 @@ def fuse_matmuls(p: dict, d: dict, *, max_extra: float = 0.3) -> tuple[dict, dic
     """Weights (and low-rank perturbations) of one layer, or of the top level, prepared for `linears`.
 
     Projections that share an input (q, k, v; gate, up) are stored side by side, so a decode step runs one GEMM
-    where it ran several. A group whose weights all carry `LowRank` factors of one shape [N, in, r] has them folded
-    in (see `linears`) when that adds at most `max_extra` to the group's FLOPs, G·N·r·(1/ΣO + 1/in) for G weights
+    where it ran several. A group whose weights all carry `LowRank` factors of one shape [M, I, R] has them folded
+    in (see `linears`) when that adds at most `max_extra` to the group's FLOPs, n·M·R·(1/ΣO + 1/I) for n weights
     of total width ΣO: a small population per device. Otherwise the factors stay per weight and `linear` gathers
     each row's. The prepared copies take memory beside the originals, so `generate` builds them only on a CPU (where
     per-GEMM overhead dominates a decode step of a small model), once per call, outside the decode loop.
@@ -114,15 +117,15 @@ def fuse_matmuls(p: dict, d: dict, *, max_extra: float = 0.3) -> tuple[dict, dic
         deltas = [d.get(n) for n in names]
         weights = [p[n] for n in names]
         fold = all(isinstance(x, LowRank) for x in deltas) and len({x.a.shape for x in deltas}) == 1
-        if fold:  # extra FLOPs of the fold, relative to the group's own: G·N·r·(1/ΣO + 1/in)
-            N, I, R = deltas[0].a.shape
-            fold = len(names) * N * R * (1 / sum(w.shape[1] for w in weights) + 1 / I) <= max_extra
+        if fold:  # extra FLOPs of the fold, relative to the group's own: n·M·R·(1/ΣO + 1/I)
+            M, I, R = deltas[0].a.shape
+            fold = len(names) * M * R * (1 / sum(w.shape[1] for w in weights) + 1 / I) <= max_extra
         if not fold and len(names) == 1:
             continue  # nothing to gain from a group of one
         key = fused_key(names)
         if fold:
             a = [x.a.transpose(1, 0, 2).reshape(x.a.shape[1], -1).astype(w.dtype) for x, w in zip(deltas, weights)]
-            blocks = [x.b.transpose(0, 2, 1).reshape(-1, x.b.shape[1]) for x in deltas]  # [N·r, O] each
+            blocks = [x.b.transpose(0, 2, 1).reshape(-1, x.b.shape[1]) for x in deltas]  # [M·R, O] each
             bd = jax.scipy.linalg.block_diag(*blocks).astype(weights[0].dtype)
             d[key] = Folded(jnp.concatenate(a, axis=-1), deltas[0].a.shape[0])
             p[key] = jnp.concatenate([jnp.concatenate(weights, axis=-1), bd], axis=0)
@@ -131,11 +134,11 @@ def fuse_matmuls(p: dict, d: dict, *, max_extra: float = 0.3) -> tuple[dict, dic
     return p, d
 
 
-def row_vector(v_D: Array, delta: Array | None, member_B: Array | None) -> Array:
-    """A vector leaf (norm scale, bias) as seen by each row: [1, 1, D] unperturbed, [B, 1, D] perturbed."""
+def row_vector(v: Array, delta: Array | None, member_B: Array | None) -> Array:
+    """A vector leaf [n] (norm scale, bias) as seen by each row: [1, 1, n] unperturbed, [B, 1, n] perturbed."""
     if delta is None:
-        return v_D[None, None]
-    return (v_D[None] + delta[member_B].astype(v_D.dtype))[:, None]
+        return v[None, None]
+    return (v[None] + delta[member_B].astype(v.dtype))[:, None]
 
 
 def rms_norm(x: Array, w: Array, eps: float) -> Array:
@@ -165,8 +168,9 @@ def rope_tables(positions_BxT: Array, inv_freq: np.ndarray, num_positions: int |
     return cos, sin
 
 
-def rope(x_BxTxNxH: Array, cos_sin: tuple[Array, Array]) -> Array:
-    """Rotary embedding, rotate-half convention (as in Llama / Qwen checkpoints), from `rope_tables`."""
+def rope(x: Array, cos_sin: tuple[Array, Array]) -> Array:
+    """Rotary embedding of queries [B, T, Q, H] or keys [B, T, K, H], rotate-half convention (as in Llama / Qwen
+    checkpoints), from `rope_tables`."""
     cos, sin = cos_sin
-    x1, x2 = jnp.split(x_BxTxNxH, 2, axis=-1)
-    return x_BxTxNxH * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin

@@ -35,25 +35,44 @@ def hf_config_kwargs(name: str) -> dict:
     """The same shape as keyword arguments of a transformers Qwen3Config."""
     hidden, inter, layers, heads, kv, head_dim, vocab, tied = SHAPES[name]
     return dict(
-        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, tie_word_embeddings=tied,
-    )  # fmt: skip
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+    )
 
 
 def model_config(name: str) -> ModelConfig:
     hidden, inter, layers, heads, kv, head_dim, vocab, tied = SHAPES[name]
     return ModelConfig(
-        family="qwen3", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
-        num_heads=heads, num_kv_heads=kv, head_dim=head_dim, rope_theta=1e6, max_position_embeddings=40960,
-        tie_word_embeddings=tied, qk_norm=True,
-    )  # fmt: skip
+        family="qwen3",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        tie_word_embeddings=tied,
+        qk_norm=True,
+    )
 
 
 def random_params(cfg: ModelConfig, dtype=jnp.float32, seed: int = 0) -> dict:
     """N(0, 0.02²) weights (Hugging Face's initializer_range) and unit norm scales, drawn on the default device."""
     shapes = noise.flatten(param_shapes(cfg))
     keys = jax.random.split(jax.random.key(seed), len(shapes))
-    return noise.unflatten({
-        path: jnp.ones(shape, dtype) if path.endswith("norm") else (0.02 * jax.random.normal(k, shape)).astype(dtype)
-        for k, (path, shape) in zip(keys, shapes.items())
-    })  # fmt: skip
+    return noise.unflatten(
+        {
+            path: jnp.ones(shape, dtype)
+            if path.endswith("norm")
+            else (0.02 * jax.random.normal(k, shape)).astype(dtype)
+            for k, (path, shape) in zip(keys, shapes.items())
+        }
+    )

@@ -84,9 +84,16 @@ def es_forward_vs_plain(args) -> dict:
         "es_tokens_per_s": B * T / t["es"],
         "plain_tokens_per_s": B * T / t["plain"],
         "ask_seconds": t["ask"],
-        "model": name, "dtype": args.dtype, "rows": B, "tokens_per_row": T, "members": B, "rank": 1, "reps": s["reps"],
-        "backend": jax.default_backend(), "timing": "median of interleaved rounds after one warm-up call",
-    }  # fmt: skip
+        "model": name,
+        "dtype": args.dtype,
+        "rows": B,
+        "tokens_per_row": T,
+        "members": B,
+        "rank": 1,
+        "reps": s["reps"],
+        "backend": jax.default_backend(),
+        "timing": "median of interleaved rounds after one warm-up call",
+    }
 
 
 def eggroll_vs_dense_speedup(args) -> dict:
@@ -120,10 +127,17 @@ def eggroll_vs_dense_speedup(args) -> dict:
         "eggroll_vs_dense_speedup": eggroll_tps / dense_tps,
         "eggroll_tokens_per_s": eggroll_tps,
         "dense_tokens_per_s": dense_tps,
-        "model": name, "dtype": args.dtype, "population": P, "tokens_per_member": T, "dense_members_timed": M,
-        "rank": 1, "perturbed_leaves": len(kinds), "reps": s["reps"], "backend": jax.default_backend(),
+        "model": name,
+        "dtype": args.dtype,
+        "population": P,
+        "tokens_per_member": T,
+        "dense_members_timed": M,
+        "rank": 1,
+        "perturbed_leaves": len(kinds),
+        "reps": s["reps"],
+        "backend": jax.default_backend(),
         "timing": "median of interleaved rounds after one warm-up call; both include drawing the noise",
-    }  # fmt: skip
+    }
 
 
 BENCHMARKS = {"es_forward_vs_plain": es_forward_vs_plain, "eggroll_vs_dense_speedup": eggroll_vs_dense_speedup}

@@ -91,8 +91,9 @@ def generate_vs_hf(args) -> dict:
     split = (parallel.put_replicated(mesh, params), parallel.put_rows(mesh, tokens), parallel.put_rows(mesh, mask))
 
     def ours(params, tokens, mask):
-        return generate(cfg, params, tokens, jax.random.key(0), max_new_tokens=n, temperature=0.0,
-                        prompt_mask=mask).tokens.block_until_ready()  # fmt: skip
+        return generate(
+            cfg, params, tokens, jax.random.key(0), max_new_tokens=n, temperature=0.0, prompt_mask=mask
+        ).tokens.block_until_ready()
 
     model.generation_config.eos_token_id = None
     ids, attn = torch.tensor(tokens, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
@@ -100,14 +101,26 @@ def generate_vs_hf(args) -> dict:
     def theirs(threads: int):
         torch.set_num_threads(threads)
         with torch.no_grad():
-            return model.generate(input_ids=ids, attention_mask=attn, do_sample=False, max_new_tokens=n,
-                                  min_new_tokens=n, pad_token_id=0, eos_token_id=None)  # fmt: skip
+            return model.generate(
+                input_ids=ids,
+                attention_mask=attn,
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
 
     cores = len(os.sched_getaffinity(0))
-    t = _median_times({
-        "esroll": lambda: ours(*split), "esroll_1device": lambda: ours(params, tokens, mask),
-        "hf": lambda: theirs(cores), "hf_1thread": lambda: theirs(1),
-    }, s["reps"])  # fmt: skip
+    t = _median_times(
+        {
+            "esroll": lambda: ours(*split),
+            "esroll_1device": lambda: ours(params, tokens, mask),
+            "hf": lambda: theirs(cores),
+            "hf_1thread": lambda: theirs(1),
+        },
+        s["reps"],
+    )
     t_hf = min(t["hf"], t["hf_1thread"])
     match = (np.asarray(ours(*split)) == theirs(cores)[:, tokens.shape[1] :].numpy()).mean()
     generated = s["batch"] * n
@@ -119,9 +132,14 @@ def generate_vs_hf(args) -> dict:
         f"hf_tokens_per_s_{cores}threads": generated / t["hf"],
         "hf_tokens_per_s_1thread": generated / t["hf_1thread"],
         "greedy_token_agreement": float(match),
-        "esroll_devices": mesh.size, "batch": s["batch"], "new_tokens": n, "prompt_len": tokens.shape[1],
-        "reps": s["reps"], "backend": jax.default_backend(), "timing": _TIMING,
-    }  # fmt: skip
+        "esroll_devices": mesh.size,
+        "batch": s["batch"],
+        "new_tokens": n,
+        "prompt_len": tokens.shape[1],
+        "reps": s["reps"],
+        "backend": jax.default_backend(),
+        "timing": _TIMING,
+    }
 
 
 def _rank1_population(params, members: int, sigma: float, key) -> dict:
@@ -130,8 +148,10 @@ def _rank1_population(params, members: int, sigma: float, key) -> dict:
     def factors(i, lead, d_in, d_out):
         ka, kb = jax.random.split(jax.random.fold_in(key, i))
         dtype = params["embed"].dtype
-        return LowRank(sigma * jax.random.normal(ka, (*lead, members, d_in, 1), dtype),
-                       jax.random.normal(kb, (*lead, members, d_out, 1), dtype))  # fmt: skip
+        return LowRank(
+            sigma * jax.random.normal(ka, (*lead, members, d_in, 1), dtype),
+            jax.random.normal(kb, (*lead, members, d_out, 1), dtype),
+        )
 
     matrices = sorted((n, w.shape) for n, w in params["layers"].items() if w.ndim == 3)
     deltas = {"layers": {n: factors(i, (L,), d_in, d_out) for i, (n, (L, d_in, d_out)) in enumerate(matrices)}}
@@ -165,22 +185,29 @@ def _es_generate_vs_plain(args, name: str, s: dict) -> dict:
     per_member = s["batch"] // members
     tokens, mask = _prompts(cfg.vocab_size, per_member)
     tokens, mask = np.tile(tokens, (members, 1)), np.tile(mask, (members, 1))  # row = member * per_member + prompt
-    perturb = Perturbation(_rank1_population(params, members, 1e-3, jax.random.key(1)),
-                           jnp.repeat(jnp.arange(members), per_member))  # fmt: skip
+    perturb = Perturbation(
+        _rank1_population(params, members, 1e-3, jax.random.key(1)), jnp.repeat(jnp.arange(members), per_member)
+    )
     n = s["new_tokens"]
 
     def run(p):
-        return generate(cfg, params, tokens, jax.random.key(0), max_new_tokens=n, temperature=0.0, prompt_mask=mask,
-                        perturb=p).tokens.block_until_ready()  # fmt: skip
+        return generate(
+            cfg, params, tokens, jax.random.key(0), max_new_tokens=n, temperature=0.0, prompt_mask=mask, perturb=p
+        ).tokens.block_until_ready()
 
     t = _median_times({"plain": lambda: run(None), "es": lambda: run(perturb)}, s["reps"])
     return {
         "es_generate_vs_plain": t["plain"] / t["es"],
         "es_tokens_per_s": tokens.shape[0] * n / t["es"],
         "plain_tokens_per_s": tokens.shape[0] * n / t["plain"],
-        "members": members, "rows": tokens.shape[0], "new_tokens": n, "rank": 1, "reps": s["reps"],
-        "backend": jax.default_backend(), "timing": _TIMING,
-    }  # fmt: skip
+        "members": members,
+        "rows": tokens.shape[0],
+        "new_tokens": n,
+        "rank": 1,
+        "reps": s["reps"],
+        "backend": jax.default_backend(),
+        "timing": _TIMING,
+    }
 
 
 BENCHMARKS = {"generate_vs_hf": generate_vs_hf, "es_generate_vs_plain": es_generate_vs_plain}

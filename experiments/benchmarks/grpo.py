@@ -85,17 +85,44 @@ def _trl_interleaved(cfg, task, train, steps: int, folder: str, ours) -> dict[st
                 log["trl_tokens"].append(round(logs["completions/mean_length"] * P * G))
 
     args = GRPOConfig(
-        output_dir=folder, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
-        max_steps=steps, per_device_train_batch_size=P * G, gradient_accumulation_steps=1, steps_per_generation=1,
-        num_generations=G, max_completion_length=cfg.train.max_new_tokens, temperature=cfg.grpo.temperature,
-        top_p=1.0, top_k=0, learning_rate=cfg.optimizer.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=cfg.optimizer.weight_decay, max_grad_norm=cfg.optimizer.max_grad_norm, beta=cfg.grpo.beta,
-        epsilon=cfg.grpo.epsilon_low, epsilon_high=cfg.grpo.epsilon_high, num_iterations=cfg.grpo.inner_iterations,
-        loss_type="grpo", scale_rewards="group", shuffle_dataset=False, seed=cfg.seed,
-    )  # fmt: skip
+        output_dir=folder,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        max_steps=steps,
+        per_device_train_batch_size=P * G,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=G,
+        max_completion_length=cfg.train.max_new_tokens,
+        temperature=cfg.grpo.temperature,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=cfg.optimizer.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=cfg.optimizer.weight_decay,
+        max_grad_norm=cfg.optimizer.max_grad_norm,
+        beta=cfg.grpo.beta,
+        epsilon=cfg.grpo.epsilon_low,
+        epsilon_high=cfg.grpo.epsilon_high,
+        num_iterations=cfg.grpo.inner_iterations,
+        loss_type="grpo",
+        scale_rewards="group",
+        shuffle_dataset=False,
+        seed=cfg.seed,
+    )
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
-                          processing_class=task.tokenizer, callbacks=[Interleave()])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=task.tokenizer,
+        callbacks=[Interleave()],
+    )
     trainer.remove_callback(PrinterCallback)  # it prints every step's log dict when tqdm is disabled
     trainer.train()
     return log
@@ -127,12 +154,17 @@ def grpo_step_vs_trl(args) -> dict:
         "trl_step_s_median": statistics.median(trl_s),
         "esroll_mean_completion_tokens": float(np.mean(ours_tok)) / rows,
         "trl_mean_completion_tokens": float(np.mean(trl_tok)) / rows,
-        "prompts": cfg.train.prompts_per_step, "group_size": cfg.grpo.group_size,
-        "max_new_tokens": cfg.train.max_new_tokens, "timed_steps": timed, "warmup_steps": warmup,
-        "trl_version": trl.__version__, "torch_threads": torch.get_num_threads(), "jax_devices": 1,
+        "prompts": cfg.train.prompts_per_step,
+        "group_size": cfg.grpo.group_size,
+        "max_new_tokens": cfg.train.max_new_tokens,
+        "timed_steps": timed,
+        "warmup_steps": warmup,
+        "trl_version": trl.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "jax_devices": 1,
         "model": "assets/tiny-qwen3-arith",
         "timing": "completion tokens / wall time of full steps, the two sides alternating, after warm-up steps",
-    }  # fmt: skip
+    }
 
 
 BENCHMARKS = {"grpo_step_vs_trl": grpo_step_vs_trl}

@@ -1,0 +1,50 @@
+"""Errors a user can fix: each carries one line naming the config key, file or data row at fault.
+
+The entry scripts print an `InputError` as that one line (no traceback) and exit non-zero; anything else is a bug
+and keeps its traceback. Library code that reads user input (configs, model folders, data files, workdirs) runs
+inside `reading(...)`, which turns the ValueError / OSError / ImportError such code raises into an InputError with
+the same message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from collections.abc import Iterable, Iterator
+
+
+class InputError(ValueError):
+    """Bad input: a config key or value, a model folder or file, a data row, a workdir. The message is one line."""
+
+
+class ConfigError(InputError):
+    """A config value out of range: names the key, the value and what is expected."""
+
+    def __init__(self, key: str, value, expected: str, where: str = "config"):
+        self.key, self.value, self.expected = key, value, expected
+        super().__init__(f"{where}: invalid value for '{key}': {value!r} (expected {expected})")
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same error for the key as a config file spells it (`es.` + `sigma`)."""
+        return ConfigError(prefix + self.key, self.value, self.expected)
+
+
+@contextlib.contextmanager
+def reading(what: str = "") -> Iterator[None]:
+    """Errors raised while reading user input become InputErrors (prefixed with `what` when given)."""
+    try:
+        yield
+    except InputError:
+        raise
+    except (ValueError, OSError, ImportError) as e:
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"{what}: {message}" if what else message) from e
+
+
+def unknown_key(key: str, known: Iterable[str]) -> str:
+    """'unknown key 'es.sigmaa' (did you mean 'es.sigma'?)' — the nearest known key of the same section."""
+    known = sorted(known)
+    prefix, _, name = key.rpartition(".")
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else f"known: {', '.join(known)}"
+    return f"config: unknown key '{key}' ({hint})"

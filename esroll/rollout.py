@@ -1,0 +1,117 @@
+"""One rollout: examples → prompt rows → `generate` (optionally perturbed) → rewards, after one exchange across
+processes. The only caller of `generate` in training and evaluation.
+
+ES, GRPO and held-out evaluation differ only in the arguments:
+    ES          rows member-major over the step's X prompts: example_B = tile(arange(X), M), member_B = repeat(
+                arange(M), X), this step's deltas, the members' sampling settings;
+    GRPO        M rows per prompt: example_B = repeat(arange(X), M), sampled, with completions and log-probabilities;
+    evaluation  one row per question, greedy.
+A row whose example is `PAD` is a padding row: it has no prompt, generates nothing and gets reward 0. Rows are padded
+to a multiple of the mesh size and split over it; each process scores the rows its devices decoded, and one
+all-gather gives every process every row's outcome.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from esroll import parallel
+from esroll.data import Example
+from esroll.models import Perturbation
+from esroll.sampling import generate, pad_prompts
+
+PAD = -1  # in a row → example map: a padding row
+
+
+class Sampling(NamedTuple):
+    """How rows are decoded: temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+class Rollout(NamedTuple):
+    """The outcome of every row, on every process (host arrays): B rows, N = max_new_tokens, P the padded prompt."""
+
+    example_B: np.ndarray  # [R] int: the row → example map (PAD for padding rows)
+    prompt_BxP: np.ndarray  # [R, P] int32, left-padded
+    prompt_mask_BxP: np.ndarray  # [R, P] bool
+    reward_B: np.ndarray  # [R] float32; 0 on padding rows
+    length_B: np.ndarray  # [R] int32: tokens generated, EOS included
+    tokens_BxN: np.ndarray | None  # [R, N] int32 (with completions=True): pad_id after EOS
+    logprobs_BxN: np.ndarray | None  # [R, N] float32 (with completions=True): log π at each sampled token, 0 after EOS
+
+
+def rollout(
+    task: Any,
+    mesh: Mesh,
+    params: dict,
+    examples: Sequence[Example],
+    example_B: np.ndarray,
+    key: jax.Array,
+    sampling: Sampling,
+    *,
+    deltas: dict | None = None,
+    member_B: np.ndarray | None = None,
+    completions: bool = False,
+) -> Rollout:
+    """Decode the rows, row b answering `examples[example_B[b]]` (with member `member_B[b]`'s perturbation when
+    `deltas` are given), and score them with `task.rewards`. With `completions`, the tokens and their
+    log-probabilities travel in the same exchange as the rewards.
+
+    Every process must pass the same arguments. The sampling noise of row b is a function of (key, b, step), so the
+    result does not depend on the mesh.
+    """
+    example_B = np.asarray(example_B)
+    B = len(example_B)
+    rows = B + (-B % mesh.size)  # padded to a multiple of the mesh
+    example_B = np.concatenate([example_B, np.full(rows - B, PAD)])
+    real_B = example_B != PAD
+    tokens_XxP, mask_XxP = pad_prompts(task.prompt_ids(examples), multiple=task.prompt_multiple, pad_id=task.pad_id)
+    prompt_BxP = np.where(real_B[:, None], tokens_XxP[example_B], task.pad_id).astype(np.int32)
+    prompt_mask_BxP = real_B[:, None] & mask_XxP[example_B]
+    split = mesh.size > 1
+    place = (lambda x: parallel.put_rows(mesh, x)) if split else np.asarray
+    perturb = None
+    if deltas is not None:
+        perturb = Perturbation(deltas, place(np.concatenate([member_B, np.zeros(rows - B, member_B.dtype)])))
+    gen = generate(
+        task.cfg,
+        params,
+        place(prompt_BxP),
+        key,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        eos_ids=task.eos_ids,
+        prompt_mask=place(prompt_mask_BxP),
+        perturb=perturb,
+        pad_id=task.pad_id,
+    )
+    idx, tokens = parallel.local_rows(gen.tokens)
+    _, lengths = parallel.local_rows(gen.lengths)
+    real = real_B[idx]
+    rewards = np.zeros(len(idx), np.float32)
+    rewards[real] = task.rewards([examples[e] for e in example_B[idx[real]]], tokens[real], lengths[real])
+    # One exchange: [reward, length, tokens..., log-probabilities...] per row, in float64 (exact for all three).
+    columns = [rewards[:, None], lengths[:, None]]
+    if completions:
+        columns += [tokens, parallel.local_rows(gen.logprobs)[1]]
+    table = parallel.gather_to_all(np.concatenate(columns, 1, dtype=np.float64), idx, rows)[:B]
+    N = sampling.max_new_tokens
+    return Rollout(
+        example_B=example_B[:B],
+        prompt_BxP=prompt_BxP[:B],
+        prompt_mask_BxP=prompt_mask_BxP[:B],
+        reward_B=table[:, 0].astype(np.float32),
+        length_B=table[:, 1].astype(np.int32),
+        tokens_BxN=table[:, 2 : 2 + N].astype(np.int32) if completions else None,
+        logprobs_BxN=table[:, 2 + N :].astype(np.float32) if completions else None,
+    )

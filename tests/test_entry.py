@@ -1,0 +1,185 @@
+"""The entry scripts as a user meets them: one-line errors, --help, refused method switches, runs killed at any
+moment (SIGKILL) and resumed, and the README's library example."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from esroll.metrics import read_metrics
+
+from conftest import REPO
+
+
+def run_train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.train", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--config.es.sigmaa=0.1"], r"unknown key 'es\.sigmaa' \(did you mean 'es\.sigma'\?\)"),
+        (["--config.es.sigma=-1"], r"invalid value for 'es\.sigma': -1\.0"),
+        (["--config.model.path=/no/such/model"], r"'model\.path'.*/no/such/model"),
+        (["--config.data.task=gsm8k", "--config.data.path={bad}"], r"{bad}:2: missing key 'answer'"),
+        (["--config.method=grpo"], r"--config\.method=grpo.*keeps its optimizer.*--config=configs/default\.py:grpo"),
+    ],
+)
+def test_expected_errors_are_one_line(tmp_path, args, expected):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?"}\n')
+    args = [a.replace("{bad}", str(bad)) for a in args]
+    workdir = tmp_path / "run"
+    proc = run_train("--config", "configs/default.py:quick", "--workdir", str(workdir), *args)
+    assert re.search(expected.replace("{bad}", re.escape(str(bad))), one_line_error(proc))
+    assert not workdir.exists() or not any(workdir.iterdir())  # a failed start claims nothing
+
+
+def test_method_switch_with_its_optimizer_trains(tmp_path):
+    """Switching method together with the optimizer is the user's explicit choice and is accepted."""
+    proc = run_train(
+        "--config",
+        "configs/default.py:quick",
+        "--workdir",
+        str(tmp_path / "g"),
+        "--config.method=grpo",
+        "--config.optimizer.lr=1e-4",
+        "--config.train.steps=1",
+        "--config.train.export=False",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "grpo: finished" in proc.stdout
+
+
+def test_help_lists_variants_and_keys():
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--help", "--config=configs/default.py:grpo"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for text in ("--workdir", "grpo_quick", "es.sigma = 0.005", "optimizer.lr = 0.0001", "method = 'grpo'"):
+        assert text in proc.stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.compare", "--help", "--config=configs/compare.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0 and "gsm8k_qwen3_<size>" in proc.stdout and "time_budget_s = 150.0" in proc.stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench", "--help"], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "generate_vs_hf" in proc.stdout and "grpo_step_vs_trl" in proc.stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.pretrain_tiny", "--help"], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "--stop_at STOP_AT stop at the first evaluation" in " ".join(proc.stdout.split())
+
+
+# ---- killed at any moment
+
+
+def tb_scalars(tb: Path) -> list[tuple[str, int]]:
+    """(tag, step) of every scalar in the TensorBoard event files under `tb` (TFRecord framing, no TensorFlow)."""
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for f in sorted(tb.glob("events.out.tfevents.*")):
+        data = f.read_bytes()
+        i = 0
+        while i + 12 <= len(data):
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            event = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
+            i += 12 + n + 4
+            out += [(v.tag, event.step) for v in event.summary.value]
+    return out
+
+
+QUICK = [
+    "--config",
+    "configs/default.py:quick",
+    "--config.train.steps=8",
+    "--config.train.checkpoint_every=4",
+    "--config.train.eval_every=2",
+]
+
+
+def kill_when(workdir: Path, step: int) -> int:
+    """Start the run, SIGKILL it as soon as metrics.jsonl holds `step`; returns its exit status."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments.train", *QUICK, "--workdir", str(workdir)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline:
+        if any(r["step"] >= step for r in read_metrics(workdir / "metrics.jsonl")):
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    return proc.wait()
+
+
+def test_sigkill_before_and_after_first_checkpoint_then_resume(tmp_path):
+    """Killed after step 2 (before the first checkpoint, at 4) and after step 6 (after it), then run to the end: every
+    step is logged once in metrics.jsonl and TensorBoard, and the exported model is bit-identical to an uninterrupted
+    run's."""
+    straight = run_train(*QUICK, "--workdir", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr
+    killed = tmp_path / "killed"
+    assert kill_when(killed, 2) == -signal.SIGKILL
+    assert not (killed / "checkpoints").exists() or not any((killed / "checkpoints").glob("[0-9]*"))
+    assert kill_when(killed, 6) == -signal.SIGKILL
+    resumed = run_train(*QUICK, "--workdir", str(killed))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from step 4" in resumed.stdout
+    steps = [r["step"] for r in read_metrics(killed / "metrics.jsonl")]
+    assert steps == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    scalars = tb_scalars(killed / "tb")
+    assert len(scalars) == len(set(scalars)) and {s for _, s in scalars} == set(range(9))
+    assert sorted(scalars) == sorted(tb_scalars(tmp_path / "straight" / "tb"))
+    for f in ("model.safetensors",):
+        assert (killed / "final" / f).read_bytes() == (tmp_path / "straight" / "final" / f).read_bytes()
+    a, b = read_metrics(killed / "metrics.jsonl"), read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    assert [r.get("eval_accuracy") for r in a] == [r.get("eval_accuracy") for r in b]
+
+
+# ---- the README's library example
+
+
+def readme_example() -> str:
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Using the library", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_library_example_runs(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", readme_example()], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    fitness = [float(x) for x in re.findall(r"mean fitness ([0-9.]+)", proc.stdout)]
+    assert len(fitness) == 3 and all(0 <= f <= 1 for f in fitness)
+    assert len(set(fitness)) > 1  # the parameters moved between steps
