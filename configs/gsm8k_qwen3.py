@@ -4,9 +4,19 @@
         --config.model.path=/path/to/Qwen3-0.6B --config.data.path=/path/to/gsm8k/train.jsonl \
         --config.data.eval_path=/path/to/gsm8k/test.jsonl
 
-The argument is SIZE[,METHOD][,countdown]: SIZE in 0.6b, 1.7b, 4b, 8b; METHOD in looroll (default), eggroll, grpo.
-`model.path` may be a local folder or a Hub id (Qwen/Qwen3-0.6B) when the machine has network access; `data.path` a
-local JSONL/Parquet file or the `datasets` name "openai/gsm8k".
+The argument is SIZE[,METHOD][,countdown][,cpu]: SIZE in 0.6b, 1.7b, 4b, 8b; METHOD in looroll (default), eggroll,
+grpo. `model.path` may be a local folder or a Hub id (Qwen/Qwen3-0.6B) when the machine has network access; `data.path`
+a local JSONL/Parquet file or the `datasets` name "openai/gsm8k" (the `tasks` extra brings `datasets`). Held-out
+evaluation is greedy on the whole GSM8K test split (1,319 questions) and logs the reward (`eval_accuracy`) beside the
+harnesses' strict (`#### n`) and flexible (last number) matches (`eval_strict`, `eval_flexible`).
+
+The `cpu` part keeps the model's shapes but shrinks the step (population 4 or 2 completions per prompt, 2 prompts,
+16 new tokens, 2 steps, 8 held-out questions) and defaults to GSM-Symbolic problems generated offline, so that the
+real-shape pipeline runs end to end on a CPU with no download, against a local folder such as the one
+`python -m experiments.make_random_model --like qwen3-0.6b --out DIR` writes:
+
+    python -m experiments.train --config configs/gsm8k_qwen3.py:0.6b,looroll,cpu --workdir runs/q06_cpu \
+        --config.model.path=DIR --config.data.task=gsm_symbolic
 
 Hardware expected: 0.6B and 1.7B on one 80 GB GPU (H100/H200) or a v5e-8 slice; 4B on 4-8 GPUs or a v5e-16 slice;
 8B on 8 GPUs or a v5p-16 slice (population split over the mesh, `--config.distributed=True` on multi-host).
@@ -18,8 +28,10 @@ from ml_collections import ConfigDict
 from configs.default import get_config as default_config
 
 VARIANTS = {
-    "SIZE[,METHOD][,countdown]": "SIZE in 0.6b, 1.7b, 4b, 8b; METHOD in looroll (default), eggroll, grpo",
+    "SIZE[,METHOD][,countdown][,cpu]": "SIZE in 0.6b, 1.7b, 4b, 8b; METHOD in looroll (default), eggroll, grpo; "
+    "cpu: the real shapes with a tiny step, on GSM-Symbolic",
 }
+PARTS = ("looroll", "eggroll", "grpo", "countdown", "cpu")
 SIZES = {
     # size: (ES population, prompts per step, sigma, GRPO microbatches)
     "0.6b": (256, 64, 1e-3, 2),
@@ -36,7 +48,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
         raise ValueError(f"configs/gsm8k_qwen3.py: unknown size {size!r} (expected one of {', '.join(SIZES)})")
     method = next((p for p in rest if p in ("looroll", "eggroll", "grpo")), "looroll")
     countdown = "countdown" in rest
-    unknown = [p for p in rest if p not in ("looroll", "eggroll", "grpo", "countdown")]
+    cpu = "cpu" in rest
+    unknown = [p for p in rest if p not in PARTS]
     if unknown:
         raise ValueError(f"configs/gsm8k_qwen3.py: unknown variant part {unknown[0]!r}")
     population, prompts, sigma, microbatches = SIZES[size]
@@ -49,7 +62,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.data.path = "" if countdown else "openai/gsm8k"
     c.data.eval_path = "" if countdown else "openai/gsm8k"
     c.data.n_examples = 20000
-    c.data.eval_size = 500
+    c.data.eval_size = 500 if countdown else 1319  # GSM8K: the whole test split
     c.data.template = "chat"
     c.data.system = (
         "Solve the problem step by step, then give the final answer after '####'."
@@ -77,4 +90,18 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.optimizer.weight_decay = 0.0
         c.optimizer.max_grad_norm = 1.0
         c.train.prompts_per_step = 32
+    if cpu:
+        c.model.path = ""  # a local folder: --config.model.path=DIR
+        c.data.task = "countdown" if countdown else "gsm_symbolic"
+        c.data.path = c.data.eval_path = ""
+        c.data.n_examples = 200
+        c.data.eval_size = 8
+        c.es.population = 4
+        c.grpo.group_size = 2
+        c.grpo.microbatches = 1
+        c.train.prompts_per_step = 2
+        c.train.max_new_tokens = 16
+        c.train.steps = 2
+        c.train.eval_every = 2
+        c.train.checkpoint_every = 2
     return c

@@ -34,10 +34,11 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """task: arithmetic | countdown | gsm8k. gsm8k reads `path` (a JSONL/Parquet file or a `datasets` name) and
-    `eval_path` (empty: split `eval_size` rows off the training data). Synthetic tasks generate `n_examples` rows from
-    `seed` with `digits`, `ops`, `n_terms`, `word_problems` (arithmetic) or `countdown_numbers`. template: plain |
-    chat (the tokenizer's chat template, with `system` as the system message)."""
+    """task: arithmetic | countdown | gsm8k | gsm_symbolic. gsm8k reads `path` (a JSONL/Parquet file or a `datasets`
+    name) and `eval_path` (empty: split `eval_size` rows off the training data). Synthetic tasks generate `n_examples`
+    rows from `seed` with `digits`, `ops`, `n_terms`, `word_problems` (arithmetic) or `countdown_numbers`;
+    gsm_symbolic generates `n_examples` GSM-Symbolic problems (reasoning-gym), `eval_size` of them from held-out
+    templates. template: plain | chat (the tokenizer's chat template, with `system` as the system message)."""
 
     task: str = "arithmetic"
     path: str = ""
@@ -105,6 +106,7 @@ class ExperimentConfig:
         rows = self.train.prompts_per_step * self.grpo.group_size  # completions sampled per GRPO step
         checks = [
             ("method", self.method in METHODS, f"one of {', '.join(METHODS)}"),
+            ("model.path", bool(self.model.path), "a local model folder (--config.model.path=DIR) or a Hub id"),
             ("model.dtype", self.model.dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
             ("data.task", self.data.task in TASKS, f"one of {', '.join(TASKS)}"),
             ("data.template", self.data.template in TEMPLATES, f"one of {', '.join(TEMPLATES)}"),

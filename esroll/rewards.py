@@ -75,6 +75,27 @@ def extract_answer(completion: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+def extract_strict(completion: str) -> str | None:
+    """The number right after the last `####` (the GSM8K answer format), or None: the harnesses' strict match."""
+    if not isinstance(completion, str):
+        return None
+    tail = completion[-TAIL_CHARS:]
+    for m in reversed(list(_MARKERS[0][0].finditer(tail))):
+        window = tail[m.end() : m.end() + _WINDOW].lstrip(" \t\n:=*\\")
+        first = _NUMBER.match(window)
+        if first and (number := _canonical(first.group())) is not None:
+            return number
+    return None
+
+
+def extract_flexible(completion: str) -> str | None:
+    """The last number anywhere in the completion, or None: the harnesses' flexible extraction."""
+    if not isinstance(completion, str):
+        return None
+    numbers = [n for m in _NUMBER.finditer(completion[-TAIL_CHARS:]) if (n := _canonical(m.group())) is not None]
+    return numbers[-1] if numbers else None
+
+
 def parse_gold(gold: str) -> str | None:
     """Canonical gold number from a full GSM8K answer ('... #### 72') or a bare number string ('72')."""
     if "####" in gold:
@@ -82,15 +103,17 @@ def parse_gold(gold: str) -> str | None:
     return parse_number(gold)
 
 
-def gsm8k_reward(completion: str, gold: str) -> float:
+def gsm8k_reward(completion: str, gold: str, extract=extract_answer) -> float:
     """1.0 when the extracted answer equals the gold number exactly ('18' == '18.00' == '$18'), else 0.0.
 
-    Raises ValueError for an unparseable gold, which is a data bug rather than a bad completion.
+    `extract` picks the answer: `extract_answer` (the reward: `####`, then other markers, then the last number),
+    `extract_strict` or `extract_flexible` (the two scores GSM8K evaluations report). Raises ValueError for an
+    unparseable gold, which is a data bug rather than a bad completion.
     """
     gold_number = parse_gold(gold)
     if gold_number is None:
         raise ValueError(f"gold answer is not a number: {gold[-80:]!r}")
-    predicted = extract_answer(completion)
+    predicted = extract(completion)
     return float(predicted is not None and Fraction(predicted) == Fraction(gold_number))
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from esroll import parallel
-from esroll.data import Example
+from esroll.data import Example, eval_score_names
 from esroll.models import Perturbation
 from esroll.sampling import generate, pad_prompts
 
@@ -39,13 +39,14 @@ class Sampling(NamedTuple):
 class Rollout(NamedTuple):
     """The outcome of every row, on every process (host arrays): B rows, N = max_new_tokens, P the padded prompt."""
 
-    example_B: np.ndarray  # [R] int: the row → example map (PAD for padding rows)
-    prompt_BxP: np.ndarray  # [R, P] int32, left-padded
-    prompt_mask_BxP: np.ndarray  # [R, P] bool
-    reward_B: np.ndarray  # [R] float32; 0 on padding rows
-    length_B: np.ndarray  # [R] int32: tokens generated, EOS included
-    tokens_BxN: np.ndarray | None  # [R, N] int32 (with completions=True): pad_id after EOS
-    logprobs_BxN: np.ndarray | None  # [R, N] float32 (with completions=True): log π at each sampled token, 0 after EOS
+    example_B: np.ndarray  # [B] int: the row → example map (PAD for padding rows)
+    prompt_BxP: np.ndarray  # [B, P] int32, left-padded
+    prompt_mask_BxP: np.ndarray  # [B, P] bool
+    reward_B: np.ndarray  # [B] float32; 0 on padding rows
+    length_B: np.ndarray  # [B] int32: tokens generated, EOS included
+    tokens_BxN: np.ndarray | None  # [B, N] int32 (with completions=True): pad_id after EOS
+    logprobs_BxN: np.ndarray | None  # [B, N] float32 (with completions=True): log π at each sampled token, 0 after EOS
+    scores: dict[str, np.ndarray] | None  # name -> [B] float32 (with scores=True): `esroll.data.eval_scores`
 
 
 def rollout(
@@ -60,10 +61,12 @@ def rollout(
     deltas: dict | None = None,
     member_B: np.ndarray | None = None,
     completions: bool = False,
+    scores: bool = False,
 ) -> Rollout:
     """Decode the rows, row b answering `examples[example_B[b]]` (with member `member_B[b]`'s perturbation when
     `deltas` are given), and score them with `task.rewards`. With `completions`, the tokens and their
-    log-probabilities travel in the same exchange as the rewards.
+    log-probabilities travel in the same exchange as the rewards; with `scores`, the evaluation scores of
+    `esroll.data.eval_scores` (the reward is their first, "accuracy").
 
     Every process must pass the same arguments. The sampling noise of row b is a function of (key, b, step), so the
     result does not depend on the mesh.
@@ -98,20 +101,23 @@ def rollout(
     idx, tokens = parallel.local_rows(gen.tokens)
     _, lengths = parallel.local_rows(gen.lengths)
     real = real_B[idx]
-    rewards = np.zeros(len(idx), np.float32)
-    rewards[real] = task.rewards([examples[e] for e in example_B[idx[real]]], tokens[real], lengths[real])
-    # One exchange: [reward, length, tokens..., log-probabilities...] per row, in float64 (exact for all three).
-    columns = [rewards[:, None], lengths[:, None]]
+    names = eval_score_names(examples[0].task) if scores else ("accuracy",)
+    local = np.zeros((len(idx), len(names)), np.float32)  # the reward first, then the other scores
+    score_fn = task.eval_scores if scores else lambda *a: task.rewards(*a)[:, None]
+    local[real] = score_fn([examples[e] for e in example_B[idx[real]]], tokens[real], lengths[real])
+    # One exchange: [reward, scores..., length, tokens..., log-probabilities...] per row, in float64 (exact for all).
+    columns = [local, lengths[:, None]]
     if completions:
         columns += [tokens, parallel.local_rows(gen.logprobs)[1]]
     table = parallel.gather_to_all(np.concatenate(columns, 1, dtype=np.float64), idx, rows)[:B]
-    N = sampling.max_new_tokens
+    N, S = sampling.max_new_tokens, len(names)
     return Rollout(
         example_B=example_B[:B],
         prompt_BxP=prompt_BxP[:B],
         prompt_mask_BxP=prompt_mask_BxP[:B],
         reward_B=table[:, 0].astype(np.float32),
-        length_B=table[:, 1].astype(np.int32),
-        tokens_BxN=table[:, 2 : 2 + N].astype(np.int32) if completions else None,
-        logprobs_BxN=table[:, 2 + N :].astype(np.float32) if completions else None,
+        length_B=table[:, S].astype(np.int32),
+        tokens_BxN=table[:, S + 1 : S + 1 + N].astype(np.int32) if completions else None,
+        logprobs_BxN=table[:, S + 1 + N :].astype(np.float32) if completions else None,
+        scores={name: table[:, i].astype(np.float32) for i, name in enumerate(names)} if scores else None,
     )

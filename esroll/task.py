@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from esroll.data import Example, format_prompt, score
+from esroll.data import Example, eval_scores, format_prompt, score
 from esroll.models import load_hf
 from esroll.models.hf import resolve
 
@@ -29,8 +29,15 @@ class Task(NamedTuple):
 
     def rewards(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Reward of each generated row; row j answers examples[j]."""
-        texts = self.tokenizer.batch_decode([t[:n] for t, n in zip(tokens, lengths)], skip_special_tokens=True)
-        return np.array([score(e, s) for e, s in zip(examples, texts)], np.float32)
+        return np.array([score(e, s) for e, s in zip(examples, self.texts(tokens, lengths))], np.float32)
+
+    def eval_scores(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """[rows, scores]: `esroll.data.eval_scores` of each generated row (accuracy, and strict / flexible)."""
+        texts = self.texts(tokens, lengths)
+        return np.array([eval_scores(e, s) for e, s in zip(examples, texts)], np.float32).reshape(len(examples), -1)
+
+    def texts(self, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+        return self.tokenizer.batch_decode([t[:n] for t, n in zip(tokens, lengths)], skip_special_tokens=True)
 
 
 class Method(NamedTuple):

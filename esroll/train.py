@@ -39,16 +39,22 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), opt) if cfg.max_grad_norm > 0 else opt
 
 
-def evaluate(task: Task, params: dict, examples: list[Example], max_new_tokens: int, mesh, batch: int = 256) -> float:
-    """Held-out accuracy of the unperturbed parameters, greedy, `batch` questions per rollout (the last one padded,
-    so every rollout has the same shape and `generate` compiles once)."""
-    correct = 0.0
+def evaluate(
+    task: Task, params: dict, examples: list[Example], max_new_tokens: int, mesh, batch: int = 256
+) -> dict[str, float]:
+    """Held-out scores of the unperturbed parameters, greedy, as metrics.jsonl names them: "eval_accuracy" (the task's
+    reward) and, for numeric answers, GSM8K's "eval_strict" and "eval_flexible" matches (`esroll.data.eval_scores`).
+    Up to `batch` questions per rollout, the last one padded, so every rollout has the same shape and `generate`
+    compiles once."""
+    totals: dict[str, float] = {}
+    batch = min(batch, len(examples))
     for i in range(0, len(examples), batch):
         chunk = examples[i : i + batch]
         example_B = np.concatenate([np.arange(len(chunk)), np.full(batch - len(chunk), PAD)])
-        out = rollout(task, mesh, params, chunk, example_B, jax.random.key(0), Sampling(max_new_tokens))
-        correct += float(out.reward_B.sum(dtype=np.float64))
-    return correct / len(examples)
+        out = rollout(task, mesh, params, chunk, example_B, jax.random.key(0), Sampling(max_new_tokens), scores=True)
+        for name, score_B in out.scores.items():
+            totals[name] = totals.get(name, 0.0) + float(score_B.sum(dtype=np.float64))
+    return {f"eval_{name}": total / len(examples) for name, total in totals.items()}
 
 
 def train_and_evaluate(
@@ -111,12 +117,13 @@ def train_and_evaluate(
     metrics = MetricsWriter(workdir, keep_through=ckpt_step, enabled=lead)
 
     # ---- evaluation
-    def run_eval() -> float:
+    def run_eval() -> dict[str, float]:
         return evaluate(task, params, held_out, cfg.train.max_new_tokens, mesh)
 
-    acc0 = run_eval() if start_step == 0 else first_eval(metrics.records())
     if start_step == 0:
-        metrics.write({"step": 0, "wall_time": 0.0, "eval_accuracy": acc0})
+        scores0 = run_eval()
+        metrics.write({"step": 0, "wall_time": 0.0, **scores0})
+    acc0 = scores0["eval_accuracy"] if start_step == 0 else first_eval(metrics.records())
     if lead:
         where = f"resuming from step {start_step}" if start_step else "starting"
         print(
@@ -138,8 +145,8 @@ def train_and_evaluate(
         step += 1
         record = {"step": step, "wall_time": elapsed, "tokens_per_s": n_tokens / dt, **m}
         if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-            acc = run_eval()
-            record["eval_accuracy"] = acc
+            record.update(run_eval())
+            acc = record["eval_accuracy"]
         metrics.write(record)
         bar.update(min(dt, budget - bar.n) if budget else 1)
         bar.set_postfix(
@@ -165,7 +172,7 @@ def train_and_evaluate(
     # ---- final
     last = last_eval(metrics.records())
     if last is None or last["step"] != step:
-        metrics.write({"step": step, "wall_time": elapsed, "eval_accuracy": run_eval()})
+        metrics.write({"step": step, "wall_time": elapsed, **run_eval()})
     metrics.close()
     if lead:
         plot_eval_curve(workdir / "metrics.jsonl", workdir / "eval_accuracy.png", title=f"{cfg.method}")

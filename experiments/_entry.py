@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from absl import app, flags, logging
@@ -21,12 +22,14 @@ from ml_collections import config_flags
 
 from esroll import parallel
 from esroll.errors import InputError, unknown_key
+from esroll.models import ModelConfig, count_params
 
 _DEBUG = flags.DEFINE_bool("debug", False, "Show the traceback of expected errors (bad config, model, data, workdir).")
 
 
-def run(main) -> None:
-    """`app.run(main)` with this module's help and error handling."""
+def run(main, model_path: Callable[[], str] | None = None) -> None:
+    """`app.run(main)` with this module's help and error handling. `model_path()` (read once the flags are parsed)
+    names the model the run loads: a large one keeps one CPU device (`parallel.use_cpu_cores_as_devices`)."""
     argv = sys.argv
     if any(a in ("-h", "--help", "-help", "--helpshort", "--helpfull") for a in argv[1:]):
         print(help_text(argv))
@@ -43,7 +46,7 @@ def run(main) -> None:
             _fail(InputError(_first_line(e)), 2, "--debug" in args)
 
     def guarded(args):
-        parallel.use_cpu_cores_as_devices()
+        parallel.use_cpu_cores_as_devices(_model_params(model_path() if model_path else ""))
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
         if len(args) > 1:
             _fail(InputError(f"unexpected arguments: {' '.join(args[1:])}"), 2, _DEBUG.value)
@@ -53,6 +56,15 @@ def run(main) -> None:
             _fail(e, 1, _DEBUG.value)
 
     app.run(guarded, flags_parser=parse)
+
+
+def _model_params(path: str) -> int:
+    """Parameters of the model in local folder `path` from its config.json; 0 when it cannot be read here (a Hub id,
+    a missing folder: the run reports those itself)."""
+    try:
+        return count_params(ModelConfig.from_json_file(os.path.join(path, "config.json")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def _fail(error: Exception, status: int, debug: bool):

@@ -32,4 +32,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, model_path=lambda: _CONFIG.value.experiment.model.path)

@@ -51,4 +51,4 @@ def check_method_switch() -> None:
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, model_path=lambda: _CONFIG.value.model.path)

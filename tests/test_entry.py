@@ -54,22 +54,6 @@ def test_expected_errors_are_one_line(tmp_path, args, expected):
     assert not workdir.exists() or not any(workdir.iterdir())  # a failed start claims nothing
 
 
-def test_method_switch_with_its_optimizer_trains(tmp_path):
-    """Switching method together with the optimizer is the user's explicit choice and is accepted."""
-    proc = run_train(
-        "--config",
-        "configs/default.py:quick",
-        "--workdir",
-        str(tmp_path / "g"),
-        "--config.method=grpo",
-        "--config.optimizer.lr=1e-4",
-        "--config.train.steps=1",
-        "--config.train.export=False",
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "grpo: finished" in proc.stdout
-
-
 def test_help_lists_variants_and_keys():
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.train", "--help", "--config=configs/default.py:grpo"],

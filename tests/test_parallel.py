@@ -19,6 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from esroll import parallel
 
+from conftest import REPO
+
 
 @pytest.fixture(scope="module")
 def mesh():
@@ -225,6 +227,23 @@ def test_cpu_cores_keeps_a_count_already_configured(fake_jax, no_device_count_fl
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert parallel.use_cpu_cores_as_devices() == 4
     assert fake_jax.config.updates == []
+
+
+def test_cpu_cores_one_device_for_a_large_model(fake_jax, no_device_count_flag, monkeypatch):
+    """Above SMALL_MODEL_PARAMS the count is left to JAX (one CPU device); at or below it, one per core."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert parallel.use_cpu_cores_as_devices(model_params=parallel.SMALL_MODEL_PARAMS + 1) == -1
+    assert fake_jax.config.updates == []
+    assert parallel.use_cpu_cores_as_devices(model_params=parallel.SMALL_MODEL_PARAMS) == 2
+    assert fake_jax.config.updates == [("jax_num_cpu_devices", 2)]
+
+
+def test_entry_counts_the_parameters_of_a_local_model_folder(tmp_path):
+    from experiments._entry import _model_params
+
+    assert _model_params(str(REPO / "assets/tiny-qwen3-arith")) == 429_312
+    assert _model_params(str(tmp_path / "missing")) == 0  # unknown: the run reports the missing folder itself
+    assert _model_params("Qwen/Qwen3-0.6B") == 0
 
 
 class FakeDistributed:

@@ -190,3 +190,22 @@ def test_non_string_completion_is_zero():
 def test_does_not_import_jax():
     code = "import sys, esroll.rewards; assert 'jax' not in sys.modules, 'rewards imported jax'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_strict_and_flexible_extraction():
+    """The two GSM8K evaluation scores: strict reads only the number after the last `####`; flexible the last number."""
+    cases = [
+        ("so 3 + 4 = 7\n#### 7", "7", "7"),
+        ("#### 7 apples, then 8", "7", "8"),  # strict: right after the marker; flexible: the last number
+        ("The answer is 12.", None, "12"),
+        ("#### $1,234.50", "1234.5", "1234.5"),
+        ("#### 5\n#### 6", "6", "6"),
+        ("no number here ####", None, None),
+        ("####\n  -3", "-3", "-3"),
+    ]
+    for text, strict, flexible in cases:
+        assert rewards.extract_strict(text) == strict, text
+        assert rewards.extract_flexible(text) == flexible, text
+    assert rewards.gsm8k_reward("The answer is 12.", "#### 12", rewards.extract_strict) == 0.0
+    assert rewards.gsm8k_reward("The answer is 12.", "#### 12", rewards.extract_flexible) == 1.0
+    assert rewards.gsm8k_reward("The answer is 12.", "#### 12") == 1.0  # the training reward accepts "answer is"

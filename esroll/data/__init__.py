@@ -5,7 +5,7 @@ from esroll.data.build import make_splits
 from esroll.data.gsm8k import example_from_gsm8k, load_gsm8k, to_gsm8k_dict, write_jsonl
 from esroll.data.gsm_symbolic import gsm_symbolic_templates, make_gsm_symbolic, make_gsm_symbolic_splits
 from esroll.data.synthetic import make_arithmetic, make_countdown
-from esroll.data.tasks import PLAIN_TEMPLATE, TASKS, Example, format_prompt, score
+from esroll.data.tasks import PLAIN_TEMPLATE, TASKS, Example, eval_score_names, eval_scores, format_prompt, score
 
 __all__ = [
     "PLAIN_TEMPLATE",
@@ -13,6 +13,8 @@ __all__ = [
     "Example",
     "batch_indices",
     "epoch_permutation",
+    "eval_score_names",
+    "eval_scores",
     "example_from_gsm8k",
     "format_prompt",
     "get_batch",

@@ -6,6 +6,7 @@ from typing import Any, Literal, Mapping
 from esroll import rewards
 
 TASKS = ("gsm8k", "arithmetic", "countdown", "gsm_symbolic")
+NUMERIC_TASKS = ("gsm8k", "gsm_symbolic", "arithmetic")  # scored by the final number of the completion
 
 # The fixed "plain" template. The tiny shipped model is trained on synthetic arithmetic with exactly this template
 # and the completion `Example.target_text` (" 47"), so changing it invalidates that model.
@@ -61,8 +62,24 @@ def format_prompt(
 
 def score(example: Example, completion: str) -> float:
     """The reward of one completion for one row, picked by `example.task`."""
-    if example.task in ("gsm8k", "gsm_symbolic", "arithmetic"):
+    if example.task in NUMERIC_TASKS:
         return rewards.gsm8k_reward(completion, example.answer)
     if example.task == "countdown":
         return rewards.countdown_reward(completion, example.meta["numbers"], example.meta["target"])
     raise ValueError(f"unknown task {example.task!r}; expected one of {TASKS}")
+
+
+def eval_score_names(task: str) -> tuple[str, ...]:
+    """What held-out evaluation logs per completion of `task`: the reward ("accuracy") and, for numeric answers, the
+    two scores GSM8K harnesses report: "strict" (the number after `####`) and "flexible" (the last number)."""
+    return ("accuracy", "strict", "flexible") if task in NUMERIC_TASKS else ("accuracy",)
+
+
+def eval_scores(example: Example, completion: str) -> tuple[float, ...]:
+    """The scores `eval_score_names(example.task)` names, for one completion."""
+    if example.task not in NUMERIC_TASKS:
+        return (score(example, completion),)
+    return tuple(
+        rewards.gsm8k_reward(completion, example.answer, extract)
+        for extract in (rewards.extract_answer, rewards.extract_strict, rewards.extract_flexible)
+    )

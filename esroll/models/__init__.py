@@ -1,7 +1,7 @@
 """Pure-functional Qwen3 / Qwen2.5 / Llama decoders and their Hugging Face checkpoint loaders."""
 
 from esroll.models.config import ModelConfig
-from esroll.models.hf import load_hf, param_shapes, save_hf
+from esroll.models.hf import count_params, load_hf, param_shapes, save_hf
 from esroll.models.layers import LowRank, Perturbation, linear
 from esroll.models.presets import PRESETS, model_config, num_params, preset_config
 from esroll.models.transformer import STACKED, KVCache, forward, init_cache, unstack_layers
@@ -19,6 +19,7 @@ __all__ = [
     "load_hf",
     "model_config",
     "num_params",
+    "count_params",
     "param_shapes",
     "preset_config",
     "save_hf",

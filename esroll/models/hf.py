@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -59,6 +61,11 @@ def param_shapes(cfg: ModelConfig) -> dict:
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (D, cfg.vocab_size)
     return shapes
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Parameters of a model with `cfg` (a tied embedding / LM head counted once), from `param_shapes`."""
+    return sum(math.prod(shape) for shape in jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)))
 
 
 def _hf_names(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:

