@@ -109,8 +109,9 @@ QUICK = [
 ]
 
 
-def kill_when(workdir: Path, step: int) -> int:
-    """Start the run, SIGKILL it as soon as metrics.jsonl holds `step`; returns its exit status."""
+def kill_when(workdir: Path, step: int, checkpoint: int | None = None) -> int:
+    """Start the run, SIGKILL it as soon as metrics.jsonl holds `step` (and, if given, the checkpoint of step
+    `checkpoint` is finalised); returns its exit status."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "experiments.train", *QUICK, "--workdir", str(workdir)],
         cwd=REPO,
@@ -119,7 +120,8 @@ def kill_when(workdir: Path, step: int) -> int:
     )
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline:
-        if any(r["step"] >= step for r in read_metrics(workdir / "metrics.jsonl")):
+        saved = checkpoint is None or (workdir / "checkpoints" / str(checkpoint)).is_dir()
+        if saved and any(r["step"] >= step for r in read_metrics(workdir / "metrics.jsonl")):
             os.kill(proc.pid, signal.SIGKILL)
             break
         time.sleep(0.01)
@@ -127,7 +129,7 @@ def kill_when(workdir: Path, step: int) -> int:
 
 
 def test_sigkill_before_and_after_first_checkpoint_then_resume(tmp_path):
-    """Killed after step 2 (before the first checkpoint, at 4) and after step 6 (after it), then run to the end: every
+    """Killed after step 2 (before the first checkpoint, at 4) and after step 5 (once it is saved), then run to the end: every
     step is logged once in metrics.jsonl and TensorBoard, and the exported model is bit-identical to an uninterrupted
     run's."""
     straight = run_train(*QUICK, "--workdir", str(tmp_path / "straight"))
@@ -135,7 +137,7 @@ def test_sigkill_before_and_after_first_checkpoint_then_resume(tmp_path):
     killed = tmp_path / "killed"
     assert kill_when(killed, 2) == -signal.SIGKILL
     assert not (killed / "checkpoints").exists() or not any((killed / "checkpoints").glob("[0-9]*"))
-    assert kill_when(killed, 6) == -signal.SIGKILL
+    assert kill_when(killed, 5, checkpoint=4) == -signal.SIGKILL
     resumed = run_train(*QUICK, "--workdir", str(killed))
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from step 4" in resumed.stdout

@@ -4,6 +4,8 @@ Qwen's tokenizer and chat template, GSM-Symbolic problems; 2 ES steps and 2 GRPO
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -25,33 +27,42 @@ def qwen3_06b_2layers(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("method", ["looroll", "grpo"])
-def test_two_steps_at_real_width_and_vocabulary(qwen3_06b_2layers, tmp_path, method):
-    import torch
-    import transformers
-
+def run_cpu_variant(method: str, model: Path, workdir: Path) -> list[dict]:
+    """2 steps of `configs/gsm8k_qwen3.py:0.6b,<method>,cpu` on one device; returns the metrics records."""
     cd = get_config(f"0.6b,{method},cpu")
-    cd.model.path = str(qwen3_06b_2layers)
-    cd.data.eval_size = 4
-    cd.train.max_new_tokens = 8
+    cd.model.path = str(model)
+    cd.data.eval_size = 2
+    cd.train.max_new_tokens = 4
     cd.grpo.remat = False  # its memory saving is not what this test is about; compile time is
+    cd.model.dtype = "float32"  # XLA:CPU runs bfloat16 matmuls slowly; the shapes are what this test is about
     cfg = from_config_dict(cd.to_dict())
-    assert cfg.data.task == "gsm_symbolic" and cfg.data.template == "chat" and cfg.model.dtype == "bfloat16"
-    out = train_and_evaluate(cfg, tmp_path, mesh_devices=1, progress=False)  # one copy of the weights
+    assert cfg.data.task == "gsm_symbolic" and cfg.data.template == "chat"
+    out = train_and_evaluate(cfg, workdir, mesh_devices=1, progress=False)  # one copy of the weights
     assert out["steps"] == 2 and out["ran_steps"] == 2
-    records = read_metrics(tmp_path / "metrics.jsonl")
+    records = read_metrics(workdir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in (records[0], records[-1]):
         assert {"eval_accuracy", "eval_strict", "eval_flexible"} <= set(r)
     assert records[1]["tokens_per_s"] > 0 and np.isfinite(records[1]["fitness_mean"])
+    return records
 
-    # The export reloads in transformers with the same logits as the trained parameters in esroll.
+
+def test_es_and_grpo_steps_at_real_width_and_vocabulary(qwen3_06b_2layers, tmp_path):
+    import torch
+    import transformers
+
+    run_cpu_variant("looroll", qwen3_06b_2layers, tmp_path / "es")
+    grpo = run_cpu_variant("grpo", qwen3_06b_2layers, tmp_path / "grpo")
+    assert "frac_groups_all_equal" in grpo[1]
+
+    # The GRPO export reloads in transformers with the same logits as in esroll.
     from esroll.models import forward, load_hf
 
-    model_cfg, params = load_hf(tmp_path / "final", dtype=np.float32)
+    final = tmp_path / "grpo" / "final"
+    model_cfg, params = load_hf(final, dtype=np.float32)
     assert model_cfg.vocab_size == 151936 and model_cfg.hidden_size == 1024 and model_cfg.num_layers == 2
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"), dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "final"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(final))
     ids = np.array([tokenizer.encode("Natalia sold clips to 48 of her friends. #### 72")])
     ours, _ = forward(model_cfg, params, ids)
     with torch.no_grad():
