@@ -83,16 +83,16 @@ def check_workdir(workdir: str | Path, config: dict, overwrite: bool) -> bool:
 
 
 def claim_workdir(workdir: str | Path, config: dict) -> None:
-    """Record the run's config in workdir/config.json, once the run is known to start. A different run found there
-    (allowed by `check_workdir` with overwrite) is moved to workdir/replaced-N with its checkpoints and logs, never
-    deleted."""
+    """Record the run's config in workdir/config.json, once the run is known to start. A run of another config found
+    there (allowed by `check_workdir` with overwrite) is moved to workdir/replaced-N with its checkpoints and logs,
+    never deleted; a workdir without a config.json is written into as it is."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.json"
     text = _dumps(config)
     if path.is_file() and json.loads(path.read_text()) == json.loads(text):
         return
-    if any(workdir.iterdir()):
+    if path.is_file():
         aside = next(workdir / f"replaced-{i}" for i in range(1, 10_000) if not (workdir / f"replaced-{i}").exists())
         aside.mkdir()
         for child in list(workdir.iterdir()):

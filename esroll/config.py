@@ -13,6 +13,8 @@ import dataclasses
 import typing
 from typing import Any
 
+import optax
+
 from esroll.data.tasks import TASKS, TEMPLATES
 from esroll.errors import ConfigError, InputError, unknown_key
 from esroll.es.estimators import METHODS as ES_METHODS
@@ -141,6 +143,17 @@ class ExperimentConfig:
             except ConfigError as e:
                 raise e.under("es.") from None
         return self
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """The optax optimizer `cfg` names (global-norm clipping first when `max_grad_norm` > 0)."""
+    if cfg.name == "sgd":
+        opt = optax.sgd(cfg.lr)
+    elif cfg.name == "adamw":
+        opt = optax.adamw(cfg.lr, weight_decay=cfg.weight_decay)
+    else:
+        opt = optax.adam(cfg.lr)
+    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), opt) if cfg.max_grad_norm > 0 else opt
 
 
 def _get(obj: Any, dotted: str) -> Any:

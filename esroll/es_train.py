@@ -7,25 +7,34 @@ Rows are member-major (rows [m·X, (m+1)·X) belong to member m). Every device r
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
-import optax
 
 from esroll import es, parallel
-from esroll.config import ExperimentConfig
+from esroll.config import ExperimentConfig, OptimConfig, make_optimizer
 from esroll.data import Example
 from esroll.rollout import Sampling, rollout
 from esroll.task import Method, Task
 
 
-def make_es_method(cfg: ExperimentConfig, task: Task, optimizer: optax.GradientTransformation, mesh) -> Method:
-    strategy = es.make_strategy(cfg.es_config, optimizer)
+@functools.cache
+def _strategy(es_cfg: es.ESConfig, optim: OptimConfig, mesh) -> es.Strategy:
+    """The strategy with jitted ask / tell, one per (ES config, optimizer config, mesh) in a process, so that runs of
+    one process (a comparison's warm-up and its timed runs) share their compilation. Outputs are pinned to the
+    replicated sharding the inputs have, so step 2 hits the jit cache of step 1."""
+    strategy = es.make_strategy(es_cfg, make_optimizer(optim))
+    same = parallel.replicated(mesh)
+    return strategy._replace(
+        ask=jax.jit(strategy.ask, out_shardings=same), tell=jax.jit(strategy.tell, out_shardings=same)
+    )
+
+
+def make_es_method(cfg: ExperimentConfig, task: Task, mesh) -> Method:
+    init, ask, tell = _strategy(cfg.es_config, cfg.optimizer, mesh)
     M, X = cfg.es.population, cfg.train.prompts_per_step
     example_B, member_B = np.tile(np.arange(X), M), np.repeat(np.arange(M, dtype=np.int32), X)
-    # Outputs pinned to the replicated sharding the inputs have, so step 2 hits the jit cache of step 1.
-    same = parallel.replicated(mesh)
-    ask = jax.jit(strategy.ask, out_shardings=same)
-    tell = jax.jit(strategy.tell, out_shardings=same)
     sample_key = jax.random.key(cfg.seed + 1)
     sampling = Sampling(cfg.train.max_new_tokens, temperature=cfg.train.temperature)
 
@@ -45,4 +54,4 @@ def make_es_method(cfg: ExperimentConfig, task: Task, optimizer: optax.GradientT
         params, state, metrics = tell(state, params, parallel.put_replicated(mesh, fitness_M))
         return params, state, metrics, int(out.length_B.sum())
 
-    return Method(strategy.init, step)
+    return Method(init, step)

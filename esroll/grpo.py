@@ -39,7 +39,7 @@ from esroll.sampling import sequence_logprobs
 from esroll.task import Method, Task
 
 if TYPE_CHECKING:  # esroll.config imports GRPOConfig from here
-    from esroll.config import ExperimentConfig
+    from esroll.config import ExperimentConfig, OptimConfig
 
 Array = jax.Array
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "constant_length")
@@ -187,13 +187,18 @@ class Rollouts(NamedTuple):
     weight: Array  # [U, b, N] float32: token_weights over the whole minibatch
 
 
-def make_update(model_cfg, grpo: GRPOConfig, optimizer: optax.GradientTransformation, mesh: Mesh):
+@functools.cache
+def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh):
     """The jitted optimizer step on one minibatch, its gradient summed over microbatches (a `lax.scan`):
     update(params, state, batch, on_policy) -> (params, state, metrics).
 
     `on_policy` (traced bool) marks the update whose parameters sampled the batch: π_old := stop_gradient(π_θ).
-    Parameters and state come out FSDP-sharded, whatever their input sharding.
+    Parameters and state come out FSDP-sharded, whatever their input sharding. One per (model, GRPO config,
+    optimizer config, mesh) in a process, so that runs of one process share their compilation.
     """
+    from esroll.config import make_optimizer  # esroll.config imports this module
+
+    optimizer = make_optimizer(optim)
 
     def micro_loss(params, ref_params, micro: Rollouts, on_policy):
         def logprobs(p):
@@ -245,7 +250,7 @@ def make_update(model_cfg, grpo: GRPOConfig, optimizer: optax.GradientTransforma
 # ---- the method: sample, score, update
 
 
-def make_grpo_method(cfg: ExperimentConfig, task: Task, optimizer: optax.GradientTransformation, mesh: Mesh) -> Method:
+def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh) -> Method:
     g = cfg.grpo
     X, M = cfg.train.prompts_per_step, g.group_size
     n_mini, n_micro = g.minibatches, g.microbatches
@@ -264,7 +269,10 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, optimizer: optax.Gradien
     micro_rows = NamedSharding(mesh, PartitionSpec(None, parallel.AXIS))
     sample_key = jax.random.key(cfg.seed + 1)
     sampling = Sampling(cfg.train.max_new_tokens, temperature=g.temperature)
-    step_update = make_update(task.cfg, g, optimizer, mesh)
+    from esroll.config import make_optimizer  # esroll.config imports this module
+
+    step_update = make_update(task.cfg, g, cfg.optimizer, mesh)
+    optimizer = make_optimizer(cfg.optimizer)
 
     def init(params, key):
         del key  # sampling keys are fold_in(seed, step); nothing else is random

@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+from esroll.errors import InputError
+
 
 def read_metrics(path: str | Path) -> list[dict]:
     """The records of a metrics.jsonl file, in order ([] if there is none).
@@ -27,7 +29,7 @@ def read_metrics(path: str | Path) -> list[dict]:
         except json.JSONDecodeError:
             if i == len(lines) - 1:
                 break
-            raise ValueError(f"{path}:{i + 1}: not a JSON object") from None
+            raise InputError(f"{path}:{i + 1}: not a JSON object") from None
     return records
 
 

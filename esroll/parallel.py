@@ -16,6 +16,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from esroll.errors import InputError
+
 AXIS = "data"
 
 
@@ -69,7 +71,7 @@ def make_mesh(num_devices: int = 0) -> Mesh:
     devices = jax.devices()
     if num_devices:
         if num_devices > len(devices):
-            raise ValueError(f"config: 'mesh_devices' = {num_devices} but only {len(devices)} devices exist")
+            raise InputError(f"--mesh_devices={num_devices} but only {len(devices)} devices exist")
         devices = devices[:num_devices]
     return Mesh(np.array(devices), (AXIS,))
 
@@ -114,6 +116,13 @@ def local_rows(x: jax.Array) -> tuple[np.ndarray, np.ndarray]:
     idx = np.concatenate([np.arange(a, b) for (a, b), _ in shards])
     vals = np.concatenate([np.asarray(s.data) for _, s in shards])
     return idx, vals
+
+
+def broadcast_from_lead(values: tuple[int, ...]) -> tuple[int, ...]:
+    """Process 0's values of a tuple of small ints, on every process."""
+    if jax.process_count() == 1:
+        return values
+    return tuple(int(x) for x in multihost_utils.broadcast_one_to_all(np.asarray(values, np.int64)))
 
 
 def gather_to_all(local: np.ndarray, idx: np.ndarray, total: int) -> np.ndarray:

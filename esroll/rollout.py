@@ -104,7 +104,8 @@ def rollout(
     names = eval_score_names(examples[0].task) if scores else ("accuracy",)
     local = np.zeros((len(idx), len(names)), np.float32)  # the reward first, then the other scores
     score_fn = task.eval_scores if scores else lambda *a: task.rewards(*a)[:, None]
-    local[real] = score_fn([examples[e] for e in example_B[idx[real]]], tokens[real], lengths[real])
+    if real.any():  # a process whose devices hold only padding rows scores nothing (but still joins the exchange)
+        local[real] = score_fn([examples[e] for e in example_B[idx[real]]], tokens[real], lengths[real])
     # One exchange: [reward, scores..., length, tokens..., log-probabilities...] per row, in float64 (exact for all).
     columns = [local, lengths[:, None]]
     if completions:

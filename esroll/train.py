@@ -15,28 +15,17 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 from tqdm.auto import tqdm
 
 from esroll import parallel
 from esroll.checkpoint import Checkpointer, check_workdir, claim_workdir
-from esroll.config import ExperimentConfig, OptimConfig
+from esroll.config import ExperimentConfig
 from esroll.data import Example, get_batch, make_splits
 from esroll.errors import reading
 from esroll.metrics import MetricsWriter, first_eval, last_eval, plot_eval_curve, read_metrics
 from esroll.models import save_hf
 from esroll.rollout import PAD, Sampling, rollout
 from esroll.task import Task, load_task
-
-
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    if cfg.name == "sgd":
-        opt = optax.sgd(cfg.lr)
-    elif cfg.name == "adamw":
-        opt = optax.adamw(cfg.lr, weight_decay=cfg.weight_decay)
-    else:
-        opt = optax.adam(cfg.lr)
-    return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), opt) if cfg.max_grad_norm > 0 else opt
 
 
 def evaluate(
@@ -81,7 +70,13 @@ def train_and_evaluate(
     mesh = parallel.make_mesh(mesh_devices)
     ckpt_step = Checkpointer.latest_in(workdir) if resuming else None
     records = read_metrics(workdir / "metrics.jsonl") if resuming else []
-    if ckpt_step is not None and _complete(cfg, ckpt_step, records):
+    complete = ckpt_step is not None and _complete(cfg, workdir, ckpt_step, records)
+    # Every process must take the same branch: process 0's view of the workdir decides.
+    resuming, step, complete = parallel.broadcast_from_lead(
+        (resuming, -1 if ckpt_step is None else ckpt_step, complete)
+    )
+    ckpt_step = None if step < 0 else step
+    if complete:
         summary = _summary(cfg, workdir, records, resumed_from=ckpt_step, ran_steps=0)
         if lead:
             _print_summary(summary, "already complete; nothing to do")
@@ -94,15 +89,14 @@ def train_and_evaluate(
     params = parallel.put_replicated(mesh, params)
 
     # ---- method
-    optimizer = make_optimizer(cfg.optimizer)
     if cfg.method == "grpo":
         from esroll.grpo import make_grpo_method
 
-        method = make_grpo_method(cfg, task, optimizer, mesh)
+        method = make_grpo_method(cfg, task, mesh)
     else:
         from esroll.es_train import make_es_method
 
-        method = make_es_method(cfg, task, optimizer, mesh)
+        method = make_es_method(cfg, task, mesh)
     state = parallel.put_replicated(mesh, method.init(params, jax.random.key(cfg.seed)))
 
     # ---- claim the workdir (the run can start), then restore if it holds this run
@@ -184,11 +178,14 @@ def train_and_evaluate(
     return {**summary, "params": params}
 
 
-def _complete(cfg: ExperimentConfig, ckpt_step: int, records: list[dict]) -> bool:
+def _complete(cfg: ExperimentConfig, workdir: Path, ckpt_step: int, records: list[dict]) -> bool:
     """Whether a run whose last checkpoint is at `ckpt_step` has nothing left to do: its loop had ended (step limit
-    or time budget) and its final evaluation is logged."""
+    or time budget), its final evaluation is logged, and its plot and exported model were written (both come after
+    the final evaluation, so a run killed while exporting is finished when rerun)."""
     last = last_eval(records)
-    if last is None or last["step"] != ckpt_step:
+    if last is None or last["step"] != ckpt_step or not (workdir / "eval_accuracy.png").is_file():
+        return False
+    if cfg.train.export and not (workdir / "final" / "config.json").is_file():
         return False
     budget = cfg.train.time_budget_s
     return ckpt_step >= cfg.train.steps or bool(budget and last["wall_time"] >= budget)

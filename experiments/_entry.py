@@ -4,9 +4,10 @@ variants and keys, and expected errors printed as one line.
     if __name__ == "__main__":
         run(main)
 
-Expected errors are `esroll.errors.InputError`s (config keys and values, model folders, data rows, workdirs) and
-flag-parsing errors: each is printed as one line on stderr and the process exits with status 2 (command line) or 1
-(input). Anything else is a bug and keeps its traceback; `--debug` keeps the traceback of expected errors too.
+Expected errors are `esroll.errors.InputError`s (config keys and values; anything raised while reading the model
+folder, the data or the workdir, see `esroll.errors.reading`) and flag-parsing errors: each is printed as one line on
+stderr and the process exits with status 2 (command line) or 1 (input). Anything else keeps its traceback;
+`--debug` keeps the traceback of expected errors too.
 """
 
 from __future__ import annotations

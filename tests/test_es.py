@@ -74,7 +74,7 @@ def test_config_errors_name_the_field():
     ]:
         with pytest.raises(ConfigError, match=rf"^ESConfig: invalid value for '{field}'"):
             es.ESConfig(**kwargs)
-    with pytest.raises(ValueError, match="no parameter leaf is perturbed"):
+    with pytest.raises(ConfigError, match="perturb at least one parameter leaf"):
         es.make_strategy(es.ESConfig(frozen_patterns=(".*",)), optax.sgd(1.0)).init(toy_params(), jax.random.key(0))
     with pytest.raises(ConfigError, match="frozen_patterns.*freeze 'embed'"):
         es.make_strategy(es.ESConfig(frozen_patterns=("lm_head",)), optax.sgd(1.0)).init(

@@ -18,7 +18,7 @@ from esroll.grpo import AGGREGATIONS, make_grpo_method, token_weights
 from esroll.grpo import grpo_loss as _grpo_loss
 from esroll.models import load_hf
 from esroll.task import load_task
-from esroll.train import make_optimizer, train_and_evaluate
+from esroll.train import train_and_evaluate
 
 from conftest import check_exact_resume, quick_config
 
@@ -130,7 +130,7 @@ def test_first_update_has_ratio_exactly_one():
     train, held_out = make_splits(cfg.data)
     task, params = load_task(cfg, train, held_out)
     mesh = parallel.make_mesh(8)
-    method = make_grpo_method(cfg, task, make_optimizer(cfg.optimizer), mesh)
+    method = make_grpo_method(cfg, task, mesh)
     params = parallel.put_replicated(mesh, params)
     state = parallel.put_replicated(mesh, method.init(params, jax.random.key(0)))
     examples = get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, 0)

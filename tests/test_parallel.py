@@ -43,7 +43,7 @@ def test_make_mesh_takes_the_first_n_devices():
 
 
 def test_make_mesh_refuses_more_devices_than_exist():
-    with pytest.raises(ValueError, match=r"^config: 'mesh_devices' = 9 but only 8 devices exist$"):
+    with pytest.raises(ValueError, match=r"^--mesh_devices=9 but only 8 devices exist$"):
         parallel.make_mesh(9)
 
 

@@ -187,3 +187,13 @@ def test_entry_scripts_use_one_cpu_device_per_core():
         [sys.executable, "-c", code], env=flags, cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.split()
     assert out[0] == "3"
+
+
+def test_a_workdir_without_a_run_is_written_into_not_moved(tmp_path):
+    """Only a run of another config (config.json) is ever moved aside; other files in the workdir stay put."""
+    from esroll.checkpoint import check_workdir, claim_workdir
+
+    (tmp_path / "notes.txt").write_text("mine\n")
+    assert check_workdir(tmp_path, {"a": 1}, overwrite=True) is False
+    claim_workdir(tmp_path, {"a": 1})
+    assert (tmp_path / "notes.txt").read_text() == "mine\n" and not (tmp_path / "replaced-1").exists()

@@ -154,8 +154,11 @@ def make_strategy(cfg: ESConfig, optimizer: optax.GradientTransformation) -> Str
     def init(params: dict, key: Array) -> ESState:
         kinds = leaf_kinds(cfg, params)
         if not kinds:
-            raise ValueError(
-                "ESConfig: no parameter leaf is perturbed; check lowrank_patterns / dense_patterns / frozen_patterns"
+            raise ConfigError(
+                "lowrank_patterns",
+                cfg.lowrank_patterns,
+                "patterns that perturb at least one parameter leaf (check dense_patterns and frozen_patterns too)",
+                where="ESConfig",
             )
         if "embed" in kinds:  # the token lookup (and a tied head) takes no perturbation: its update would be blind
             raise ConfigError("frozen_patterns", cfg.frozen_patterns, "patterns that freeze 'embed'", where="ESConfig")

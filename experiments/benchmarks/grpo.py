@@ -24,7 +24,6 @@ from esroll.config import from_config_dict
 from esroll.data import get_batch, make_splits, score
 from esroll.grpo import make_grpo_method
 from esroll.task import load_task
-from esroll.train import make_optimizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +37,7 @@ def _config():
 def _esroll_stepper(cfg, task, params, train):
     """A function running esroll's GRPO step `i` to completion; returns (seconds, completion tokens)."""
     mesh = parallel.make_mesh(1)
-    method = make_grpo_method(cfg, task, make_optimizer(cfg.optimizer), mesh)
+    method = make_grpo_method(cfg, task, mesh)
     params = parallel.put_replicated(mesh, params)
     carry = [params, parallel.put_replicated(mesh, method.init(params, jax.random.key(cfg.seed)))]
 
