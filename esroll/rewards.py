@@ -54,6 +54,25 @@ def parse_number(text: str) -> str | None:
     return _canonical(m.group()) if m else None
 
 
+def _after_marker(tail: str, marker: re.Pattern, stop: str | None) -> str | None:
+    """The number after the last `marker` that has one: directly after it, or anywhere before `stop` when the marker
+    opens a delimited window (`\\boxed{...}`)."""
+    for m in reversed(list(marker.finditer(tail))):
+        window = tail[m.end() : m.end() + _WINDOW]
+        if stop is not None:
+            window = window.partition(stop)[0]
+        window = window.lstrip(" \t\n:=*\\")
+        first = _NUMBER.search(window) if stop is not None else _NUMBER.match(window)
+        if first and (number := _canonical(first.group())) is not None:
+            return number
+    return None
+
+
+def _last_number(tail: str) -> str | None:
+    numbers = [n for m in _NUMBER.finditer(tail) if (n := _canonical(m.group())) is not None]
+    return numbers[-1] if numbers else None
+
+
 def extract_answer(completion: str) -> str | None:
     """The final numeric answer of a completion, canonicalised ('1,234.00' -> '1234'), or None.
 
@@ -63,37 +82,19 @@ def extract_answer(completion: str) -> str | None:
         return None
     tail = completion[-TAIL_CHARS:]
     for marker, stop in _MARKERS:
-        for m in reversed(list(marker.finditer(tail))):
-            window = tail[m.end() : m.end() + _WINDOW]
-            if stop is not None:
-                window = window.partition(stop)[0]
-            window = window.lstrip(" \t\n:=*\\")
-            first = _NUMBER.search(window) if stop is not None else _NUMBER.match(window)
-            if first and (number := _canonical(first.group())) is not None:
-                return number
-    numbers = [n for m in _NUMBER.finditer(tail) if (n := _canonical(m.group())) is not None]
-    return numbers[-1] if numbers else None
+        if (number := _after_marker(tail, marker, stop)) is not None:
+            return number
+    return _last_number(tail)
 
 
 def extract_strict(completion: str) -> str | None:
     """The number right after the last `####` (the GSM8K answer format), or None: the harnesses' strict match."""
-    if not isinstance(completion, str):
-        return None
-    tail = completion[-TAIL_CHARS:]
-    for m in reversed(list(_MARKERS[0][0].finditer(tail))):
-        window = tail[m.end() : m.end() + _WINDOW].lstrip(" \t\n:=*\\")
-        first = _NUMBER.match(window)
-        if first and (number := _canonical(first.group())) is not None:
-            return number
-    return None
+    return _after_marker(completion[-TAIL_CHARS:], *_MARKERS[0]) if isinstance(completion, str) else None
 
 
 def extract_flexible(completion: str) -> str | None:
     """The last number anywhere in the completion, or None: the harnesses' flexible extraction."""
-    if not isinstance(completion, str):
-        return None
-    numbers = [n for m in _NUMBER.finditer(completion[-TAIL_CHARS:]) if (n := _canonical(m.group())) is not None]
-    return numbers[-1] if numbers else None
+    return _last_number(completion[-TAIL_CHARS:]) if isinstance(completion, str) else None
 
 
 def parse_gold(gold: str) -> str | None:
