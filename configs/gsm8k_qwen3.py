@@ -18,8 +18,13 @@ real-shape pipeline runs end to end on a CPU with no download, against a local f
     python -m experiments.train --config configs/gsm8k_qwen3.py:0.6b,looroll,cpu --workdir runs/q06_cpu \
         --config.model.path=DIR --config.data.task=gsm_symbolic
 
-Hardware expected: 0.6B and 1.7B on one 80 GB GPU (H100/H200) or a v5e-8 slice; 4B on 4-8 GPUs or a v5e-16 slice;
-8B on 8 GPUs or a v5p-16 slice (population split over the mesh, `--config.distributed=True` on multi-host).
+Hardware, as `python -m experiments.plan --config configs/gsm8k_qwen3.py:SIZE --topology T` confirms for ES (peak
+per device from the compiled step, prompt 256 + 512 new tokens; README "Devices, pods and memory"): 0.6B on a v5e-4
+slice (v5e:2x2, 13.3 of 16 GiB) or a v5p:2x2x1 (75 of 95 GiB); 1.7B on a v5e-4 (v5e:2x2, 13.4 GiB) or v5e-8 (v5e:2x4, 13.6 GiB); 4B on a v5e-16
+(v5e:4x4, model axis 4, 14.6 GiB); 8B on a v5e-64 (v5e:8x8, model axis 8, 13.8 GiB) or a v5p:2x2x2 (79.5 of 95 GiB).
+GPUs (not planned: no GPU was available): the per-device figures suggest 0.6B and 1.7B on one 80 GB H100/H200 and
+8B on 8 of them with `--config.parallel.model=8`. Multi-host: `--config.distributed=True`, one process per host, a
+shared or gs:// workdir. The GRPO variant is FSDP only (`parallel.model` 1).
 Reference (the LOO-ROLL paper, docs/theory.md): LOO-ROLL on GSM8K test 38.1% -> 63.0% (0.6B), 65.9% -> 80.0% (8B).
 """
 
@@ -33,11 +38,11 @@ VARIANTS = {
 }
 PARTS = ("looroll", "eggroll", "grpo", "countdown", "cpu")
 SIZES = {
-    # size: (ES population, prompts per step, sigma, GRPO microbatches)
-    "0.6b": (256, 64, 1e-3, 2),
-    "1.7b": (256, 64, 1e-3, 4),
-    "4b": (128, 64, 7e-4, 8),
-    "8b": (128, 64, 5e-4, 16),
+    # size: (ES population, prompts per step, sigma, GRPO microbatches, model axis)
+    "0.6b": (256, 64, 1e-3, 2, 1),
+    "1.7b": (256, 64, 1e-3, 4, 1),
+    "4b": (128, 64, 7e-4, 8, 4),
+    "8b": (128, 64, 5e-4, 16, 8),
 }
 
 
@@ -52,7 +57,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     unknown = [p for p in rest if p not in PARTS]
     if unknown:
         raise ValueError(f"configs/gsm8k_qwen3.py: unknown variant part {unknown[0]!r}")
-    population, prompts, sigma, microbatches = SIZES[size]
+    population, prompts, sigma, microbatches, model_axis = SIZES[size]
 
     c = default_config()
     c.method = method
@@ -73,6 +78,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.es.rank = 1
     c.es.sigma = sigma
     c.es.shaping = "zscore"
+    c.parallel.model = model_axis if method != "grpo" else 1  # tensor parallelism (ES); GRPO is FSDP only
     c.optimizer.name = "adam"
     c.optimizer.lr = 5e-4
     c.train.steps = 500
@@ -97,6 +103,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.data.n_examples = 200
         c.data.eval_size = 8
         c.es.population = 4
+        c.parallel.model = 1
         c.grpo.group_size = 2
         c.grpo.microbatches = 1
         c.train.prompts_per_step = 2

@@ -3,31 +3,62 @@
 A checkpoint holds the parameters, the optimizer state, the method's state (step, keys) and the data position
 (batches are a pure function of (seed, step), so the step is the position). Orbax finalizes a save by renaming a
 temporary directory, so an interrupted save leaves the previous checkpoint intact.
+
+A workdir is a local folder or a URL that `etils.epath` knows (gs://bucket/run, s3://...): every path under it is
+an `epath.Path` (`workdir_path`), which orbax takes as it is. orbax and jax are imported where they are used, so
+that `esroll.metrics` (and the report, which reads metrics only) can use these path helpers without loading them.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
 from typing import Any
 
-import jax
-import orbax.checkpoint as ocp
+from etils import epath
 
 from esroll.errors import InputError
 
 
+def workdir_path(workdir: str | os.PathLike) -> epath.Path:
+    """`workdir` as an `epath.Path`: a URL (gs://bucket/run) unchanged, a local path made absolute."""
+    s = os.fspath(workdir)
+    if "://" not in s:
+        return epath.Path(os.path.abspath(s))
+    try:
+        return epath.Path(s)
+    except KeyError:
+        raise InputError(f"{s}: unsupported URL scheme (use a local path, gs://, s3://, az:// or hf://)") from None
+
+
+def is_local(path: epath.Path) -> bool:
+    """Whether `path` is on the local filesystem (not a URL)."""
+    return "://" not in str(path)
+
+
+def write_atomically(path: epath.Path, text: str) -> None:
+    """Replace `path`'s content by `text` in one step: written to a temporary name (the suffix replaced by .tmp),
+    then renamed over it."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 class Checkpointer:
-    def __init__(self, workdir: str | Path, keep: int = 2):
-        self.dir = Path(workdir).absolute() / "checkpoints"
+    def __init__(self, workdir: str | os.PathLike, keep: int = 2):
+        import orbax.checkpoint as ocp
+
+        self.dir = workdir_path(workdir) / "checkpoints"
         self.manager = ocp.CheckpointManager(
             self.dir, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
         )
 
     @staticmethod
-    def latest_in(workdir: str | Path) -> int | None:
+    def latest_in(workdir: str | os.PathLike) -> int | None:
         """The step of the newest finished checkpoint in `workdir`, without creating anything."""
-        directory = Path(workdir).absolute() / "checkpoints"
+        import orbax.checkpoint as ocp
+
+        directory = workdir_path(workdir) / "checkpoints"
         if not directory.is_dir():
             return None
         manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=False))
@@ -40,11 +71,16 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state: Any, meta: dict) -> None:
+        import orbax.checkpoint as ocp
+
         self.manager.save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         )
 
     def restore(self, template: Any) -> tuple[Any, dict]:
+        import jax
+        import orbax.checkpoint as ocp
+
         step = self.manager.latest_step()
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
         out = self.manager.restore(
@@ -59,13 +95,13 @@ class Checkpointer:
         self.manager.close()
 
 
-def check_workdir(workdir: str | Path, config: dict, overwrite: bool) -> bool:
+def check_workdir(workdir: str | os.PathLike, config: dict, overwrite: bool) -> bool:
     """Whether `workdir` already holds this run (True: resume); writes nothing.
 
     A workdir holding a run of another config is refused (an InputError naming the first differing key) unless
     `overwrite`, in which case `claim_workdir` will move that run aside.
     """
-    path = Path(workdir) / "config.json"
+    path = workdir_path(workdir) / "config.json"
     if not path.is_file():
         return False
     try:
@@ -82,11 +118,11 @@ def check_workdir(workdir: str | Path, config: dict, overwrite: bool) -> bool:
     )
 
 
-def claim_workdir(workdir: str | Path, config: dict) -> None:
+def claim_workdir(workdir: str | os.PathLike, config: dict) -> None:
     """Record the run's config in workdir/config.json, once the run is known to start. A run of another config found
     there (allowed by `check_workdir` with overwrite) is moved to workdir/replaced-N with its checkpoints and logs,
     never deleted; a workdir without a config.json is written into as it is."""
-    workdir = Path(workdir)
+    workdir = workdir_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.json"
     text = _dumps(config)
@@ -98,9 +134,7 @@ def claim_workdir(workdir: str | Path, config: dict) -> None:
         for child in list(workdir.iterdir()):
             if not child.name.startswith("replaced-"):
                 child.rename(aside / child.name)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_atomically(path, text)
 
 
 def _dumps(config: dict) -> str:

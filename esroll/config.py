@@ -24,14 +24,39 @@ from esroll.grpo import GRPOConfig
 METHODS = (*ES_METHODS, "grpo")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DTYPES = ("float32", "bfloat16")
+DECODE_LAYERS = ("auto", "scan", "unrolled")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """path: a local Hugging Face folder (or a Hub id when online). dtype: parameters and computation."""
+    """path: a local Hugging Face folder (or a Hub id when online). dtype: the compute dtype (what rollouts decode
+    and GRPO's loss runs in; also the dtype of the exported model). master_dtype: the parameters the optimizer
+    updates, its state, and checkpoints (float32 masters keep small updates that bfloat16 would round away; set it
+    to the same as dtype for pure low-precision training)."""
 
     path: str = "assets/tiny-qwen3-arith"
     dtype: str = "float32"
+    master_dtype: str = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How a step is laid out on the devices (`esroll.parallel`, `esroll.sharding`, `esroll.memory`).
+
+    model: devices along the mesh's model axis: attention heads, MLP columns and the vocabulary are split over them
+    (tensor parallelism) and rows over the rest (the data axis); 1 keeps a whole model per device.
+    rows_per_device: rows each device decodes at once; a rollout decodes its rows in chunks of (data-axis size ×
+    rows_per_device), the KV cache sized to the chunk. 0 picks the most that fit in `memory_fraction` of the
+    device's memory (all rows at once on a CPU, whose memory JAX does not report).
+    decode_layers: auto | scan | unrolled — how the decode loop runs the layers (`esroll.sampling.generate`; auto:
+    unrolled on a CPU, where it is faster, scan on accelerators, where compile time then does not grow with depth).
+    decode_phases: the decode loop's phases (the KV cache grows between them)."""
+
+    model: int = 1
+    rows_per_device: int = 0
+    memory_fraction: float = 0.9
+    decode_layers: str = "auto"
+    decode_phases: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +112,8 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """method: looroll | eggroll (ES, settings in `es`) or grpo (settings in `grpo`). seed: the method's randomness
-    (noise, sampling); `data.seed` fixes the data. distributed: start `jax.distributed` (multi-host)."""
+    (noise, sampling); `data.seed` fixes the data. parallel: the device layout (mesh model axis, rollout chunks).
+    distributed: start `jax.distributed` (multi-host; one process per host, see the README)."""
 
     method: str = "looroll"
     seed: int = 0
@@ -97,6 +123,7 @@ class ExperimentConfig:
     grpo: GRPOConfig = GRPOConfig()
     optimizer: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
     distributed: bool = False
 
     @property
@@ -110,6 +137,16 @@ class ExperimentConfig:
             ("method", self.method in METHODS, f"one of {', '.join(METHODS)}"),
             ("model.path", bool(self.model.path), "a local model folder (--config.model.path=DIR) or a Hub id"),
             ("model.dtype", self.model.dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
+            ("model.master_dtype", self.model.master_dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
+            ("parallel.model", self.parallel.model >= 1, ">= 1"),
+            ("parallel.rows_per_device", self.parallel.rows_per_device >= 0, ">= 0 (0: as many as fit)"),
+            ("parallel.memory_fraction", 0 < self.parallel.memory_fraction <= 1, "in (0, 1]"),
+            (
+                "parallel.decode_layers",
+                self.parallel.decode_layers in DECODE_LAYERS,
+                f"one of {', '.join(DECODE_LAYERS)}",
+            ),
+            ("parallel.decode_phases", self.parallel.decode_phases >= 1, ">= 1"),
             ("data.task", self.data.task in TASKS, f"one of {', '.join(TASKS)}"),
             ("data.template", self.data.template in TEMPLATES, f"one of {', '.join(TEMPLATES)}"),
             ("data.eval_size", self.data.eval_size >= 1, ">= 1"),
@@ -137,6 +174,8 @@ class ExperimentConfig:
         for key, ok, expected in checks:
             if not ok:
                 raise ConfigError(key, _get(self, key), expected)
+        if self.method == "grpo" and self.parallel.model > 1:
+            raise ConfigError("parallel.model", self.parallel.model, "1 for grpo (its update is FSDP over all devices)")
         if self.method in ES_METHODS:
             try:
                 self.es_config

@@ -3,6 +3,12 @@ perturbation, fitness per member = its mean reward over the X prompts, then the 
 
 Rows are member-major (rows [m·X, (m+1)·X) belong to member m). Every device regenerates the same factors from
 (key, step), so only each row's reward crosses devices and hosts.
+
+Memory layout (`esroll.sharding`): the trainer's parameters are the master weights (`model.master_dtype`), split over
+every device with the optimizer state, which exists for the perturbed leaves only; each step casts them to a decoding
+copy in `model.dtype` laid out for tensor parallelism, decodes the population in chunks sized to the device
+(`esroll.memory`), frees the copy, and `tell` updates the masters in place (their buffers are donated), each device
+computing only its shard of the update.
 """
 
 from __future__ import annotations
@@ -10,9 +16,10 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from esroll import es, parallel
+from esroll import es, memory, parallel, sharding
 from esroll.config import ExperimentConfig, OptimConfig, make_optimizer
 from esroll.data import Example
 from esroll.rollout import Sampling, rollout
@@ -22,36 +29,102 @@ from esroll.task import Method, Task
 @functools.cache
 def _strategy(es_cfg: es.ESConfig, optim: OptimConfig, mesh) -> es.Strategy:
     """The strategy with jitted ask / tell, one per (ES config, optimizer config, mesh) in a process, so that runs of
-    one process (a comparison's warm-up and its timed runs) share their compilation. Outputs are pinned to the
-    replicated sharding the inputs have, so step 2 hits the jit cache of step 1."""
-    strategy = es.make_strategy(es_cfg, make_optimizer(optim))
+    one process (a comparison's warm-up and its timed runs) share their compilation. `ask`'s deltas follow the
+    weights' tensor-parallel layout; `tell` donates the master parameters and the state, computes each device's shard
+    of the update (`constrain`), and returns them in the layout they came in, so step 2 hits the jit cache of step 1."""
+
+    def constrain(tree):
+        return jax.lax.with_sharding_constraint(tree, sharding.master_shardings(mesh, tree))
+
+    strategy = es.make_strategy(es_cfg, make_optimizer(optim), constrain=constrain)
+
+    def ask(state, params):
+        deltas = strategy.ask(state, params)
+        return jax.lax.with_sharding_constraint(deltas, sharding.delta_shardings(mesh, deltas, params))
+
+    return strategy._replace(ask=jax.jit(ask), tell=jax.jit(strategy.tell, donate_argnums=(0, 1)))
+
+
+def state_shardings(es_cfg: es.ESConfig, optim: OptimConfig, mesh, params) -> es.ESState:
+    """Where an ES state lives: optimizer moments like the master weights they mirror, step and key replicated."""
+    optimizer = make_optimizer(optim)
+    train = es.trainable(es_cfg, params)
+    abstract = jax.eval_shape(optimizer.init, train)
     same = parallel.replicated(mesh)
-    return strategy._replace(
-        ask=jax.jit(strategy.ask, out_shardings=same), tell=jax.jit(strategy.tell, out_shardings=same)
+    return es.ESState(
+        same, same, sharding.state_shardings(mesh, optimizer, abstract, sharding.master_shardings(mesh, train))
     )
 
 
-def make_es_method(cfg: ExperimentConfig, task: Task, mesh) -> Method:
-    init, ask, tell = _strategy(cfg.es_config, cfg.optimizer, mesh)
+def resident_bytes(es_cfg, optim, mesh, params, compute_dtype) -> int:
+    """Bytes per device that live through a whole ES step: master weights, optimizer state, the decoding copy."""
+    masters = memory.tree_bytes_per_device(params, sharding.master_shardings(mesh, params))
+    optimizer = make_optimizer(optim)
+    train = es.trainable(es_cfg, params)
+    state = jax.eval_shape(optimizer.init, train)
+    state_bytes = memory.tree_bytes_per_device(
+        state, sharding.state_shardings(mesh, optimizer, state, sharding.master_shardings(mesh, train))
+    )
+    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute_dtype), params)
+    return masters + state_bytes + memory.tree_bytes_per_device(compute, sharding.compute_shardings(mesh, compute))
+
+
+def estimate_rows_per_device(cfg: ExperimentConfig, model_cfg, prompt_len: int, mesh, params, rows: int) -> int:
+    """`parallel.rows_per_device`, or when 0 the most rows that fit beside the resident buffers (`esroll.memory`)."""
+    if cfg.parallel.rows_per_device:
+        return cfg.parallel.rows_per_device
+    limit = memory.device_memory_bytes(mesh.devices.flat[0])
+    free = None
+    if limit is not None:
+        dtype = jnp.dtype(cfg.model.dtype)
+        free = limit * cfg.parallel.memory_fraction - resident_bytes(cfg.es_config, cfg.optimizer, mesh, params, dtype)
+    return memory.auto_rows_per_device(
+        model_cfg,
+        prompt_len,
+        cfg.train.max_new_tokens,
+        cfg.model.dtype,
+        free_bytes=free,
+        rows=rows,
+        data_axis=parallel.data_size(mesh),
+        model_axis=parallel.model_size(mesh),
+    )
+
+
+def make_es_method(cfg: ExperimentConfig, task: Task, mesh, rows_per_device: int | None = None) -> Method:
+    """The ES method; `rows_per_device` (rows each device decodes at once) as `esroll.plan` chose it, else
+    `parallel.rows_per_device` or the estimate from the shapes (`estimate_rows_per_device`)."""
+    es_cfg = cfg.es_config
+    strategy = _strategy(es_cfg, cfg.optimizer, mesh)
+    to_compute = sharding.caster(mesh, cfg.model.dtype)
     M, X = cfg.es.population, cfg.train.prompts_per_step
     example_B, member_B = np.tile(np.arange(X), M), np.repeat(np.arange(M, dtype=np.int32), X)
     sample_key = jax.random.key(cfg.seed + 1)
-    sampling = Sampling(cfg.train.max_new_tokens, temperature=cfg.train.temperature)
+    sampling = None  # set by init, which sees the parameters' shapes
+    chosen_rows = rows_per_device
+
+    def init(params, key):
+        nonlocal sampling
+        chunk = chosen_rows or estimate_rows_per_device(cfg, task.cfg, task.prompt_multiple, mesh, params, M * X)
+        sampling = Sampling.of(cfg.train.max_new_tokens, cfg.train.temperature, cfg.parallel, chunk)
+        shardings = state_shardings(es_cfg, cfg.optimizer, mesh, params)
+        return jax.jit(strategy.init, out_shardings=shardings)(params, parallel.put_replicated(mesh, key))
 
     def step(params, state: es.ESState, examples: list[Example], step_index: int):
+        compute = to_compute(params)
         out = rollout(
             task,
             mesh,
-            params,
+            compute,
             examples,
             example_B,
             jax.random.fold_in(sample_key, step_index),
             sampling,
-            deltas=ask(state, params),
+            deltas=strategy.ask(state, compute),
             member_B=member_B,
         )
+        del compute  # the decoding copy is not needed by `tell`: free it first
         fitness_M = out.reward_B.reshape(M, X).mean(axis=1)
-        params, state, metrics = tell(state, params, parallel.put_replicated(mesh, fitness_M))
+        params, state, metrics = strategy.tell(state, params, parallel.put_replicated(mesh, fitness_M))
         return params, state, metrics, int(out.length_B.sum())
 
     return Method(init, step)

@@ -11,9 +11,10 @@ clip range), so no extra forward pass is spent on π_old.
 
 Sharding (FSDP / ZeRO-3 over the mesh's "data" axis): every leaf of the parameters, the optimizer state and the
 reference parameters is split along its largest dimension divisible by the mesh size (replicated if none); the
-loss gathers the full parameters, and the gradient comes back reduce-scattered. The rows of each microbatch are split
-over the same axis. Sampling (`esroll.rollout`) runs on a replicated copy of the parameters, with the rows split, as
-ES does.
+loss gathers the full parameters (cast to `model.dtype`; the parameters themselves are the `model.master_dtype`
+masters), and the gradient comes back reduce-scattered. The rows of each microbatch are split over the same axis.
+Sampling (`esroll.rollout`) runs on a replicated copy of the parameters in `model.dtype`, with the rows split, as ES
+does.
 
 Shapes (the legend in `esroll/__init__.py`): X prompts per step, M completions per prompt (`group_size`), B = X·M rows,
 P padded prompt length, N = max_new_tokens, U microbatches of b rows per minibatch.
@@ -31,7 +32,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from esroll import advantages, parallel
+from esroll import advantages, parallel, sharding
 from esroll.data import Example
 from esroll.errors import ConfigError
 from esroll.rollout import Sampling, rollout
@@ -188,11 +189,13 @@ class Rollouts(NamedTuple):
 
 
 @functools.cache
-def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh):
+def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, compute_dtype: str | None = None):
     """The jitted optimizer step on one minibatch, its gradient summed over microbatches (a `lax.scan`):
     update(params, state, batch, on_policy) -> (params, state, metrics).
 
     `on_policy` (traced bool) marks the update whose parameters sampled the batch: π_old := stop_gradient(π_θ).
+    With `compute_dtype`, the loss runs on the gathered parameters cast to it (the masters keep their dtype, and the
+    gradient arrives in it).
     Parameters and state come out FSDP-sharded, whatever their input sharding. One per (model, GRPO config,
     optimizer config, mesh) in a process, so that runs of one process share their compilation.
     """
@@ -202,8 +205,11 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh):
 
     def micro_loss(params, ref_params, micro: Rollouts, on_policy):
         def logprobs(p):
+            p = _gather(mesh, p)
+            if compute_dtype is not None:
+                p = jax.tree.map(lambda x: x.astype(compute_dtype), p)
             return sequence_logprobs(
-                model_cfg, _gather(mesh, p), micro.prompt, micro.prompt_mask, micro.completion, micro.completion_mask
+                model_cfg, p, micro.prompt, micro.prompt_mask, micro.completion, micro.completion_mask
             )
 
         logp_BxN = logprobs(params)
@@ -263,20 +269,25 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh) -> Method:
             f"× grpo.group_size / (grpo.minibatches × grpo.microbatches) rows (now {b})",
         )
     shape_advantages = advantages.get(g.advantage)
-    replicate = jax.jit(lambda tree: tree, out_shardings=parallel.replicated(mesh))
+    replicate = sharding.caster(mesh, cfg.model.dtype)  # the decoding copy (model.dtype) of the masters
     # The trainer hands over replicated trees after init and restore: shard them first, so `update` compiles once.
     shard = jax.jit(functools.partial(_constrain_fsdp, mesh))
     micro_rows = NamedSharding(mesh, PartitionSpec(None, parallel.AXIS))
     sample_key = jax.random.key(cfg.seed + 1)
-    sampling = Sampling(cfg.train.max_new_tokens, temperature=g.temperature)
+    sampling = Sampling.of(cfg.train.max_new_tokens, g.temperature, cfg.parallel, cfg.parallel.rows_per_device)
     from esroll.config import make_optimizer  # esroll.config imports this module
 
-    step_update = make_update(task.cfg, g, cfg.optimizer, mesh)
+    step_update = make_update(task.cfg, g, cfg.optimizer, mesh, cfg.model.dtype)
     optimizer = make_optimizer(cfg.optimizer)
 
     def init(params, key):
         del key  # sampling keys are fold_in(seed, step); nothing else is random
-        return GRPOState(optimizer.init(params), params if g.beta > 0 else None)
+
+        def make(p):
+            return GRPOState(optimizer.init(p), p if g.beta > 0 else None)
+
+        layout = jax.tree.map(lambda a: fsdp_sharding(mesh, a.shape), jax.eval_shape(make, params))
+        return jax.jit(make, out_shardings=layout)(params)  # on the mesh, FSDP-sharded like the update leaves it
 
     def step(params, state: GRPOState, examples: list[Example], step_index: int):
         # M completions per prompt; rows are prompt-major (row x·M + j answers prompt x).

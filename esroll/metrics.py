@@ -1,22 +1,28 @@
-"""Per-step metrics: metrics.jsonl (one JSON object per step), TensorBoard event files, and the final PNG."""
+"""Per-step metrics: metrics.jsonl (one JSON object per step), TensorBoard event files, and the final PNG.
+
+Paths are `etils.epath` paths (`esroll.checkpoint.workdir_path`), so a workdir may be a URL such as gs://bucket/run.
+"""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
-from pathlib import Path
 
+from etils import epath
+
+from esroll.checkpoint import is_local, workdir_path, write_atomically
 from esroll.errors import InputError
 
 
-def read_metrics(path: str | Path) -> list[dict]:
+def read_metrics(path: str | os.PathLike) -> list[dict]:
     """The records of a metrics.jsonl file, in order ([] if there is none).
 
     A run killed while appending can leave a partial last line; it is skipped (the step it described is written
     again when the run resumes).
     """
-    path = Path(path)
+    path = workdir_path(path)
     if not path.is_file():
         return []
     lines = path.read_text().splitlines()
@@ -39,23 +45,26 @@ class MetricsWriter:
     On (re)start, records after `keep_through` (the restored checkpoint's step; None: no checkpoint, nothing kept)
     are dropped from metrics.jsonl, and tb/ is rewritten from the records kept (a new event file, then the old ones
     removed): a step logged by a run killed before its checkpoint appears once, when it is run again.
+
+    In a remote workdir (a URL: object stores have no append), each write uploads metrics.jsonl whole.
     """
 
-    def __init__(self, workdir: str | Path, *, keep_through: int | None, enabled: bool = True):
-        self.path = Path(workdir) / "metrics.jsonl"
+    def __init__(self, workdir: str | os.PathLike, *, keep_through: int | None, enabled: bool = True):
+        workdir = workdir_path(workdir)
+        self.path = workdir / "metrics.jsonl"
         self.enabled = enabled
         self._tb = None
+        self._lines: list[str] = []  # what metrics.jsonl holds, for a remote workdir's whole-file writes
         if not enabled:
             return
         from tensorboardX import SummaryWriter
 
         kept = [r for r in read_metrics(self.path) if keep_through is not None and r["step"] <= keep_through]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        tmp.replace(self.path)
-        tb = Path(workdir) / "tb"
-        old = list(tb.glob("events.out.tfevents.*"))
-        self._tb = SummaryWriter(str(tb), filename_suffix=f".{os.getpid()}.{time.time_ns()}")
+        self._lines = [json.dumps(r) + "\n" for r in kept]
+        write_atomically(self.path, "".join(self._lines))
+        tb = workdir / "tb"
+        old = list(tb.glob("events.out.tfevents.*")) if tb.is_dir() else []
+        self._tb = SummaryWriter(_tb_logdir(tb), filename_suffix=f".{os.getpid()}.{time.time_ns()}")
         for record in kept:
             self._add_scalars(record)
         self._tb.flush()
@@ -68,8 +77,13 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        if is_local(self.path):
+            with self.path.open("a") as f:
+                f.write(line)
+        else:
+            self._lines.append(line)
+            self.path.write_text("".join(self._lines))  # one upload: all or nothing
         self._add_scalars(record)
 
     def _add_scalars(self, record: dict) -> None:
@@ -82,6 +96,50 @@ class MetricsWriter:
             self._tb.close()
 
 
+class _EpathEventFile:
+    """A TensorBoard event file at a URL, written through epath: kept in memory and uploaded whole at every flush
+    (as tensorboardX's own gs:// writer does)."""
+
+    def __init__(self, path: str):
+        self.path = epath.Path(path)
+        self.buffer = io.BytesIO()
+
+    def write(self, data: bytes) -> None:
+        self.buffer.write(data)
+
+    def flush(self) -> None:
+        self.path.write_bytes(self.buffer.getvalue())
+
+    def close(self) -> None:
+        self.flush()
+
+
+class _EpathEventFiles:
+    """A tensorboardX writer factory (`record_writer.register_writer_factory`) for URLs epath can write."""
+
+    def open(self, path: str) -> _EpathEventFile:
+        return _EpathEventFile(path)
+
+    def directory_check(self, path: str) -> None:
+        epath.Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def _tb_logdir(tb: epath.Path) -> str:
+    """The logdir string tensorboardX is given for `tb`. A URL whose scheme tensorboardX cannot write itself (gs://
+    without google-cloud-storage, s3:// without boto3, any other scheme) has its event files written through epath
+    (which needs gcsfs, s3fs, ... or TensorFlow for that scheme, as orbax's checkpoints in that workdir do)."""
+    logdir = str(tb)
+    if is_local(tb):
+        return logdir
+    from tensorboardX import record_writer
+
+    scheme = logdir.split("://", 1)[0]
+    native = {"gs": record_writer.GCS_ENABLED, "s3": record_writer.S3_ENABLED}.get(scheme, False)
+    if not (native and scheme in record_writer.REGISTERED_FACTORIES):
+        record_writer.register_writer_factory(scheme, _EpathEventFiles())
+    return logdir
+
+
 def first_eval(records: list[dict]) -> float | None:
     evals = [r for r in records if "eval_accuracy" in r]
     return evals[0]["eval_accuracy"] if evals else None
@@ -92,8 +150,8 @@ def last_eval(records: list[dict]) -> dict | None:
     return evals[-1] if evals else None
 
 
-def plot_eval_curve(metrics_path: str | Path, out: str | Path, title: str = "") -> None:
-    """Held-out accuracy against training wall time."""
+def plot_eval_curve(metrics_path: str | os.PathLike, out: str | os.PathLike, title: str = "") -> None:
+    """Held-out accuracy against training wall time, as a PNG at `out` (a local path or a URL)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,5 +165,11 @@ def plot_eval_curve(metrics_path: str | Path, out: str | Path, title: str = "") 
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out)
+    out = workdir_path(out)
+    if is_local(out):
+        fig.savefig(os.fspath(out))
+    else:  # rendered in memory, then uploaded
+        buf = io.BytesIO()
+        fig.savefig(buf, format=out.suffix.lstrip(".") or "png")
+        out.write_bytes(buf.getvalue())
     plt.close(fig)

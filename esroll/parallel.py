@@ -1,7 +1,9 @@
-"""One mesh helper and the little multi-host plumbing the trainers need.
+"""The mesh and the little multi-host plumbing the trainers need.
 
-The rows of a rollout (ES population members × prompts, GRPO completions, held-out questions) are split over one
-mesh axis, "data", spanning every device of every process. Noise is regenerated from seeds on every device, so no
+The mesh has two axes, "data" × "model", spanning every device of every process. The rows of a rollout (ES population
+members × prompts, GRPO completions, held-out questions) are split over "data"; the parameters are split over "model"
+(attention heads, MLP columns, vocabulary: tensor parallelism, see `esroll.sharding`), which is 1 unless a model does
+not fit one device. Noise is regenerated from seeds on every device, so no
 perturbation crosses devices or hosts; what does cross is each row's outcome (reward, length and, when the caller
 asks, its completion tokens and log-probabilities), in one exchange per rollout (`esroll.rollout`), and for GRPO
 the gradients.
@@ -18,7 +20,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll.errors import InputError
 
-AXIS = "data"
+DATA = "data"
+MODEL = "model"
+AXIS = DATA  # the axis rows are split over
 
 
 def maybe_initialize_distributed(enabled: bool) -> None:
@@ -66,14 +70,28 @@ def use_cpu_cores_as_devices(model_params: int = 0) -> int:
     return jax.config.jax_num_cpu_devices
 
 
-def make_mesh(num_devices: int = 0) -> Mesh:
-    """A 1-D mesh over all devices (or the first `num_devices`)."""
-    devices = jax.devices()
+def make_mesh(num_devices: int = 0, model: int = 1, devices=None) -> Mesh:
+    """A ("data", "model") mesh over all devices (or the first `num_devices`; or `devices`, e.g. a deviceless TPU
+    topology's), `model` devices along the model axis. Devices are laid out so that a model-axis group is
+    consecutive in `jax.devices()` order: on one host (or one slice's nearest chips) where the tensor-parallel
+    all-reduces of every layer are cheapest."""
+    devices = list(jax.devices() if devices is None else devices)
     if num_devices:
         if num_devices > len(devices):
             raise InputError(f"--mesh_devices={num_devices} but only {len(devices)} devices exist")
         devices = devices[:num_devices]
-    return Mesh(np.array(devices), (AXIS,))
+    if model < 1 or len(devices) % model:
+        raise InputError(f"config: 'parallel.model' = {model} must be >= 1 and divide the {len(devices)} devices")
+    return Mesh(np.array(devices).reshape(len(devices) // model, model), (DATA, MODEL))
+
+
+def data_size(mesh: Mesh) -> int:
+    """Devices along the data axis: rows of a rollout are padded to a multiple of this."""
+    return mesh.shape[DATA]
+
+
+def model_size(mesh: Mesh) -> int:
+    return mesh.shape.get(MODEL, 1)
 
 
 def rows(mesh: Mesh) -> NamedSharding:

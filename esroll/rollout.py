@@ -6,9 +6,10 @@ ES, GRPO and held-out evaluation differ only in the arguments:
                 arange(M), X), this step's deltas, the members' sampling settings;
     GRPO        M rows per prompt: example_B = repeat(arange(X), M), sampled, with completions and log-probabilities;
     evaluation  one row per question, greedy.
-A row whose example is `PAD` is a padding row: it has no prompt, generates nothing and gets reward 0. Rows are padded
-to a multiple of the mesh size and split over it; each process scores the rows its devices decoded, and one
-all-gather gives every process every row's outcome.
+A row whose example is `PAD` is a padding row: it has no prompt, generates nothing and gets reward 0. Rows are decoded
+in chunks of `Sampling.rows_per_device` rows per device (all at once by default), split over the mesh's data axis;
+each process scores the rows its devices decoded, and one all-gather after the last chunk gives every process every
+row's outcome.
 """
 
 from __future__ import annotations
@@ -28,12 +29,29 @@ PAD = -1  # in a row → example map: a padding row
 
 
 class Sampling(NamedTuple):
-    """How rows are decoded: temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+    """How rows are decoded: temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. rows_per_device:
+    rows each device decodes at once (0: all of its share in one call); layers / phases: `generate`'s decode form
+    (None: the platform's default) and decode phases."""
 
     max_new_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    rows_per_device: int = 0
+    layers: str | None = None
+    phases: int = 4
+
+    @classmethod
+    def of(cls, max_new_tokens: int, temperature: float, parallel_cfg, rows_per_device: int = 0) -> Sampling:
+        """Sampling settings with a config's `parallel` section (decode form, phases) and a chosen row count."""
+        layers = None if parallel_cfg.decode_layers == "auto" else parallel_cfg.decode_layers
+        return cls(
+            max_new_tokens,
+            temperature,
+            rows_per_device=rows_per_device,
+            layers=layers,
+            phases=parallel_cfg.decode_phases,
+        )
 
 
 class Rollout(NamedTuple):
@@ -73,33 +91,47 @@ def rollout(
     """
     example_B = np.asarray(example_B)
     B = len(example_B)
-    rows = B + (-B % mesh.size)  # padded to a multiple of the mesh
+    data = parallel.data_size(mesh)
+    chunk = data * (sampling.rows_per_device or -(-B // data))  # rows decoded per `generate` call
+    rows = B + (-B % chunk)  # padded to a whole number of chunks
     example_B = np.concatenate([example_B, np.full(rows - B, PAD)])
     real_B = example_B != PAD
     tokens_XxP, mask_XxP = pad_prompts(task.prompt_ids(examples), multiple=task.prompt_multiple, pad_id=task.pad_id)
     prompt_BxP = np.where(real_B[:, None], tokens_XxP[example_B], task.pad_id).astype(np.int32)
     prompt_mask_BxP = real_B[:, None] & mask_XxP[example_B]
-    split = mesh.size > 1
-    place = (lambda x: parallel.put_rows(mesh, x)) if split else np.asarray
-    perturb = None
+    place = (lambda x: parallel.put_rows(mesh, x)) if mesh.size > 1 else np.asarray
     if deltas is not None:
-        perturb = Perturbation(deltas, place(np.concatenate([member_B, np.zeros(rows - B, member_B.dtype)])))
-    gen = generate(
-        task.cfg,
-        params,
-        place(prompt_BxP),
-        key,
-        max_new_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        eos_ids=task.eos_ids,
-        prompt_mask=place(prompt_mask_BxP),
-        perturb=perturb,
-        pad_id=task.pad_id,
-    )
-    idx, tokens = parallel.local_rows(gen.tokens)
-    _, lengths = parallel.local_rows(gen.lengths)
+        member_B = np.concatenate([member_B, np.zeros(rows - B, member_B.dtype)])
+    # Chunk by chunk: the KV cache and every other per-row buffer is sized to one chunk. A row's sampling noise is
+    # keyed by its index in the whole rollout (`row_offset`), so chunking does not change any row's tokens.
+    parts = []  # (row indices, tokens, lengths, log-probabilities) of this process's rows
+    for start in range(0, rows, chunk):
+        rows_c = slice(start, start + chunk)
+        if not real_B[rows_c].any():
+            continue  # only padding: nothing to decode (every process skips the same chunks)
+        perturb = None if deltas is None else Perturbation(deltas, place(member_B[rows_c]))
+        gen = generate(
+            task.cfg,
+            params,
+            place(prompt_BxP[rows_c]),
+            key,
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            eos_ids=task.eos_ids,
+            prompt_mask=place(prompt_mask_BxP[rows_c]),
+            perturb=perturb,
+            pad_id=task.pad_id,
+            row_offset=start,
+            layers=sampling.layers,
+            phases=sampling.phases,
+        )
+        idx, tokens = parallel.local_rows(gen.tokens)
+        parts.append((idx + start, tokens, parallel.local_rows(gen.lengths)[1], parallel.local_rows(gen.logprobs)[1]))
+    N = sampling.max_new_tokens
+    empty = (np.zeros(0, int), np.zeros((0, N), np.int32), np.zeros(0, np.int32), np.zeros((0, N), np.float32))
+    idx, tokens, lengths, logprobs = (np.concatenate(p) for p in zip(empty, *parts))
     real = real_B[idx]
     names = eval_score_names(examples[0].task) if scores else ("accuracy",)
     local = np.zeros((len(idx), len(names)), np.float32)  # the reward first, then the other scores
@@ -109,9 +141,9 @@ def rollout(
     # One exchange: [reward, scores..., length, tokens..., log-probabilities...] per row, in float64 (exact for all).
     columns = [local, lengths[:, None]]
     if completions:
-        columns += [tokens, parallel.local_rows(gen.logprobs)[1]]
+        columns += [tokens, logprobs]
     table = parallel.gather_to_all(np.concatenate(columns, 1, dtype=np.float64), idx, rows)[:B]
-    N, S = sampling.max_new_tokens, len(names)
+    S = len(names)
     return Rollout(
         example_B=example_B[:B],
         prompt_BxP=prompt_BxP[:B],

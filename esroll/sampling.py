@@ -4,9 +4,9 @@ Rows may belong to different ES population members: `perturb` (an `esroll.models
 forward, prefill and decode alike, so each row sees its member's weights in every matmul of every step. The factors
 are whatever the caller built, once per call; nothing here draws or rebuilds them.
 
-Shapes (batch, padded prompt length, `max_new_tokens`) and the sampling settings are static; parameters, factors,
-keys, EOS ids and the pad id are traced. A training run thus compiles `generate` once per prompt-length bucket
-(`pad_prompts`), not once per step.
+Shapes (batch, padded prompt length, `max_new_tokens`), the sampling settings and the decode form (`layers`, `fuse`,
+`phases`) are static; parameters, factors, keys, EOS ids, the pad id and the row offset are traced. A training run
+thus compiles `generate` once per prompt-length bucket (`pad_prompts`) and chunk size, not once per step or chunk.
 
 Shape letters (see `esroll`): B rows, P padded prompt length, N new tokens, T positions, S cache slots, V vocabulary.
 """
@@ -14,6 +14,7 @@ Shape letters (see `esroll`): B rows, P padded prompt length, N new tokens, T po
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -82,6 +83,10 @@ def generate(
     pad_id: int = 0,
     cache_dtype=None,
     fuse: bool | None = None,
+    layers: str | None = None,
+    phases: int = 4,
+    row_offset: int | Array = 0,
+    platform: str | None = None,
 ) -> Generation:
     """Sample up to `max_new_tokens` per row after left-padded prompts (`prompt_mask` False on pads).
 
@@ -93,35 +98,155 @@ def generate(
     (`esroll.models.layers.fuse_matmuls`: projections that share an input side by side, small populations' low-rank
     factors folded in), which pays on a CPU, where per-GEMM overhead dominates a decode step of a small model; False
     runs every weight as it is stored, with per-row low-rank terms (no extra copies of the weights, the accelerator
-    path). None (default) picks True on the CPU backend and False elsewhere. Both give the same tokens up to float
+    path). None (default) picks True on the CPU and False elsewhere. Both give the same tokens up to float rounding.
+
+    `layers` chooses how the layers run with the KV cache (`esroll.models.KVCache`): "unrolled" (per-layer cache
+    buffers and a Python loop over the layers, unrolled into the prefill and into each decode phase; the fastest
+    step on a CPU, but compile time grows linearly with depth) or "scan" (one layer-stacked cache, layers under
+    `lax.scan`: compile time flat in depth). None (default) picks "unrolled" on the CPU and "scan" elsewhere. "scan"
+    runs the weights as stored: `fuse` None then means False, and fuse=True is refused (`fuse_matmuls` prepares
+    per-layer weights, which a scan over stacked ones cannot take). Both layouts give the same tokens up to float
     rounding.
 
-    When `prompt_BxP` is split by rows over a mesh (a NamedSharding whose first dimension is sharded), each device
-    decodes its own rows in its own loop (`shard_map`): no value crosses devices until the loop ends, and a device
-    whose rows have all finished stops early. Sampling noise is drawn per (key, row, step), so the output is the same
-    however the rows are split.
+    `platform` ("cpu", "tpu", "gpu"; default `jax.default_backend()`) is the platform those defaults are chosen for:
+    an ahead-of-time compile for an accelerator on a CPU host (`lower_generate` with a deviceless topology's mesh)
+    must pass the target's, since the host's backend is "cpu". `phases` is the number of decode phases the cache
+    grows in (see `_phase_ends`).
+
+    Sampling noise is drawn per (key, global row index, step), the global index of row b being `row_offset` + b: a
+    caller that decodes rows [o, o + B) of a larger batch in chunks passes row_offset=o and gets exactly the tokens
+    the whole batch's call gives those rows. `row_offset` is traced, so chunks of one shape share one compilation.
+
+    When `prompt_BxP` is split by rows over a mesh (a NamedSharding whose first dimension is sharded) and the mesh has
+    no "model" axis of more than one device, each device decodes its own rows in its own loop (`shard_map`): no value
+    crosses devices until the loop ends, and a device whose rows have all finished stops early. When the mesh does
+    have such a model axis (tensor parallelism: parameters, and so their per-device shards, split over "model"),
+    `shard_map`'s per-device program, which assumes whole parameters, does not apply: the prefill and decode loop run
+    as one program partitioned by XLA (GSPMD) from the inputs' shardings, rows as the prompt's, parameters as theirs,
+    and the KV cache constrained to rows over the prompt's row axis and kv heads over "model" (replicated when the
+    kv heads do not divide evenly). Either way the output is the same however the rows are split.
     """
-    B, P = prompt_BxP.shape
-    mesh, axis = _row_split(prompt_BxP)
-    mask_BxP = jnp.ones((B, P), bool) if prompt_mask is None else jnp.asarray(prompt_mask, bool)
-    return _generate(
+    args, kwargs = _arguments(
         cfg,
         params,
-        jnp.asarray(prompt_BxP, jnp.int32),
-        mask_BxP,
+        prompt_BxP,
+        key,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_ids=eos_ids,
+        prompt_mask=prompt_mask,
+        perturb=perturb,
+        pad_id=pad_id,
+        cache_dtype=cache_dtype,
+        fuse=fuse,
+        layers=layers,
+        phases=phases,
+        row_offset=row_offset,
+        platform=platform,
+    )
+    return _generate(*args, **kwargs)
+
+
+def lower_generate(cfg: ModelConfig, params: dict, prompt_BxP, key, **kwargs) -> jax.stages.Lowered:
+    """The program `generate` runs for these arguments, lowered ahead of time (`.compile()` it, or read its text).
+
+    Takes what `generate` takes (its keyword arguments included), and also `jax.ShapeDtypeStruct`s in place of
+    arrays (params, prompt, mask, key, perturbation, row_offset), with their shardings: how the rows are split, and
+    whether by a "model" axis, is read from the prompt's sharding as `generate` reads it. For a deviceless target
+    (`jax.experimental.topologies`) pass a mesh of the topology's devices in the shardings and `platform`.
+    """
+    bound = inspect.signature(generate).bind(cfg, params, prompt_BxP, key, **kwargs)
+    bound.apply_defaults()  # generate's defaults, declared once
+    args, kw = _arguments(**bound.arguments)
+    return _generate.lower(*args, **kw)
+
+
+LAYERS = ("unrolled", "scan")
+MODEL_AXIS = "model"  # the mesh axis parameters are split over (tensor parallelism), see `esroll.parallel`
+
+
+def decode_settings(platform: str, fuse: bool | None = None, layers: str | None = None) -> tuple[bool, str]:
+    """(fuse, layers) as `generate` resolves them for `platform` (see there)."""
+    layers = ("unrolled" if platform == "cpu" else "scan") if layers is None else layers
+    if layers not in LAYERS:
+        raise ValueError(f"layers={layers!r}: expected one of {LAYERS}")
+    if layers == "scan":
+        if fuse:
+            raise ValueError('fuse=True needs layers="unrolled": fused weights are prepared per layer')
+        return False, layers
+    return (platform == "cpu" if fuse is None else bool(fuse)), layers
+
+
+def _arguments(
+    cfg,
+    params,
+    prompt_BxP,
+    key,
+    *,
+    max_new_tokens,
+    temperature,
+    top_p,
+    top_k,
+    eos_ids,
+    prompt_mask,
+    perturb,
+    pad_id,
+    cache_dtype,
+    fuse,
+    layers,
+    phases,
+    row_offset,
+    platform,
+) -> tuple[tuple, dict]:
+    """`_generate`'s arguments (traced ones positional, static ones by keyword) from `generate`'s."""
+    B, P = prompt_BxP.shape
+    fuse, layers = decode_settings(platform or jax.default_backend(), fuse, layers)
+    mesh, axis = _row_split(prompt_BxP)
+    model_mesh = _model_split(prompt_BxP)
+    if model_mesh is not None:  # GSPMD: `axis` is where the rows are (if anywhere), for the cache's constraints
+        mesh, axis = model_mesh, prompt_BxP.sharding.spec[0] if prompt_BxP.sharding.spec else None
+    if prompt_mask is None:
+        prompt_mask = (
+            jax.ShapeDtypeStruct((B, P), bool, sharding=prompt_BxP.sharding)
+            if isinstance(prompt_BxP, jax.ShapeDtypeStruct)
+            else jnp.ones((B, P), bool)
+        )
+    args = (
+        params,
+        _traced(prompt_BxP, jnp.int32),
+        _traced(prompt_mask, bool),
         key,
         perturb,
-        eos_ids=jnp.asarray(list(eos_ids) or [-1], jnp.int32),
-        pad_id=jnp.int32(pad_id),
-        max_new_tokens=int(max_new_tokens),
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=int(top_k),
-        cache_dtype=jnp.dtype(cache_dtype or params["embed"].dtype),
-        fuse=jax.default_backend() == "cpu" if fuse is None else bool(fuse),
-        mesh=mesh,
-        axis=axis,
+        _traced(row_offset, jnp.int32),
     )
+    kwargs = {
+        "cfg": cfg,
+        "eos_ids": jnp.asarray(list(eos_ids) or [-1], jnp.int32),
+        "pad_id": jnp.int32(pad_id),
+        "max_new_tokens": int(max_new_tokens),
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "top_k": int(top_k),
+        "cache_dtype": jnp.dtype(cache_dtype or params["embed"].dtype),
+        "fuse": fuse,
+        "layers": layers,
+        "phases": int(phases),
+        "mesh": mesh,
+        "axis": axis,
+        "tensor_parallel": model_mesh is not None,
+    }
+    return args, kwargs
+
+
+def _traced(x, dtype):
+    """x as an array of `dtype`; a ShapeDtypeStruct (ahead-of-time lowering) as it is, if of that dtype."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        if x.dtype != jnp.dtype(dtype):
+            raise TypeError(f"expected a ShapeDtypeStruct of {jnp.dtype(dtype)}, got {x.dtype}")
+        return x
+    return jnp.asarray(x, dtype)
 
 
 def _row_split(x) -> tuple[Mesh | None, str | tuple | None]:
@@ -136,18 +261,40 @@ def _row_split(x) -> tuple[Mesh | None, str | tuple | None]:
     return sharding.mesh, axis
 
 
-_STATIC = ("cfg", "max_new_tokens", "temperature", "top_p", "top_k", "cache_dtype", "fuse", "mesh", "axis")
+def _model_split(x) -> Mesh | None:
+    """The mesh of `x`'s NamedSharding when it has a "model" axis of more than one device; None otherwise."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.shape.get(MODEL_AXIS, 1) == 1:
+        return None
+    return sharding.mesh
+
+
+_STATIC = (
+    "cfg",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "cache_dtype",
+    "fuse",
+    "layers",
+    "phases",
+    "mesh",
+    "axis",
+    "tensor_parallel",
+)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _generate(
-    cfg,
     params,
     prompt_BxP,
     mask_BxP,
     key,
     perturb,
+    row_offset,
     *,
+    cfg,
     eos_ids,
     pad_id,
     max_new_tokens,
@@ -156,9 +303,17 @@ def _generate(
     top_k,
     cache_dtype,
     fuse,
+    layers,
+    phases,
     mesh,
     axis,
+    tensor_parallel,
 ) -> Generation:
+    """`generate` proper. `mesh` and `axis`: where the rows are split (None: on one device, or replicated); with
+    `tensor_parallel`, the mesh has a "model" axis and the program is partitioned by GSPMD instead of `shard_map`."""
+    constrain = None
+    if tensor_parallel:
+        constrain = functools.partial(_constrain_cache, cfg=cfg, mesh=mesh, rows=axis)
     decode = functools.partial(
         _decode,
         cfg,
@@ -170,20 +325,44 @@ def _generate(
         top_k=top_k,
         cache_dtype=cache_dtype,
         fuse=fuse,
-        axis=axis,
+        layers=layers,
+        phases=phases,
+        axis=None if tensor_parallel else axis,
+        constrain=constrain,
     )
-    if mesh is not None:
+    if mesh is not None and not tensor_parallel:
         rows, same = PartitionSpec(axis), PartitionSpec()
         perturb_spec = None if perturb is None else Perturbation(same, rows)
         decode = jax.shard_map(
             decode,
             mesh=mesh,
-            in_specs=(same, rows, rows, same, perturb_spec),
+            in_specs=(same, rows, rows, same, perturb_spec, same),
             out_specs=Generation(rows, rows, rows, rows),
             check_vma=False,
         )
-    gen = decode(params, prompt_BxP, mask_BxP, key, perturb)
+    gen = decode(params, prompt_BxP, mask_BxP, key, perturb, row_offset)
+    if tensor_parallel:  # the rows of the outputs where the prompt's were
+        at = functools.partial(_constrain, mesh=mesh)
+        gen = gen._replace(
+            tokens=at(gen.tokens, axis, None), logprobs=at(gen.logprobs, axis, None), lengths=at(gen.lengths, axis)
+        )
     return gen._replace(steps=gen.steps.max())  # one count per device under shard_map
+
+
+def _constrain(x, *spec, mesh):
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+def _constrain_cache(cache: KVCache, *, cfg, mesh, rows) -> KVCache:
+    """The cache with its rows over `rows` (the prompt's row axis, or None) and its kv heads over the model axis
+    (replicated when the model axis does not divide the kv heads, or already splits the rows), for GSPMD."""
+    row_names = rows if isinstance(rows, tuple) else (rows,)
+    split = cfg.num_kv_heads % mesh.shape[MODEL_AXIS] == 0 and MODEL_AXIS not in row_names
+    heads = MODEL_AXIS if split else None
+    spec = ((None,) if cache.stacked else ()) + (rows, heads, None, None)  # [(L,) B, K, H or S, S or H]
+    at = functools.partial(_constrain, mesh=mesh)
+    k, v = (jax.tree.map(lambda x: at(x, *spec), kv) for kv in (cache.k, cache.v))  # an array, or a tuple of L
+    return KVCache(k, v, valid_BxS=at(cache.valid_BxS, rows, None), index=cache.index)
 
 
 def _decode(
@@ -193,6 +372,7 @@ def _decode(
     mask_BxP,
     key,
     perturb,
+    row_offset,
     *,
     eos_ids,
     pad_id,
@@ -202,31 +382,40 @@ def _decode(
     top_k,
     cache_dtype,
     fuse,
+    layers,
+    phases,
     axis,
+    constrain,
 ) -> Generation:
     """Prefill and decode loop over the rows at hand: all of them, or (under `shard_map` over `axis`) one device's
-    share, which is the `axis_index`-th block of B rows."""
+    share, which is the `axis_index`-th block of B rows. `constrain` (or None) places each new cache (GSPMD)."""
     B, P = prompt_BxP.shape
     N = max_new_tokens
-    # Global row indices, which key each row's sampling noise: the split hands device i rows [i·B, (i+1)·B).
-    rows_B = jnp.arange(B, dtype=jnp.int32) + (0 if axis is None else jax.lax.axis_index(axis) * B)
-    # Per-layer weights and factors, sliced (and fused) once here rather than in every decode step.
-    deltas = {} if perturb is None else perturb.deltas
-    layer_deltas = deltas.get(STACKED) or {}
-    layers = zip(unstack_layers(params[STACKED], cfg.num_layers), unstack_layers(layer_deltas, cfg.num_layers))
-    prepare = fuse_matmuls if fuse else lambda p, d: (p, d)
-    layers, layer_deltas = zip(*(prepare(p, d) for p, d in layers))
-    params, deltas = prepare({**params, STACKED: list(layers)}, {**deltas, STACKED: list(layer_deltas)})
-    if perturb is not None:
-        perturb = perturb._replace(deltas=deltas)
-    cache = init_cache(cfg, B, P - 1, cache_dtype)
+    constrain = constrain or (lambda cache: cache)
+    # Global row indices, which key each row's sampling noise: the split hands device i rows [i·B, (i+1)·B) of the
+    # caller's, which are themselves rows [row_offset, row_offset + B·devices) of a larger batch.
+    rows_B = jnp.arange(B, dtype=jnp.int32) + row_offset + (0 if axis is None else jax.lax.axis_index(axis) * B)
+    stacked = layers == "scan"
+    if not stacked:
+        # Per-layer weights and factors, sliced (and fused) once here rather than in every decode step.
+        deltas = {} if perturb is None else perturb.deltas
+        layer_deltas = deltas.get(STACKED) or {}
+        per_layer = zip(unstack_layers(params[STACKED], cfg.num_layers), unstack_layers(layer_deltas, cfg.num_layers))
+        prepare = fuse_matmuls if fuse else lambda p, d: (p, d)
+        per_layer, layer_deltas = zip(*(prepare(p, d) for p, d in per_layer))
+        params, deltas = prepare({**params, STACKED: list(per_layer)}, {**deltas, STACKED: list(layer_deltas)})
+        if perturb is not None:
+            perturb = perturb._replace(deltas=deltas)
+    cache = constrain(init_cache(cfg, B, P - 1, cache_dtype, stacked=stacked))
     # Prefill all but the last prompt token; its logits go unused, so XLA drops the [B, P, V] head. The last prompt
     # token is the first decode step's input (left padding makes it real in every non-empty row).
     _, cache = forward(cfg, params, prompt_BxP[:, :-1], mask_BxT=mask_BxP[:, :-1], cache=cache, perturb=perturb)
+    cache = constrain(cache)
 
     def step(state):
         t, cache, token_B, tokens_BxN, logprobs_BxN, length_B, done_B = state
         logits_Bx1xV, cache = forward(cfg, params, token_B[:, None], cache=cache, perturb=perturb)
+        cache = constrain(cache)
         logits_BxV = logits_Bx1xV[:, 0]
         max_B = logits_BxV.max(-1)
         keys_B = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(key, t), rows_B)
@@ -252,9 +441,9 @@ def _decode(
     # Decode in phases, the cache growing between them: a step of phase c attends over the slots phase c can have
     # filled, not over all P - 1 + N, which cuts the keys and values read per step by about a quarter at 4 phases.
     # Each phase is its own loop (and its own copy of the step in the compiled program).
-    for end in _phase_ends(N):
+    for end in _phase_ends(N, phases):
         t, cache, *rest = state
-        state = (t, _grow(cache, P - 1 + end), *rest)
+        state = (t, constrain(_grow(cache, P - 1 + end)), *rest)
         state = jax.lax.while_loop(lambda s, end=end: (s[0] < end) & ~jnp.all(s[-1]), step, state)
     t, _, _, tokens_BxN, logprobs_BxN, length_B, _ = state
     return Generation(tokens_BxN, logprobs_BxN, length_B, t[None])
@@ -267,14 +456,18 @@ def _phase_ends(n: int, phases: int = 4, shortest: int = 16) -> list[int]:
 
 
 def _grow(cache: KVCache, slots: int) -> KVCache:
-    """The cache with room for `slots` slots (new ones empty)."""
+    """The cache with room for `slots` slots (new ones empty), in either layout: the slots are the last axis of the
+    keys and the second to last of the values ([(L,) B, K, H, S] and [(L,) B, K, S, H])."""
     extra = slots - cache.valid_BxS.shape[1]
-    return KVCache(
-        k=tuple(jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, extra))) for k in cache.k),
-        v=tuple(jnp.pad(v, ((0, 0), (0, 0), (0, extra), (0, 0))) for v in cache.v),
-        valid_BxS=jnp.pad(cache.valid_BxS, ((0, 0), (0, extra))),
-        index=cache.index,
-    )
+
+    def pad(x, axis):
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, extra)
+        return jnp.pad(x, widths)
+
+    k = jax.tree.map(lambda x: pad(x, -1), cache.k)  # an array, or a tuple of L
+    v = jax.tree.map(lambda x: pad(x, -2), cache.v)
+    return KVCache(k, v, valid_BxS=pad(cache.valid_BxS, -1), index=cache.index)
 
 
 def _sample(logits_BxV: Array, max_B: Array, keys_B: Array, temperature: float, top_k: int, top_p: float) -> Array:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from esroll.data import Example, eval_scores, format_prompt, score
-from esroll.models import load_hf
+from esroll.models import load_hf, param_shapes
 from esroll.models.hf import resolve
 
 if TYPE_CHECKING:  # esroll.config imports esroll.grpo, which imports this module
@@ -47,14 +47,25 @@ class Method(NamedTuple):
     step: Callable[..., tuple[dict, Any, dict, int]]
 
 
-def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Example]) -> tuple[Task, dict]:
+def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Example], mesh=None) -> tuple[Task, dict]:
+    """The task and the model's parameters in `model.master_dtype`: on `mesh`, each device reads only its shard of
+    each weight (`esroll.sharding.master_shardings`); without a mesh, host arrays in `model.dtype`."""
     from transformers import AutoTokenizer
+
+    from esroll import sharding
 
     try:
         path = resolve(cfg.model.path)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"config: 'model.path': {e}") from None
-    model_cfg, params = load_hf(path, dtype=jnp.dtype(cfg.model.dtype))
+    if mesh is None:
+        model_cfg, params = load_hf(path, dtype=jnp.dtype(cfg.model.dtype))
+    else:
+        model_cfg, params = load_hf(
+            path,
+            dtype=jnp.dtype(cfg.model.master_dtype),
+            shardings=lambda model_cfg: sharding.master_shardings(mesh, param_shapes_tree(model_cfg)),
+        )
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     system = cfg.data.system or None
     cache: dict[str, list[int]] = {}
@@ -73,6 +84,15 @@ def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Exampl
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     multiple = 8 * -(-longest // 8)  # one bucket for the whole dataset: a training run compiles generate once
     return Task(model_cfg, tokenizer, prompt_ids, tuple(sorted(e for e in eos if e is not None)), pad, multiple), params
+
+
+def param_shapes_tree(model_cfg) -> dict:
+    """`param_shapes` as ShapeDtypeStructs (what the sharding rules read)."""
+    return jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32),
+        param_shapes(model_cfg),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
 
 
 def _config_eos(model_cfg) -> list[int]:

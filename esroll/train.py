@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
-from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from tqdm.auto import tqdm
 
-from esroll import parallel
-from esroll.checkpoint import Checkpointer, check_workdir, claim_workdir
+from esroll import memory, parallel, sharding
+from esroll.checkpoint import Checkpointer, check_workdir, claim_workdir, workdir_path
 from esroll.config import ExperimentConfig
 from esroll.data import Example, get_batch, make_splits
-from esroll.errors import reading
+from esroll.errors import InputError, reading
 from esroll.metrics import MetricsWriter, first_eval, last_eval, plot_eval_curve, read_metrics
 from esroll.models import save_hf
 from esroll.rollout import PAD, Sampling, rollout
@@ -29,18 +31,19 @@ from esroll.task import Task, load_task
 
 
 def evaluate(
-    task: Task, params: dict, examples: list[Example], max_new_tokens: int, mesh, batch: int = 256
+    task: Task, params: dict, examples: list[Example], sampling: Sampling | int, mesh, batch: int = 256
 ) -> dict[str, float]:
     """Held-out scores of the unperturbed parameters, greedy, as metrics.jsonl names them: "eval_accuracy" (the task's
     reward) and, for numeric answers, GSM8K's "eval_strict" and "eval_flexible" matches (`esroll.data.eval_scores`).
     Up to `batch` questions per rollout, the last one padded, so every rollout has the same shape and `generate`
-    compiles once."""
+    compiles once. `sampling` is greedy `Sampling` (or just its max_new_tokens)."""
+    sampling = Sampling(sampling) if isinstance(sampling, int) else sampling
     totals: dict[str, float] = {}
     batch = min(batch, len(examples))
     for i in range(0, len(examples), batch):
         chunk = examples[i : i + batch]
         example_B = np.concatenate([np.arange(len(chunk)), np.full(batch - len(chunk), PAD)])
-        out = rollout(task, mesh, params, chunk, example_B, jax.random.key(0), Sampling(max_new_tokens), scores=True)
+        out = rollout(task, mesh, params, chunk, example_B, jax.random.key(0), sampling, scores=True)
         for name, score_B in out.scores.items():
             totals[name] = totals.get(name, 0.0) + float(score_B.sum(dtype=np.float64))
     return {f"eval_{name}": total / len(examples) for name, total in totals.items()}
@@ -48,7 +51,7 @@ def evaluate(
 
 def train_and_evaluate(
     cfg: ExperimentConfig,
-    workdir: str | Path,
+    workdir: str | os.PathLike,
     *,
     overwrite: bool = False,
     mesh_devices: int = 0,
@@ -63,11 +66,11 @@ def train_and_evaluate(
     """
     # ---- setup
     parallel.maybe_initialize_distributed(cfg.distributed)
-    workdir = Path(workdir)
+    workdir = workdir_path(workdir)  # a local path made absolute, or a URL (gs://...) kept as it is
     config_dict = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
     lead = jax.process_index() == 0
     resuming = check_workdir(workdir, config_dict, overwrite)
-    mesh = parallel.make_mesh(mesh_devices)
+    mesh = parallel.make_mesh(mesh_devices, model=cfg.parallel.model)
     ckpt_step = Checkpointer.latest_in(workdir) if resuming else None
     records = read_metrics(workdir / "metrics.jsonl") if resuming else []
     complete = ckpt_step is not None and _complete(cfg, workdir, ckpt_step, records)
@@ -85,10 +88,11 @@ def train_and_evaluate(
     # ---- data and model
     with reading():
         train, held_out = make_splits(cfg.data)
-        task, params = load_task(cfg, train, held_out)
-    params = parallel.put_replicated(mesh, params)
+        task, params = load_task(cfg, train, held_out, mesh)  # master weights, in their shards
+    to_compute = sharding.caster(mesh, cfg.model.dtype)
 
-    # ---- method
+    # ---- method (on devices that report their memory, only once the step is known to fit them)
+    plan = preflight(cfg, task, mesh)
     if cfg.method == "grpo":
         from esroll.grpo import make_grpo_method
 
@@ -96,8 +100,8 @@ def train_and_evaluate(
     else:
         from esroll.es_train import make_es_method
 
-        method = make_es_method(cfg, task, mesh)
-    state = parallel.put_replicated(mesh, method.init(params, jax.random.key(cfg.seed)))
+        method = make_es_method(cfg, task, mesh, rows_per_device=plan.rows_per_device if plan else None)
+    state = method.init(params, jax.random.key(cfg.seed))
 
     # ---- claim the workdir (the run can start), then restore if it holds this run
     if lead:
@@ -105,14 +109,17 @@ def train_and_evaluate(
     ckpt = Checkpointer(workdir)
     start_step, elapsed = 0, 0.0
     if ckpt_step is not None:
-        restored, meta = ckpt.restore({"params": params, "state": state})
-        params, state = parallel.put_replicated(mesh, (restored["params"], restored["state"]))
+        restored, meta = ckpt.restore({"params": params, "state": state})  # into the template's shardings
+        params, state = restored["params"], restored["state"]
         start_step, elapsed = int(meta["step"]), float(meta["wall_time"])
     metrics = MetricsWriter(workdir, keep_through=ckpt_step, enabled=lead)
 
     # ---- evaluation
     def run_eval() -> dict[str, float]:
-        return evaluate(task, params, held_out, cfg.train.max_new_tokens, mesh)
+        return evaluate(task, to_compute(params), held_out, eval_sampling, mesh)
+
+    eval_rows = plan.eval_rows_per_device if plan else _eval_rows_per_device(cfg, task, mesh, params, state, held_out)
+    eval_sampling = Sampling.of(cfg.train.max_new_tokens, 0.0, cfg.parallel, eval_rows)
 
     if start_step == 0:
         scores0 = run_eval()
@@ -171,14 +178,58 @@ def train_and_evaluate(
     if lead:
         plot_eval_curve(workdir / "metrics.jsonl", workdir / "eval_accuracy.png", title=f"{cfg.method}")
         if cfg.train.export:
-            save_hf(workdir / "final", task.cfg, jax.device_get(params), tokenizer=task.tokenizer)
+            final = jax.device_get(to_compute(params))  # the model in `model.dtype`, as it was loaded
+            save_hf(workdir / "final", task.cfg, final, tokenizer=task.tokenizer)
     summary = _summary(cfg, workdir, read_metrics(workdir / "metrics.jsonl"), start_step, step - start_step)
     if lead:
         _print_summary(summary, "resumed and finished" if start_step else "finished")
     return {**summary, "params": params}
 
 
-def _complete(cfg: ExperimentConfig, workdir: Path, ckpt_step: int, records: list[dict]) -> bool:
+def preflight(cfg: ExperimentConfig, task: Task, mesh):
+    """Before the first step, where devices report their memory (GPUs, TPUs; not CPUs): compile the ES step for them
+    as `experiments.plan` does, choosing the rows per device (halving an automatic count until the step fits), and
+    refuse a step that cannot fit with one line naming its largest buffer. Returns the `esroll.plan.Plan` (None where
+    skipped: CPUs, GRPO)."""
+    if cfg.method == "grpo" or memory.device_memory_bytes(mesh.devices.flat[0]) is None:
+        return None
+    from esroll.plan import plan_es
+
+    plan = plan_es(
+        cfg, task.cfg, mesh, platform=jax.default_backend(), prompt_len=task.prompt_multiple, eos_ids=task.eos_ids
+    )
+    if not plan.fits:
+        raise InputError(f"config: {plan.refusal()}")
+    return plan
+
+
+def _eval_rows_per_device(cfg: ExperimentConfig, task: Task, mesh, params, state, held_out) -> int:
+    """`parallel.rows_per_device`, or the most evaluation rows that fit beside the run's parameters, optimizer state
+    and decoding copy (0: all, where device memory is unknown)."""
+    if cfg.parallel.rows_per_device:
+        return cfg.parallel.rows_per_device
+    limit = memory.device_memory_bytes(mesh.devices.flat[0])
+    if limit is None:
+        return 0
+    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(cfg.model.dtype)), params)
+    resident = (
+        memory.live_bytes_per_device(params)
+        + memory.live_bytes_per_device(state)
+        + memory.tree_bytes_per_device(compute, sharding.compute_shardings(mesh, compute))
+    )
+    return memory.auto_rows_per_device(
+        task.cfg,
+        task.prompt_multiple,
+        cfg.train.max_new_tokens,
+        cfg.model.dtype,
+        free_bytes=limit * cfg.parallel.memory_fraction - resident,
+        rows=min(256, len(held_out)),
+        data_axis=parallel.data_size(mesh),
+        model_axis=parallel.model_size(mesh),
+    )
+
+
+def _complete(cfg: ExperimentConfig, workdir: epath.Path, ckpt_step: int, records: list[dict]) -> bool:
     """Whether a run whose last checkpoint is at `ckpt_step` has nothing left to do: its loop had ended (step limit
     or time budget), its final evaluation is logged, and its plot and exported model were written (both come after
     the final evaluation, so a run killed while exporting is finished when rerun)."""
@@ -206,7 +257,9 @@ def _progress_bar(cfg: ExperimentConfig, start_step: int, elapsed: float, enable
     return tqdm(total=cfg.train.steps, initial=start_step, unit="step", disable=not enabled, dynamic_ncols=True)
 
 
-def _summary(cfg: ExperimentConfig, workdir: Path, records: list[dict], resumed_from: int, ran_steps: int) -> dict:
+def _summary(
+    cfg: ExperimentConfig, workdir: epath.Path, records: list[dict], resumed_from: int, ran_steps: int
+) -> dict:
     last = last_eval(records) or {}
     outputs = {
         "metrics": workdir / "metrics.jsonl",

@@ -47,6 +47,7 @@ def run(main, model_path: Callable[[], str] | None = None) -> None:
             _fail(InputError(_first_line(e)), 2, "--debug" in args)
 
     def guarded(args):
+        quiet_tpu_probe()
         parallel.use_cpu_cores_as_devices(_model_params(model_path() if model_path else ""))
         logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
         if len(args) > 1:
@@ -57,6 +58,24 @@ def run(main, model_path: Callable[[], str] | None = None) -> None:
             _fail(e, 1, _DEBUG.value)
 
     app.run(guarded, flags_parser=parse)
+
+
+def quiet_tpu_probe() -> None:
+    """With libtpu installed (the `plan` extra) on a host without a TPU, JAX's start-up probe prints a screen of
+    errors before falling back to the CPU: skip the probe there (keeping any other accelerator JAX would pick). A host
+    with TPU chips (/dev/accel*, /dev/vfio/N) and an explicit JAX_PLATFORMS are left alone."""
+    import glob
+    import importlib.util
+
+    import jax
+
+    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
+        return
+    if importlib.util.find_spec("libtpu") is None or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return
+    if any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
+        return  # a GPU machine: JAX's own choice (the probe's noise is the lesser harm than losing the GPU)
+    jax.config.update("jax_platforms", "cpu")
 
 
 def _model_params(path: str) -> int:

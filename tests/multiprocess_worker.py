@@ -1,5 +1,7 @@
-"""One process of the two-process test: runs two quick ES steps and saves its final parameters."""
+"""One process of the two-process test: runs two quick ES steps on a (data 2 × model 2) mesh and saves its final
+parameters."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -17,6 +19,7 @@ if __name__ == "__main__":
     maybe_initialize_distributed(True)
     workdir, out = sys.argv[1], sys.argv[2]
     cfg = quick_config("quick", steps=2, eval_every=100, checkpoint_every=100, export=False)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, model=2))
     result = train_and_evaluate(cfg, workdir, progress=False)
     params = jax.experimental.multihost_utils.process_allgather(result["params"], tiled=True)
     np.savez(out, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)})

@@ -288,3 +288,190 @@ def test_fused_matmuls_equal_explicit(tiny_model, max_extra):
         ref, _ = forward(cfg, explicit, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
         rows = np.asarray(member) == m
         assert np.abs(np.asarray(ours)[rows] - np.asarray(ref)[rows])[mask[rows]].max() < 1e-4
+
+
+# ---- loading straight into shardings
+
+
+@pytest.fixture(scope="module")
+def tp_model(tmp_path_factory):
+    """A 4-layer tiny Qwen3 (untied LM head, vocabulary 96) whose every split dimension a (4, 2) mesh divides."""
+    folder = tmp_path_factory.mktemp("tp_qwen3")
+    build_tiny_hf("qwen3", folder, num_hidden_layers=4, vocab_size=96)
+    return folder
+
+
+def mesh_4x2():
+    from jax.sharding import Mesh
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (conftest sets --xla_force_host_platform_device_count=8)")
+    return Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+
+
+def tp_shardings(mesh, cfg) -> dict:
+    """Tensor-parallel columns and rows over "model", the embedding's vocabulary, the LM head's both dimensions and
+    gate's layers over "data"; everything else replicated."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from esroll.models import STACKED, param_shapes
+
+    ns = lambda *spec: NamedSharding(mesh, P(*spec))
+    shapes = param_shapes(cfg)
+    layers = {leaf: ns() for leaf in shapes[STACKED]}
+    layers.update(
+        q=ns(None, None, "model"),
+        k=ns(None, None, "model"),
+        v=ns(None, None, "model"),
+        up=ns(None, None, "model"),
+        gate=ns("data", None, "model"),
+        o=ns(None, "model", None),
+        down=ns(None, "model", None),
+        attn_norm=ns("data"),
+    )
+    return {"embed": ns("data", None), "final_norm": ns(), STACKED: layers, "lm_head": ns("data", "model")}
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16], ids=["checkpoint-dtype", "bfloat16"])
+def test_load_hf_into_shardings_equals_the_unsharded_load(tp_model, dtype):
+    mesh = mesh_4x2()
+    cfg, ref = load_hf(tp_model, dtype=dtype)
+    requested = tp_shardings(mesh, cfg)
+    for shardings in (requested, lambda c: tp_shardings(mesh, c)):  # a tree, or a callable of the config
+        _, params = load_hf(tp_model, dtype=dtype, shardings=shardings)
+        assert jax.tree.structure(params) == jax.tree.structure(ref)
+
+        def check(path, x, want, sharding):
+            where = jax.tree_util.keystr(path)
+            assert x.sharding == sharding, where
+            assert x.dtype == want.dtype == (jnp.float32 if dtype is None else dtype), where
+            want = np.asarray(want)
+            np.testing.assert_array_equal(np.asarray(x), want, err_msg=where)
+            for shard in x.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index], err_msg=where)
+
+        jax.tree_util.tree_map_with_path(check, params, ref, requested)
+    assert params["layers"]["q"].addressable_shards[0].data.shape == (4, 64, 48)
+    assert params["lm_head"].addressable_shards[0].data.shape == (16, 48)
+
+
+def test_load_hf_shardings_of_a_bfloat16_checkpoint(tp_model, tmp_path):
+    """A bfloat16 safetensors file (read by safetensors' numpy framework as ml_dtypes.bfloat16) loads sharded as it
+    does unsharded, in its own dtype or cast."""
+    mesh = mesh_4x2()
+    cfg, params = load_hf(tp_model)
+    save_hf(tmp_path / "bf16", cfg, params, dtype=jnp.bfloat16)
+    for dtype, want in ((None, jnp.bfloat16), (jnp.float32, jnp.float32)):
+        _, ref = load_hf(tmp_path / "bf16", dtype=dtype)
+        _, sharded = load_hf(tmp_path / "bf16", dtype=dtype, shardings=lambda c: tp_shardings(mesh, c))
+        for x, y in zip(jax.tree.leaves(sharded), jax.tree.leaves(ref), strict=True):
+            assert x.dtype == y.dtype == want
+            np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)))
+    np.testing.assert_allclose(np.asarray(ref["layers"]["q"]), np.asarray(params["layers"]["q"]), rtol=1e-2, atol=1e-2)
+
+
+class _CountingFile:
+    """A safe_open handle that logs (tensor name, shape read) for every data read."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+
+    def __enter__(self):
+        self.f = self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+    def keys(self):
+        return self.f.keys()
+
+    def get_tensor(self, name):
+        t = self.f.get_tensor(name)
+        self.log.append((name, "get_tensor", t.shape))
+        return t
+
+    def get_slice(self, name):
+        inner, log = self.f.get_slice(name), self.log
+
+        class Slice:
+            get_shape, get_dtype = inner.get_shape, inner.get_dtype
+
+            def __getitem__(self, index):
+                a = inner[index]
+                log.append((name, "slice", a.shape))
+                return a
+
+        return Slice()
+
+
+def test_load_hf_shardings_reads_only_each_shard(tp_model, tmp_path, monkeypatch):
+    """Every read of a sharded tensor is one shard's slice (never the whole tensor), each element is read once (a
+    shard that several devices hold is read once), and a checkpoint that fails validation reads no data at all."""
+    import math
+
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    from esroll.models import hf
+
+    log = []
+    monkeypatch.setattr(hf, "safe_open", lambda *a, **k: _CountingFile(safe_open(*a, **k), log))
+    mesh = mesh_4x2()
+    cfg, params = load_hf(tp_model, shardings=lambda c: tp_shardings(mesh, c))
+    shardings = tp_shardings(mesh, cfg)
+    assert log and all(kind == "slice" for _, kind, _ in log)
+
+    per_tensor: dict[str, list[tuple]] = {}
+    for name, _, shape in log:
+        per_tensor.setdefault(name, []).append(shape)
+    for hf_name, (target, hf_shape, _) in hf._hf_names(cfg).items():
+        parts = target.split("/")
+        leaf = params["layers"][parts[1]] if parts[0] == "layers" else params[parts[0]]
+        sharding = shardings["layers"][parts[1]] if parts[0] == "layers" else shardings[parts[0]]
+        shard = sharding.shard_shape(leaf.shape)[1:] if parts[0] == "layers" else sharding.shard_shape(leaf.shape)
+        reads = per_tensor[hf_name]
+        assert all(math.prod(r) == math.prod(shard) for r in reads), (hf_name, reads, shard)
+        assert sum(math.prod(r) for r in reads) == math.prod(hf_shape), (hf_name, reads)
+    q_reads = per_tensor["model.layers.0.self_attn.q_proj.weight"]
+    assert q_reads == [(48, 64), (48, 64)]  # HF [out, in]: the "model" split of esroll's columns is HF's rows
+    assert sorted(per_tensor["lm_head.weight"]) == [(48, 16)] * 8
+
+    tensors = load_file(str(tp_model / "model.safetensors"))
+    tensors["model.layers.3.mlp.down_proj.weight"] = np.zeros((3, 3), np.float32)
+    (tmp_path / "config.json").write_text((tp_model / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    log.clear()
+    with pytest.raises(ValueError, match=r"model\.safetensors.*'model\.layers\.3\.mlp\.down_proj\.weight'.*\(3, 3\)"):
+        load_hf(tmp_path, shardings=lambda c: tp_shardings(mesh, c))
+    with pytest.raises(ValueError, match=r"down_proj"):
+        load_hf(tmp_path)
+    assert log == []
+
+
+def test_load_hf_shardings_must_match_the_params(tp_model):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = mesh_4x2()
+    cfg, ref = load_hf(tp_model)
+    shardings = tp_shardings(mesh, cfg)
+    del shardings["layers"]["up"]
+    with pytest.raises(ValueError, match="no sharding for layers/up"):
+        load_hf(tp_model, shardings=shardings)
+    with pytest.raises(ValueError, match="q_bias is not a parameter"):
+        load_hf(
+            tp_model,
+            shardings=lambda c: {
+                **tp_shardings(mesh, c),
+                "layers": {**tp_shardings(mesh, c)["layers"], "q_bias": None},
+            },
+        )
+    with pytest.raises(TypeError, match=r"\['embed'\] is None"):
+        load_hf(tp_model, shardings=lambda c: {**tp_shardings(mesh, c), "embed": None})
+    # One Sharding for every leaf.
+    _, params = load_hf(tp_model, shardings=NamedSharding(mesh, P()))
+    for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(ref), strict=True):
+        assert x.sharding.is_fully_replicated and len(x.sharding.device_set) == 8
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

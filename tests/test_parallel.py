@@ -32,14 +32,24 @@ def mesh():
 
 
 def test_make_mesh_spans_all_devices_by_default(mesh):
-    assert mesh.axis_names == (parallel.AXIS,) == ("data",)
-    assert list(mesh.devices) == jax.devices()
-    assert list(parallel.make_mesh(0).devices) == jax.devices()
+    assert mesh.axis_names == (parallel.AXIS, parallel.MODEL) == ("data", "model")
+    assert dict(mesh.shape) == {"data": 8, "model": 1}
+    assert list(mesh.devices.flat) == jax.devices()
+    assert list(parallel.make_mesh(0).devices.flat) == jax.devices()
 
 
 def test_make_mesh_takes_the_first_n_devices():
-    assert list(parallel.make_mesh(3).devices) == jax.devices()[:3]
-    assert list(parallel.make_mesh(8).devices) == jax.devices()
+    assert list(parallel.make_mesh(3).devices.flat) == jax.devices()[:3]
+    assert list(parallel.make_mesh(8).devices.flat) == jax.devices()
+
+
+def test_make_mesh_model_axis_groups_consecutive_devices():
+    mesh = parallel.make_mesh(8, model=2)
+    assert dict(mesh.shape) == {"data": 4, "model": 2}
+    assert parallel.data_size(mesh) == 4 and parallel.model_size(mesh) == 2
+    assert [d.id for d in mesh.devices[1]] == [jax.devices()[2].id, jax.devices()[3].id]
+    with pytest.raises(ValueError, match=r"'parallel.model' = 3 must be >= 1 and divide the 8 devices"):
+        parallel.make_mesh(8, model=3)
 
 
 def test_make_mesh_refuses_more_devices_than_exist():

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 
 import jax
 import numpy as np
 import optax
 import pytest
 
-from esroll import es, parallel
+from esroll import es, parallel, sharding
 from esroll.data import get_batch, make_splits
 from esroll.models import Perturbation
 from esroll.rollout import PAD, Sampling, rollout
@@ -46,23 +47,25 @@ def direct(task, params, examples, example_B, key, sampling, perturb=None):
     return toks, lengths, rewards, np.asarray(gen.logprobs)
 
 
-@pytest.mark.parametrize("devices", [1, 8])
-def test_es_rows_with_perturbation_equal_direct_generation(setup, devices):
+@pytest.mark.parametrize("devices,model,rows_per_device", [(1, 1, 0), (8, 1, 0), (1, 1, 4), (8, 1, 1), (8, 2, 1)])
+def test_es_rows_with_perturbation_equal_direct_generation(setup, devices, model, rows_per_device):
     """Member-major ES rows (3 members × 5 prompts = 15 rows, padded to 16 on 8 devices): tokens, lengths, rewards
-    and log-probabilities equal one-device generation over the same rows, scored row by row."""
+    and log-probabilities equal one-device generation over the same rows, scored row by row — decoded all at once
+    or in chunks of `rows_per_device` rows per device (4 chunks of 4 on one device, 2 of 8 on eight), on a data-only
+    mesh or a 4 × 2 (data × model) one with the weights split over the model axis."""
     cfg, task, params, examples = setup
     M, X = 3, len(examples)
     strategy = es.make_strategy(es.ESConfig(population=M, sigma=0.005), optax.sgd(0.0))
     state = strategy.init(params, jax.random.key(0))
     deltas = strategy.ask(state, params)
     example_B, member_B = np.tile(np.arange(X), M), np.repeat(np.arange(M, dtype=np.int32), X)
-    sampling = Sampling(6, temperature=0.3)
+    sampling = Sampling(6, temperature=0.3, rows_per_device=rows_per_device)
     key = jax.random.key(3)
-    mesh = parallel.make_mesh(devices)
+    mesh = parallel.make_mesh(devices, model=model)
     out = rollout(
         task,
         mesh,
-        parallel.put_replicated(mesh, params),
+        sharding.place(params, sharding.compute_shardings(mesh, params)),
         examples,
         example_B,
         key,
@@ -110,10 +113,11 @@ def test_padding_rows_are_empty_and_leave_the_others_alone(setup):
 
 
 def test_training_code_calls_generate_in_one_place():
-    """`esroll.rollout` is the only caller of `generate` in training and evaluation."""
+    """`esroll.rollout` is the only caller of `generate` in training and evaluation (`esroll.plan` only lowers it,
+    through `lower_generate`, to measure it)."""
     callers = [
         p.relative_to(REPO).as_posix()
         for p in (REPO / "esroll").rglob("*.py")
-        if "generate(" in p.read_text() and p.name != "sampling.py"
+        if re.search(r"\bgenerate\(", p.read_text()) and p.name != "sampling.py"
     ]
     assert callers == ["esroll/rollout.py"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from esroll.models import LowRank, Perturbation, forward, load_hf
-from esroll.sampling import generate, pad_prompts, sequence_logprobs
+from esroll.sampling import generate, lower_generate, pad_prompts, sequence_logprobs
 
 from conftest import FAMILIES, build_tiny_hf
 
@@ -255,3 +255,179 @@ def test_long_generation_across_decode_phases(qwen3):
     assert int(out.steps) == 40 and (np.asarray(out.lengths) == 40).all()
     ref = seq_logprobs(cfg, params, tokens, mask, out.tokens, np.ones((4, 40), bool))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref), atol=1e-4)
+
+
+def rank1_deltas(params, members: int, seed: int, head: bool = False) -> dict:
+    """Rank-1 `LowRank` factors of `members` members on every layer matrix (and the head's, with `head`), scaled so
+    that members differ visibly from the base model."""
+    rng = np.random.default_rng(seed)
+
+    def rank1(lead, d_in, d_out):
+        return LowRank(
+            0.1 * rng.standard_normal((*lead, members, d_in, 1), np.float32),
+            rng.standard_normal((*lead, members, d_out, 1), np.float32),
+        )
+
+    matrices = {n: w.shape for n, w in params["layers"].items() if w.ndim == 3}
+    deltas = {"layers": {n: rank1((L,), d_in, d_out) for n, (L, d_in, d_out) in matrices.items()}}
+    if head:
+        deltas["lm_head"] = rank1((), *params["lm_head"].shape)
+    return deltas
+
+
+def test_decode_settings():
+    """The defaults follow the platform `generate` compiles for; the scan layout runs the weights as stored."""
+    from esroll.sampling import decode_settings
+
+    assert decode_settings("cpu") == (True, "unrolled") and decode_settings("tpu") == (False, "scan")
+    assert decode_settings("cpu", layers="scan") == (False, "scan")
+    assert decode_settings("tpu", fuse=True, layers="unrolled") == (True, "unrolled")
+    with pytest.raises(ValueError, match="fuse=True"):
+        decode_settings("cpu", fuse=True, layers="scan")
+    with pytest.raises(ValueError, match="layers="):
+        decode_settings("cpu", layers="loop")
+
+
+def test_stacked_cache_forward_equals_per_layer(qwen3):
+    """A prefill and two decode steps with the layer-stacked cache (layers under scan) give the per-layer cache's
+    logits and the same keys and values, stacked; perturbed rows included."""
+    from esroll.models import init_cache
+
+    cfg, params = qwen3
+    tokens, mask = prompts(cfg.vocab_size, seed=7)
+    perturb = Perturbation(rank1_deltas(params, 3, seed=2), jnp.array([2, 0, 1, 2]))
+    step = jax.jit(
+        lambda params, tokens, mask, cache: forward(cfg, params, tokens, mask_BxT=mask, cache=cache, perturb=perturb)
+    )
+    outs = {}
+    for stacked in (False, True):
+        cache = init_cache(cfg, batch=4, max_len=tokens.shape[1] + 2, stacked=stacked)
+        logits, cache = step(params, tokens, mask, cache)
+        steps = [logits[:, -1]]
+        for _ in range(2):
+            logits, cache = step(params, jnp.argmax(logits[:, -1:], -1), np.ones((4, 1), bool), cache)
+            steps.append(logits[:, -1])
+        outs[stacked] = np.stack(steps, 1), cache
+    (ref, per_layer), (ours, stacked) = outs[False], outs[True]
+    assert stacked.k.shape == (cfg.num_layers, *per_layer.k[0].shape) and int(stacked.index) == int(per_layer.index)
+    np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(stacked.k), np.stack(per_layer.k), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(stacked.v), np.stack(per_layer.v), atol=1e-5)
+    np.testing.assert_array_equal(stacked.valid_BxS, per_layer.valid_BxS)
+
+
+@pytest.mark.parametrize("perturbed", [False, True], ids=["plain", "perturbed"])
+def test_scan_layers_equal_unrolled(qwen3, perturbed):
+    """The layer-stacked decode (layers under scan, the accelerator default) gives the per-layer one's greedy tokens
+    exactly, and its log-probabilities, across a decode-phase boundary (the stacked cache grows too)."""
+    from esroll.sampling import _phase_ends
+
+    assert _phase_ends(32, phases=2) == [16, 32]
+    cfg, params = qwen3
+    tokens, mask = prompts(cfg.vocab_size, seed=8)
+    perturb = Perturbation(rank1_deltas(params, 3, seed=5, head=True), jnp.array([1, 2, 0, 1])) if perturbed else None
+    run = functools.partial(
+        generate, cfg, params, tokens, jax.random.key(0), max_new_tokens=32, temperature=0.0, prompt_mask=mask
+    )
+    ref = run(perturb=perturb, fuse=False, layers="unrolled", phases=2)
+    ours = run(perturb=perturb, layers="scan", phases=2)
+    np.testing.assert_array_equal(np.asarray(ours.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(ours.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+
+
+@pytest.mark.parametrize("perturbed", [False, True], ids=["plain", "perturbed"])
+def test_row_offset_chunks_equal_whole(qwen3, perturbed):
+    """Rows 0-3 and 4-7 of a sampled batch, decoded as two calls with row_offset 0 and 4, are exactly the rows of the
+    batch decoded at once; the two chunks share one compilation (row_offset is traced)."""
+    from esroll.sampling import _generate
+
+    cfg, params = qwen3
+    tokens, mask = (np.concatenate(x) for x in zip(prompts(cfg.vocab_size, seed=9), prompts(cfg.vocab_size, seed=10)))
+    member = np.arange(8) % 3
+    deltas = rank1_deltas(params, 3, seed=6) if perturbed else None
+    run = functools.partial(generate, cfg, params, key=jax.random.key(7), max_new_tokens=N_NEW, temperature=1.0)
+    kw = {"top_p": 0.9, "eos_ids": (5, 6, 7)}
+
+    def chunk(rows, **extra):
+        perturb = None if deltas is None else Perturbation(deltas, jnp.asarray(member[rows]))
+        return run(prompt_BxP=tokens[rows], prompt_mask=mask[rows], perturb=perturb, **kw, **extra)
+
+    whole = chunk(slice(0, 8))
+    first = chunk(slice(0, 4), row_offset=0)
+    compiled = _generate._cache_size()
+    second = chunk(slice(4, 8), row_offset=jnp.int32(4))
+    assert _generate._cache_size() == compiled
+    joined = {
+        f: np.concatenate([np.asarray(getattr(first, f)), np.asarray(getattr(second, f))])
+        for f in ("tokens", "logprobs", "lengths")
+    }
+    np.testing.assert_array_equal(joined["tokens"], np.asarray(whole.tokens))
+    np.testing.assert_array_equal(joined["lengths"], np.asarray(whole.lengths))
+    # Float32 rounding differs between the GEMM shapes of 8 rows and of 4.
+    np.testing.assert_allclose(joined["logprobs"], np.asarray(whole.logprobs), atol=1e-5)
+    assert (np.asarray(first.tokens) != np.asarray(second.tokens)).any()
+
+
+@pytest.fixture(scope="module")
+def model_axis_case(qwen3):
+    """8 prompts, 4 members' rank-1 factors, and their greedy generation on one device (unfused, per-layer)."""
+    cfg, params = qwen3
+    tokens, mask = (np.tile(x, (2, 1)) for x in prompts(cfg.vocab_size, seed=11))
+    member, deltas = np.arange(8) % 4, rank1_deltas(params, 4, seed=12)
+    one = generate(
+        cfg,
+        params,
+        tokens,
+        jax.random.key(0),
+        max_new_tokens=N_NEW,
+        temperature=0.0,
+        prompt_mask=mask,
+        perturb=Perturbation(deltas, member),
+        fuse=False,
+        layers="unrolled",
+    )
+    return tokens, mask, member, deltas, one
+
+
+@pytest.mark.parametrize(
+    "model, layers", [(2, "unrolled"), (2, "scan"), (1, "scan")], ids=["tp-unrolled", "tp-scan", "model1-scan"]
+)
+def test_model_axis_generation_equals_one_device(qwen3, model_axis_case, model, layers):
+    """On an (8 / model) x model ("data", "model") mesh, with heads, MLP columns and their low-rank factors split over
+    "model", greedy perturbed generation gives the one-device result: one GSPMD program in both layouts when the
+    model axis has 2 devices, and the per-device shard_map loop (here the layer-stacked one) when it has 1."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    cfg, params = qwen3
+    tokens, mask, member, deltas, one = model_axis_case
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8 // model, model), ("data", "model"))
+    at = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))
+    # (in, out) splits of each layer matrix [L, I, O]: columns of q/k/v/gate/up, rows of o/down over "model".
+    splits = {n: (None, "model") for n in ("q", "k", "v", "gate", "up")} | {
+        "o": ("model", None),
+        "down": ("model", None),
+    }
+    layer_params = {
+        n: jax.device_put(w, at(None, *splits[n]) if n in splits else at()) for n, w in params["layers"].items()
+    }
+    sharded = {n: jax.device_put(w, at()) for n, w in params.items() if n != "layers"} | {"layers": layer_params}
+    # A factor follows its weight: a [L, M, I, R] splits I as the weight's rows, b [L, M, O, R] O as its columns.
+    sharded_deltas = {
+        "layers": {
+            n: LowRank(
+                jax.device_put(d.a, at(None, None, splits[n][0])), jax.device_put(d.b, at(None, None, splits[n][1]))
+            )
+            for n, d in deltas["layers"].items()
+        }
+    }
+    rows = functools.partial(jax.device_put, device=at("data"))
+    args = (cfg, sharded, rows(tokens), jax.random.key(0))
+    perturb = Perturbation(sharded_deltas, rows(member))
+    kw = {"max_new_tokens": N_NEW, "temperature": 0.0, "prompt_mask": rows(mask), "perturb": perturb, "layers": layers}
+    many = generate(*args, **kw)
+    # shard_map (a manual computation) only without a model axis: with one, a single GSPMD-partitioned program.
+    assert ("manual_computation" in lower_generate(*args, **kw).as_text()) == (model == 1)
+    assert many.tokens.sharding.spec[0] == "data"
+    np.testing.assert_array_equal(np.asarray(many.tokens), np.asarray(one.tokens))
+    np.testing.assert_array_equal(np.asarray(many.lengths), np.asarray(one.lengths))
+    np.testing.assert_allclose(np.asarray(many.logprobs), np.asarray(one.logprobs), atol=1e-4)

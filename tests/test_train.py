@@ -57,17 +57,25 @@ def test_resume_is_exact(tmp_path):
     check_exact_resume(quick(steps=4, checkpoint_every=2, eval_every=2), tmp_path)
 
 
-def test_sharded_equals_unsharded(tmp_path):
-    """8 fake CPU devices split the population; the parameters after two steps match one device to 1e-6."""
+@pytest.mark.parametrize("model", [1, 2])
+def test_sharded_equals_unsharded(tmp_path, model):
+    """8 fake CPU devices split the population (and with a model axis of 2, each model's weights over two of them);
+    the parameters after two steps match one device to 1e-6."""
     cfg = quick(steps=2, eval_every=100, checkpoint_every=100, export=False)
     one = train_and_evaluate(cfg, tmp_path / "one", mesh_devices=1, progress=False)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, model=model))
     eight = train_and_evaluate(cfg, tmp_path / "eight", mesh_devices=8, progress=False)
     assert len(jax.devices()) == 8
-    jax.tree.map(
-        lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6),
-        one["params"],
-        eight["params"],
-    )
+    assert_params_match(one["params"], eight["params"])
+
+
+def assert_params_match(x, y):
+    """Equal within float tolerance: every entry to 1e-4 (a tenth of the learning rate) and 99.9% of them to 1e-6.
+    Adam's first steps move an entry by about lr·g/(|g| + ε), so an entry whose gradient is within a few ε of zero
+    turns the last-bit rounding of g (a sharded sum adds in another order) into a visible difference."""
+    for a, b in zip(jax.tree.leaves(jax.device_get(x)), jax.tree.leaves(jax.device_get(y))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4)
+        assert np.mean(np.abs(np.asarray(a) - np.asarray(b)) <= 1e-6) >= 0.999
 
 
 def _free_port() -> int:
@@ -77,7 +85,8 @@ def _free_port() -> int:
 
 
 def test_two_processes_equal_one(tmp_path):
-    """Two processes with two CPU devices each (gloo collectives on localhost) match one process with four."""
+    """Two processes with two CPU devices each (gloo collectives on localhost), each process's two devices one model
+    axis (the weights split over them, the rows over the processes), match one process with four devices."""
     script = REPO / "tests" / "multiprocess_worker.py"
     port = _free_port()
     env = {
@@ -104,8 +113,7 @@ def test_two_processes_equal_one(tmp_path):
     for i in range(2):
         got = np.load(tmp_path / f"p{i}.npz")
         assert set(got.files) == set(flat_single)
-        for k in got.files:
-            np.testing.assert_allclose(got[k], flat_single[k], rtol=0, atol=1e-6)
+        assert_params_match([got[k] for k in sorted(got.files)], [flat_single[k] for k in sorted(got.files)])
 
 
 def test_config_errors(tmp_path):
@@ -197,3 +205,19 @@ def test_a_workdir_without_a_run_is_written_into_not_moved(tmp_path):
     assert check_workdir(tmp_path, {"a": 1}, overwrite=True) is False
     claim_workdir(tmp_path, {"a": 1})
     assert (tmp_path / "notes.txt").read_text() == "mine\n" and not (tmp_path / "replaced-1").exists()
+
+
+def test_a_step_that_cannot_fit_the_devices_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """Where devices report their memory, the trainer compiles the ES step for them first (as experiments.plan does)
+    and refuses one that cannot fit, naming the largest buffer; here the CPU devices are said to hold 1 MiB."""
+    from esroll import memory
+
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 2**20)
+    cfg = quick(steps=2, eval_every=100, checkpoint_every=100, export=False)
+    with pytest.raises(
+        InputError,
+        match=r"^config: the looroll step needs .* GiB per device in '\w+' but a .* has "
+        r"0\.0 GiB; largest: .* GiB \(rows per device 1; lower parallel\.rows_per_device",
+    ):
+        train_and_evaluate(cfg, tmp_path / "run", mesh_devices=1, progress=False)
+    assert not (tmp_path / "run").exists()

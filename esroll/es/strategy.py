@@ -10,8 +10,8 @@
 All three are pure and jit-able as they are (`jax.jit(strategy.tell)`): nothing is a static argument. `tell`
 regenerates the step's noise from (key, step) instead of receiving it, so across devices only the M fitness scalars
 travel. Members with non-finite fitness are dropped and a step with too few left is skipped (parameters and
-optimizer state kept): see `estimators`. Frozen leaves get a zero gradient: wrap the optimizer in `optax.masked` if
-it applies weight decay.
+optimizer state kept): see `estimators`. The optimizer holds state for the perturbed leaves only; frozen leaves pass
+through untouched.
 """
 
 from __future__ import annotations
@@ -131,13 +131,25 @@ def member_deltas(cfg: ESConfig, key: Array, step, params: dict) -> dict:
 
 def estimate(cfg: ESConfig, key: Array, step, params: dict, fitness_M: Array) -> tuple[dict, estimators.Weights]:
     """ĝ (ascent direction, same tree as params, zeros on frozen leaves) from the members' fitness at `step`."""
+    sums, weights = _estimate_perturbed(cfg, key, step, params, fitness_M)
+    flat = noise.flatten(params)
+    grad = {path: sums[path].astype(p.dtype) if path in sums else jnp.zeros_like(p) for path, p in flat.items()}
+    return noise.unflatten(grad), weights
+
+
+def _estimate_perturbed(cfg: ESConfig, key: Array, step, params: dict, fitness_M: Array):
+    """ĝ on the perturbed leaves only ({path: float32 array}), and the estimator's weights."""
     weights = estimators.direction_weights(cfg.method, fitness_M, cfg.sigma, cfg.shaping, cfg.min_valid_fraction)
     sums = estimators.weighted_sum(
         lambda dirs: step_factors(cfg, key, step, params, dirs), weights.w_E, cfg.rank, cfg.chunk_size or None
     )
-    flat = noise.flatten(params)
-    grad = {path: sums[path].astype(p.dtype) if path in sums else jnp.zeros_like(p) for path, p in flat.items()}
-    return noise.unflatten(grad), weights
+    return sums, weights
+
+
+def trainable(cfg: ESConfig, params: dict) -> dict:
+    """The perturbed leaves of `params` (a sub-tree of it): what the optimizer sees and keeps state for."""
+    kinds = leaf_kinds(cfg, params)
+    return noise.unflatten({path: x for path, x in noise.flatten(params).items() if path in kinds})
 
 
 class Strategy(NamedTuple):
@@ -148,8 +160,18 @@ class Strategy(NamedTuple):
     tell: Callable[[ESState, dict, Array], tuple[dict, ESState, dict]]  # (state, params, fitness_M) -> ...
 
 
-def make_strategy(cfg: ESConfig, optimizer: optax.GradientTransformation) -> Strategy:
-    """ES with `cfg` whose update goes through `optimizer` (the ascent direction is negated for optax)."""
+def make_strategy(
+    cfg: ESConfig, optimizer: optax.GradientTransformation, *, constrain: Callable[[dict], dict] | None = None
+) -> Strategy:
+    """ES with `cfg` whose update goes through `optimizer` (the ascent direction is negated for optax).
+
+    The optimizer sees only the perturbed leaves (`trainable`): frozen leaves have no optimizer state and are passed
+    through untouched (weight decay never reaches them). The update is computed in each leaf's dtype, so parameters
+    held in float32 (the trainer's master weights) are updated in float32 whatever dtype the rollouts decode in.
+    `constrain` (identity by default) is applied to the gradient and the new parameters: the trainer passes a sharding
+    constraint so each device computes only its shard of the update (`esroll.sharding.master_shardings`).
+    """
+    constrain = constrain or (lambda tree: tree)
 
     def init(params: dict, key: Array) -> ESState:
         kinds = leaf_kinds(cfg, params)
@@ -162,7 +184,7 @@ def make_strategy(cfg: ESConfig, optimizer: optax.GradientTransformation) -> Str
             )
         if "embed" in kinds:  # the token lookup (and a tied head) takes no perturbation: its update would be blind
             raise ConfigError("frozen_patterns", cfg.frozen_patterns, "patterns that freeze 'embed'", where="ESConfig")
-        return ESState(jnp.zeros((), jnp.int32), key, optimizer.init(params))
+        return ESState(jnp.zeros((), jnp.int32), key, optimizer.init(trainable(cfg, params)))
 
     def ask(state: ESState, params: dict) -> dict:
         """This step's member-level deltas, ready for `Perturbation(deltas, member_B)`."""
@@ -170,13 +192,17 @@ def make_strategy(cfg: ESConfig, optimizer: optax.GradientTransformation) -> Str
 
     def tell(state: ESState, params: dict, fitness_M: Array) -> tuple[dict, ESState, dict[str, Array]]:
         """Apply one ES step from the members' fitness (higher is better); returns (params, state, metrics)."""
-        grad, weights = estimate(cfg, state.key, state.step, params, fitness_M)
-        updates, opt_state = optimizer.update(jax.tree.map(jnp.negative, grad), state.opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-
-        def unless_skipped(new, old):
-            return jax.tree.map(lambda n, o: jnp.where(weights.skipped, o, n), new, old)
-
+        sums, weights = _estimate_perturbed(cfg, state.key, state.step, params, fitness_M)
+        train = trainable(cfg, params)
+        flat_train = noise.flatten(train)
+        grad = constrain(noise.unflatten({path: sums[path].astype(x.dtype) for path, x in flat_train.items()}))
+        updates, opt_state = optimizer.update(jax.tree.map(jnp.negative, grad), state.opt_state, train)
+        new_train = noise.flatten(constrain(optax.apply_updates(train, updates)))
+        skipped = weights.skipped
+        new_flat = {
+            path: jnp.where(skipped, x, new_train[path]) if path in new_train else x
+            for path, x in noise.flatten(params).items()
+        }
         finite_M = jnp.where(jnp.isfinite(fitness_M), fitness_M, jnp.nan)
         metrics = {
             "fitness_mean": jnp.nanmean(finite_M),  # over finite members (NaN if there are none)
@@ -184,11 +210,11 @@ def make_strategy(cfg: ESConfig, optimizer: optax.GradientTransformation) -> Str
             "fitness_max": jnp.nanmax(finite_M),
             "num_nonfinite": weights.num_nonfinite,
             "num_dropped": weights.num_dropped,
-            "skipped": weights.skipped,
+            "skipped": skipped,
             "grad_norm": optax.tree.norm(grad),
-            "update_norm": jnp.where(weights.skipped, 0.0, optax.tree.norm(updates)),
+            "update_norm": jnp.where(skipped, 0.0, optax.tree.norm(updates)),
         }
-        new_state = ESState(state.step + 1, state.key, unless_skipped(opt_state, state.opt_state))
-        return unless_skipped(new_params, params), new_state, metrics
+        opt_state = jax.tree.map(lambda n, o: jnp.where(skipped, o, n), opt_state, state.opt_state)
+        return noise.unflatten(new_flat), ESState(state.step + 1, state.key, opt_state), metrics
 
     return Strategy(init, ask, tell)

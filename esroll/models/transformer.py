@@ -1,9 +1,11 @@
 """The decoder as one pure function: forward(cfg, params, tokens, ...) -> (logits, cache).
 
 Parameters are a dict; per-layer weights are stacked on a leading layer axis, under the top-level key `STACKED`.
-Without a KV cache (training, scoring) the layers run under `lax.scan`, so compile time does not grow with depth;
-with one (generation) they run as a Python loop over per-layer weights and cache buffers, so a decode step copies
-neither. Weights are stored [I, O] (the transpose of torch's Linear).
+Without a KV cache (training, scoring) the layers run under `lax.scan`, so compile time does not grow with depth.
+With one (generation) there are two cache layouts (`init_cache`): per-layer buffers, for which the layers run as a
+Python loop (a decode step copies neither weights nor keys, but the program, and its compile time, grow with depth),
+and layer-stacked buffers, for which they run under `lax.scan` again (compile time flat in depth, the accelerator
+form). Weights are stored [I, O] (the transpose of torch's Linear).
 
     embed [V, D]; final_norm [D]; lm_head [D, V] (untied only)
     layers: attn_norm [L, D], q [L, D, Q·H], k/v [L, D, K·H], o [L, Q·H, D],
@@ -35,25 +37,39 @@ _NEG = -1e30  # finite, so a query with no visible key (a padded one) gives a un
 class KVCache(NamedTuple):
     """Keys and values of every slot written so far. All rows share the write index (prompts are left-padded).
 
-    One buffer per layer, in the layouts a decode step's attention products read fastest: keys [B, K, H, S] (slots
-    as the contiguous output dimension of q·kᵀ), values [B, K, S, H]. Each step writes its slot in place.
+    Keys and values are kept in the layouts a decode step's attention products read fastest: keys [B, K, H, S]
+    (slots as the contiguous output dimension of q·kᵀ), values [B, K, S, H]. Each step writes its slots in place.
+    Two layouts of the layers (`init_cache`):
+
+    - per layer: `k` and `v` are tuples of L such buffers; `forward` runs its layers as a Python loop, so a step
+      touches each layer's own buffer directly, but the traced program holds L copies of the layer.
+    - stacked: `k` [L, B, K, H, S] and `v` [L, B, K, S, H], one array each; `forward` runs its layers under
+      `lax.scan` with the whole cache in the scan's carry (one copy, updated in place), so the program holds one
+      copy of the layer whatever the depth.
     """
 
-    k: tuple[Array, ...]  # L x [B, K, H, S]
-    v: tuple[Array, ...]  # L x [B, K, S, H]
+    k: tuple[Array, ...] | Array  # L x [B, K, H, S], or [L, B, K, H, S] stacked
+    v: tuple[Array, ...] | Array  # L x [B, K, S, H], or [L, B, K, S, H] stacked
     valid_BxS: Array  # bool: slot holds a real (non-pad) token
     index: Array  # int32 scalar: next slot to write
 
+    @property
+    def stacked(self) -> bool:
+        """Whether the layers' buffers are stacked into one array (else a tuple of per-layer arrays)."""
+        return not isinstance(self.k, (tuple, list))
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, stacked: bool = False) -> KVCache:
+    """An empty cache of `max_len` slots: per-layer buffers, or layer-stacked ones with `stacked` (see `KVCache`)."""
     k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
     v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    return KVCache(
-        k=tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.num_layers)),
-        v=tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.num_layers)),
-        valid_BxS=jnp.zeros((batch, max_len), bool),
-        index=jnp.zeros((), jnp.int32),
-    )
+    if stacked:
+        k = jnp.zeros((cfg.num_layers, *k_shape), dtype)
+        v = jnp.zeros((cfg.num_layers, *v_shape), dtype)
+    else:
+        k = tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.num_layers))
+        v = tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.num_layers))
+    return KVCache(k=k, v=v, valid_BxS=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32))
 
 
 def unstack_layers(tree, num_layers: int) -> list:
@@ -83,10 +99,14 @@ def forward(
     which is right for left-padded prompts and for decoding after them. With a cache, the T new tokens are written at
     slots [index, index + T) and attend to every valid earlier slot.
 
-    Without a cache the layers run under `lax.scan` (compile time independent of depth). With one they run as a
-    Python loop, each layer writing its own cache buffer in place: a decode step then copies neither weights nor
-    keys. `params[STACKED]` (and the perturbation's layer deltas) may already be a per-layer list
-    (`unstack_layers`), as `esroll.sampling.generate` passes them.
+    Without a cache the layers run under `lax.scan` (compile time independent of depth). With a per-layer cache they
+    run as a Python loop, each layer writing its own cache buffer in place: a decode step then copies neither weights
+    nor keys. `params[STACKED]` (and the perturbation's layer deltas) may then already be a per-layer list
+    (`unstack_layers`), as `esroll.sampling.generate` passes them. With a stacked cache they run under `lax.scan`
+    over the layer index, the cache in the carry: layer i writes its new slots into the stacked buffers in place and
+    reads its own keys and values back with a dynamic slice. The cache is deliberately not scanned over as xs / ys,
+    which would hold the input and the output cache side by side (two copies). `params[STACKED]` must then be
+    layer-stacked.
     """
     B, T = tokens_BxT.shape
     mask_BxT = jnp.ones((B, T), bool) if mask_BxT is None else mask_BxT.astype(bool)
@@ -119,17 +139,31 @@ def forward(
         gate_BxTxF, up_BxTxF = linears(h_BxTxD, p, d, ("gate", "up"), member_B)
         return x_BxTxD + linears(jax.nn.silu(gate_BxTxF) * up_BxTxF, p, d, ("down",), member_B)[0], kv
 
-    layer_deltas = deltas.get(STACKED, {})
+    layer_deltas = deltas.get(STACKED) or {}
     if cache is None:
         x_BxTxD, _ = jax.lax.scan(
             lambda x, pd: (block(x, *pd, None)[0], None), x_BxTxD, (params[STACKED], layer_deltas)
+        )
+    elif cache.stacked:
+        if isinstance(params[STACKED], (list, tuple)) or isinstance(layer_deltas, (list, tuple)):
+            raise TypeError("a layer-stacked KV cache needs layer-stacked params[STACKED] and perturbation deltas")
+
+        def layer(carry, xs):
+            x_BxTxD, k_LxBxKxHxS, v_LxBxKxSxH = carry
+            i, p, d = xs
+            x_BxTxD, (k_LxBxKxHxS, v_LxBxKxSxH) = block(x_BxTxD, p, d, (k_LxBxKxHxS, v_LxBxKxSxH, cache.index, i))
+            return (x_BxTxD, k_LxBxKxHxS, v_LxBxKxSxH), None
+
+        layer_L = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x_BxTxD, new_k, new_v), _ = jax.lax.scan(
+            layer, (x_BxTxD, cache.k, cache.v), (layer_L, params[STACKED], layer_deltas)
         )
     else:
         layers = unstack_layers(params[STACKED], cfg.num_layers)
         per_layer_deltas = unstack_layers(layer_deltas, cfg.num_layers)
         new_k, new_v = [], []
         for p, d, k, v in zip(layers, per_layer_deltas, cache.k, cache.v, strict=True):
-            x_BxTxD, (k, v) = block(x_BxTxD, p, d, (k, v, cache.index))
+            x_BxTxD, (k, v) = block(x_BxTxD, p, d, (k, v, cache.index, None))
             new_k.append(k)
             new_v.append(v)
     final_norm = row_vector(params["final_norm"], deltas.get("final_norm"), member_B)
@@ -142,13 +176,16 @@ def forward(
 
     if cache is None:
         return logits_BxTxV, None
-    return logits_BxTxV, KVCache(tuple(new_k), tuple(new_v), valid_BxS=key_valid_BxS, index=cache.index + T)
+    if not cache.stacked:
+        new_k, new_v = tuple(new_k), tuple(new_v)
+    return logits_BxTxV, KVCache(new_k, new_v, valid_BxS=key_valid_BxS, index=cache.index + T)
 
 
 def _attention(cfg, p, d, member_B, h_BxTxD, cos_sin, visible_BxTxS, kv):
-    """Grouped-query attention; `kv` is None (attend to these T tokens: S = T) or (k, v, index) of one layer's cache.
+    """Grouped-query attention; `kv` is None (attend to these T tokens: S = T), (k, v, index, None) of one layer's
+    cache buffers, or (k, v, index, layer) of the layer-stacked buffers and this layer's index in them.
 
-    Returns [B, T, D] and the layer's updated cache buffers (None without a cache).
+    Returns [B, T, D] and the updated cache buffers (None without a cache): the layer's, or the whole stacked ones.
     """
     B, T, _ = h_BxTxD.shape
     H, Q, K = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -173,16 +210,20 @@ def _attention(cfg, p, d, member_B, h_BxTxD, cos_sin, visible_BxTxS, kv):
     if kv is None:
         k_BxKxHxS, v_BxKxSxH = k_BxKxHxT, v_BxKxTxH
     else:
-        cache_k_BxKxHxS, cache_v_BxKxSxH, index = kv
-        cache_k_BxKxHxS = jax.lax.dynamic_update_slice(
-            cache_k_BxKxHxS, k_BxKxHxT.astype(cache_k_BxKxHxS.dtype), (0, 0, 0, index)
-        )
-        cache_v_BxKxSxH = jax.lax.dynamic_update_slice(
-            cache_v_BxKxSxH, v_BxKxTxH.astype(cache_v_BxKxSxH.dtype), (0, 0, index, 0)
-        )
-        kv = (cache_k_BxKxHxS, cache_v_BxKxSxH)
-        k_BxKxHxS = cache_k_BxKxHxS.astype(q_BxTxQxH.dtype)
-        v_BxKxSxH = cache_v_BxKxSxH.astype(q_BxTxQxH.dtype)
+        cache_k, cache_v, index, layer = kv  # [(L,) B, K, H, S], [(L,) B, K, S, H]
+        # Only the T new slots are written (of this layer's part of the stacked buffers), in place.
+        new_k, new_v = k_BxKxHxT.astype(cache_k.dtype), v_BxKxTxH.astype(cache_v.dtype)
+        lead = ()
+        if layer is not None:
+            new_k, new_v, lead = new_k[None], new_v[None], (layer,)
+        cache_k = jax.lax.dynamic_update_slice(cache_k, new_k, (*lead, 0, 0, 0, index))
+        cache_v = jax.lax.dynamic_update_slice(cache_v, new_v, (*lead, 0, 0, index, 0))
+        kv = (cache_k, cache_v)
+        if layer is not None:  # this layer's keys and values, the new slots included
+            cache_k = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False)
+            cache_v = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False)
+        k_BxKxHxS = cache_k.astype(q_BxTxQxH.dtype)
+        v_BxKxSxH = cache_v.astype(q_BxTxQxH.dtype)
 
     # Batched (rows x kv heads) products with the kv head's query rows (G heads x T positions, one axis G·T) as the
     # GEMM's rows and the cache slots as its long, contiguous output dimension of q·kᵀ. Written as plain

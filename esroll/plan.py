@@ -1,0 +1,277 @@
+"""Will a training step fit? Compile the programs an ES step runs, for real devices or for a TPU topology that is not
+there (JAX's deviceless ahead-of-time compilation), and add up what each device holds.
+
+An ES step runs five programs: `cast` (master weights → the decoding copy), `ask` (this step's low-rank factors),
+`generate` (one chunk of the population's rows, perturbed), `tell` (estimate and optimizer update of the masters,
+donated), and held-out evaluation's `generate` (greedy, unperturbed). Each is compiled exactly as the trainer
+runs it — from the same functions, shardings and settings, with the platform taken from the target rather than from
+the host — and its per-device memory is read from the compiler (`memory_analysis`: arguments, outputs, temporaries,
+aliased donations). Buffers that live through the step but are not a program's arguments (the masters and optimizer
+state while decoding) are added to that program's figure; the step's peak is the largest sum.
+
+Shapes: the model's from its config (a local config.json or `esroll.models.presets`), the step's from the experiment
+config, the prompt length from the caller (the trainer knows it from the data: its one prompt bucket).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from esroll import es, es_train, memory, parallel, sharding
+from esroll.config import ExperimentConfig
+from esroll.models import ModelConfig, Perturbation, param_shapes
+from esroll.sampling import lower_generate
+
+GiB = memory.GiB
+
+
+@dataclasses.dataclass
+class Program:
+    name: str
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    other_resident_bytes: int  # live buffers that are not this program's arguments
+    compile_s: float
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.other_resident_bytes
+
+
+@dataclasses.dataclass
+class Plan:
+    method: str
+    platform: str
+    mesh_shape: dict[str, int]
+    device_kind: str
+    device_memory_bytes: int | None
+    prompt_len: int
+    new_tokens: int
+    rows_per_step: int
+    rows_per_device: int  # per chunk
+    chunks: int
+    eval_rows_per_device: int
+    resident: dict[str, int]  # bytes per device: masters, optimizer state, decoding copy
+    programs: list[Program]
+
+    @property
+    def peak_bytes_per_device(self) -> int:
+        return max(p.peak_bytes for p in self.programs)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.device_memory_bytes is None else self.peak_bytes_per_device <= self.device_memory_bytes
+
+    @property
+    def peak_program(self) -> Program:
+        return max(self.programs, key=lambda p: p.peak_bytes)
+
+    def largest_buffer(self) -> tuple[str, int]:
+        """The largest single term of the peak program's figure, named."""
+        p = self.peak_program
+        terms = {f"{p.name} temporaries": p.temp_bytes, f"{p.name} outputs": p.output_bytes}
+        terms[f"{p.name} arguments"] = p.argument_bytes
+        terms.update({f"resident {k}": v for k, v in self.resident.items()})
+        name = max(terms, key=terms.get)
+        return name, terms[name]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **{k: v for k, v in dataclasses.asdict(self).items() if k != "programs"},
+            "programs": [{**dataclasses.asdict(p), "peak_bytes": p.peak_bytes} for p in self.programs],
+            "peak_bytes_per_device": self.peak_bytes_per_device,
+            "fits": self.fits,
+            "largest_buffer": self.largest_buffer()[0],
+        }
+
+    def refusal(self) -> str:
+        """One line for a step that does not fit."""
+        name, size = self.largest_buffer()
+        return (
+            f"the {self.method} step needs {self.peak_bytes_per_device / GiB:.1f} GiB per device in "
+            f"'{self.peak_program.name}' but a {self.device_kind} has {self.device_memory_bytes / GiB:.1f} GiB; "
+            f"largest: {name} {size / GiB:.1f} GiB (rows per device {self.rows_per_device}; lower "
+            f"parallel.rows_per_device, raise parallel.model, or use more devices)"
+        )
+
+
+def _abstract(shapes, dtype, shardings):
+    """ShapeDtypeStructs of `dtype` with the shapes of `shapes` (ShapeDtypeStructs) and `shardings`."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype), sharding=s), shapes, shardings)
+
+
+def _shapes(model_cfg: ModelConfig) -> dict:
+    return jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, jnp.float32), param_shapes(model_cfg), is_leaf=lambda x: isinstance(x, tuple)
+    )
+
+
+def _with_shardings(abstract, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+_OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
+
+
+def _compile(name: str, lowered, other_resident: int) -> tuple[Program, Any]:
+    """Compile and read the memory figures. A TPU compiler that finds the program cannot fit refuses to compile
+    (RESOURCE_EXHAUSTED, naming the temporaries it needed): that figure is recorded, arguments and outputs as 0."""
+    t0 = time.perf_counter()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        found = _OOM.search(str(e))
+        if "RESOURCE_EXHAUSTED" not in str(e) or not found:
+            raise
+        temp = float(found.group(1)) * 1024 ** "KMGT".index(found.group(2)) * 1024
+        return Program(name, 0, 0, 0, int(temp), int(other_resident), round(time.perf_counter() - t0, 1)), None
+    dt = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    program = Program(
+        name,
+        int(m.argument_size_in_bytes),
+        int(m.output_size_in_bytes),
+        int(m.alias_size_in_bytes),
+        int(m.temp_size_in_bytes),
+        int(other_resident),
+        round(dt, 1),
+    )
+    return program, compiled
+
+
+def plan_es(
+    cfg: ExperimentConfig,
+    model_cfg: ModelConfig,
+    mesh: Mesh,
+    *,
+    platform: str,
+    prompt_len: int,
+    eos_ids: tuple[int, ...] = (0,),
+    shrink: bool = True,
+) -> Plan:
+    """Compile an ES step of `cfg` for `mesh` (real devices or a topology's) on `platform`, and measure it.
+
+    With `parallel.rows_per_device` 0 the row count starts from the trainer's estimate (`es_train.estimate_rows_per_device`)
+    and, when `shrink` and the compiled step does not fit, halved until it does (down to 1 row).
+    """
+    es_cfg = cfg.es_config
+    device = mesh.devices.flat[0]
+    limit = memory.device_memory_bytes(device)
+    shapes = _shapes(model_cfg)
+    masters_sh = sharding.master_shardings(mesh, shapes)
+    params = _abstract(shapes, cfg.model.master_dtype, masters_sh)
+    compute = _abstract(shapes, cfg.model.dtype, sharding.compute_shardings(mesh, shapes))
+    strategy = es_train._strategy(es_cfg, cfg.optimizer, mesh)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=parallel.replicated(mesh))
+    state = _with_shardings(
+        jax.eval_shape(strategy.init, params, key), es_train.state_shardings(es_cfg, cfg.optimizer, mesh, params)
+    )
+    resident = {
+        "masters": memory.tree_bytes_per_device(params, jax.tree.map(lambda x: x.sharding, params)),
+        "optimizer state": memory.tree_bytes_per_device(state, jax.tree.map(lambda x: x.sharding, state)),
+        "decoding copy": memory.tree_bytes_per_device(compute, jax.tree.map(lambda x: x.sharding, compute)),
+    }
+    masters_and_state = resident["masters"] + resident["optimizer state"]
+
+    M, X, N = cfg.es.population, cfg.train.prompts_per_step, cfg.train.max_new_tokens
+    rows = M * X
+    data = parallel.data_size(mesh)
+    layers = None if cfg.parallel.decode_layers == "auto" else cfg.parallel.decode_layers
+    deltas = jax.eval_shape(strategy.ask, state, compute)
+    deltas = _with_shardings(deltas, sharding.delta_shardings(mesh, deltas, compute))
+
+    def lower_chunk(per_device: int, perturbed: bool, temperature: float):
+        chunk = data * per_device
+        prompt = jax.ShapeDtypeStruct((chunk, prompt_len), jnp.int32, sharding=parallel.rows(mesh))
+        mask = jax.ShapeDtypeStruct((chunk, prompt_len), bool, sharding=parallel.rows(mesh))
+        perturb = None
+        if perturbed:
+            member = jax.ShapeDtypeStruct((chunk,), jnp.int32, sharding=parallel.rows(mesh))
+            perturb = Perturbation(deltas, member)
+        return lower_generate(
+            model_cfg,
+            compute,
+            prompt,
+            key,
+            max_new_tokens=N,
+            temperature=temperature,
+            eos_ids=eos_ids,
+            prompt_mask=mask,
+            perturb=perturb,
+            layers=layers,
+            phases=cfg.parallel.decode_phases,
+            platform=platform,
+        )
+
+    programs = [
+        _compile("cast", sharding.caster(mesh, cfg.model.dtype).lower(params), resident["optimizer state"])[0],
+        _compile("ask", strategy.ask.lower(state, compute), masters_and_state)[0],
+    ]
+    fitness = jax.ShapeDtypeStruct((M,), jnp.float32, sharding=parallel.replicated(mesh))
+    programs.append(_compile("tell", strategy.tell.lower(state, params, fitness), 0)[0])
+
+    def fit_rows(per_device: int, perturbed: bool, temperature: float, name: str) -> tuple[Program, int]:
+        """Compile a chunk of `per_device` rows per device (its arguments hold the decoding copy; the masters and the
+        optimizer state live beside it); halve an automatic row count while the step does not fit."""
+        while True:
+            program, _ = _compile(name, lower_chunk(per_device, perturbed, temperature), masters_and_state)
+            auto = not cfg.parallel.rows_per_device
+            if not (shrink and auto and limit is not None and per_device > 1) or program.peak_bytes <= limit:
+                return program, per_device
+            per_device = max(1, per_device // 2)
+
+    per_device = es_train.estimate_rows_per_device(cfg, model_cfg, prompt_len, mesh, params, rows)
+    gen, per_device = fit_rows(per_device, True, cfg.train.temperature, "generate")
+    eval_rows = min(256, cfg.data.eval_size)
+    eval_per_device = cfg.parallel.rows_per_device or memory.auto_rows_per_device(
+        model_cfg,
+        prompt_len,
+        N,
+        cfg.model.dtype,
+        free_bytes=None if limit is None else limit * cfg.parallel.memory_fraction - sum(resident.values()),
+        rows=eval_rows,
+        data_axis=data,
+        model_axis=parallel.model_size(mesh),
+    )
+    evaluation, eval_per_device = fit_rows(eval_per_device, False, 0.0, "evaluate")
+    programs += [gen, evaluation]
+    return Plan(
+        method=cfg.method,
+        platform=platform,
+        mesh_shape=dict(mesh.shape),
+        device_kind=getattr(device, "device_kind", str(device)),
+        device_memory_bytes=limit,
+        prompt_len=prompt_len,
+        new_tokens=N,
+        rows_per_step=rows,
+        rows_per_device=per_device,
+        chunks=-(-rows // (data * per_device)),
+        eval_rows_per_device=eval_per_device,
+        resident=resident,
+        programs=programs,
+    )
+
+
+def topology_mesh(name: str, model: int) -> tuple[Mesh, str]:
+    """A ("data", "model") mesh over a TPU topology's devices (e.g. "v5e:8x8"), for deviceless compilation; and the
+    platform to compile for. Needs libtpu (the `plan` extra)."""
+    from jax.experimental import topologies
+
+    # No chip is touched: let several planning processes load libtpu at once (it otherwise takes a host-wide lock).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
+    except Exception as e:  # noqa: BLE001 — libtpu missing, unknown topology name
+        raise ValueError(f"--topology={name}: cannot describe this TPU topology ({str(e).splitlines()[0]})") from None
+    return parallel.make_mesh(model=model, devices=np.array(topo.devices).reshape(-1)), "tpu"

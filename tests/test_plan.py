@@ -1,0 +1,47 @@
+"""experiments.plan: an ES step compiled for a TPU slice that is not there (deviceless AOT, libtpu from the `plan`
+extra), and the model shapes it plans for."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from esroll.errors import InputError
+from experiments.plan import model_shapes
+
+from conftest import REPO, SHIPPED_MODEL
+
+GiB = 1024**3
+
+
+def test_model_shapes_come_from_a_local_config_or_a_preset():
+    cfg, source = model_shapes(SHIPPED_MODEL)
+    assert source.endswith("config.json") and cfg.hidden_size > 0
+    cfg, source = model_shapes("Qwen/Qwen3-8B")  # a Hub id: the preset of that name, nothing downloaded
+    assert source == "preset qwen3-8b" and (cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == (36, 4096, 151936)
+    with pytest.raises(InputError, match=r"^config: 'model.path' = 'someone/else': no local config.json and no preset"):
+        model_shapes("someone/else")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (pip install -e '.[plan]')")
+def test_plan_compiles_the_es_step_for_a_tpu_slice_without_one(tmp_path):
+    out = tmp_path / "plan.json"
+    cmd = [sys.executable, "-m", "experiments.plan", "--config", "configs/default.py:quick", "--topology", "v5e:2x2"]
+    run = subprocess.run([*cmd, "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    plan = json.loads(out.read_text())
+    assert plan["platform"] == "tpu" and plan["device_kind"] == "TPU v5 lite"
+    assert plan["mesh_shape"] == {"data": 4, "model": 1}
+    assert plan["device_memory_bytes"] == 16 * GiB
+    assert [p["name"] for p in plan["programs"]] == ["cast", "ask", "tell", "generate", "evaluate"]
+    assert all(p["peak_bytes"] > 0 for p in plan["programs"])
+    gen = next(p for p in plan["programs"] if p["name"] == "generate")
+    assert gen["other_resident_bytes"] == plan["resident"]["masters"] + plan["resident"]["optimizer state"]
+    assert 0 < plan["peak_bytes_per_device"] < 16 * GiB and plan["fits"] is True
+    assert plan["rows_per_step"] == 8 * 4 and plan["rows_per_device"] == 8 and plan["chunks"] == 1
+    assert plan["eval_rows_per_device"] == 8
+    assert "fits" in run.stdout.splitlines()[-1]
