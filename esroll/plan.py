@@ -268,8 +268,11 @@ def topology_mesh(name: str, model: int) -> tuple[Mesh, str]:
     platform to compile for. Needs libtpu (the `plan` extra)."""
     from jax.experimental import topologies
 
-    # No chip is touched: let several planning processes load libtpu at once (it otherwise takes a host-wide lock).
+    # No chip is touched: let several planning processes load libtpu at once (it otherwise takes a host-wide lock),
+    # and spare a host that is not a TPU VM libtpu's metadata-server probe and its screen of warnings.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     try:
         topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
     except Exception as e:  # noqa: BLE001 — libtpu missing, unknown topology name
