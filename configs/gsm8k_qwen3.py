@@ -89,7 +89,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     if method == "grpo":
         c.grpo.group_size = 8
         c.grpo.microbatches = microbatches
-        c.grpo.remat = True
+        c.grpo.remat = "full"
         c.grpo.beta = 0.0
         c.optimizer.name = "adamw"
         c.optimizer.lr = 1e-6

@@ -12,12 +12,19 @@ clip range), so no extra forward pass is spent on π_old.
 Sharding (FSDP / ZeRO-3 over the mesh's "data" axis): every leaf of the parameters, the optimizer state and the
 reference parameters is split along its largest dimension divisible by the mesh size (replicated if none); the
 loss gathers the full parameters (cast to `model.dtype`; the parameters themselves are the `model.master_dtype`
-masters), and the gradient comes back reduce-scattered. The rows of each microbatch are split over the same axis.
+masters), and the gradient comes back reduce-scattered. The rows of each microbatch are split over the same axis,
+padded up to a multiple of its size with masked rows (no completion or prompt token, zero advantage and token
+weight), which add exactly nothing to the loss or the gradient: any device count takes any batch.
 Sampling (`esroll.rollout`) runs on a replicated copy of the parameters in `model.dtype`, with the rows split, as ES
 does.
 
 Shapes (the legend in `esroll/__init__.py`): X prompts per step, M completions per prompt (`group_size`), B = X·M rows,
 P padded prompt length, N = max_new_tokens, U microbatches of b rows per minibatch.
+
+Memory (the update's temporaries): each layer of the policy's forward is rematerialised (`remat`), so the backward
+pass keeps O(L·b·T·D) activations in the model dtype rather than every layer's float32 attention scores, and the
+log-probabilities come from the completion positions only, `logprob_chunk` at a time (`sequence_logprobs`), so no
+[b, T, V] float32 logits buffer exists.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from esroll import advantages, parallel, sharding
 from esroll.data import Example
 from esroll.errors import ConfigError
+from esroll.models import STACKED
+from esroll.models.transformer import REMAT_POLICIES
 from esroll.rollout import Sampling, rollout
 from esroll.sampling import sequence_logprobs
 from esroll.task import Method, Task
@@ -52,7 +61,13 @@ class GRPOConfig:
     `temperature`, then takes `inner_iterations` (μ) passes of `minibatches` optimizer steps each; a minibatch's
     gradient is summed over `microbatches` (a memory knob only). advantage: a name in `esroll.advantages`
     ("grpo" is TRL's scale_rewards="group"); aggregation: see `token_weights`; beta: weight of the k3 KL to the initial
-    policy (0 keeps no reference model); remat: recompute activations in the backward pass."""
+    policy (0 keeps no reference model).
+
+    Memory knobs (the update is the same whatever their values, to float rounding): remat, what the backward pass
+    keeps of each decoder layer ("none": everything, including every layer's float32 attention scores; "full": only
+    its input, the residual stream, recomputing the layer; "dots": that and the weight matmuls' outputs; see
+    `esroll.models.transformer.REMAT_POLICIES`); logprob_chunk, the completion positions whose [rows, chunk, vocab]
+    float32 logits exist at once when scoring (0 = all max_new_tokens at once)."""
 
     group_size: int = 8
     advantage: str = "grpo"
@@ -64,7 +79,8 @@ class GRPOConfig:
     beta: float = 0.0
     aggregation: str = "seq_mean_token_mean"
     temperature: float = 1.0
-    remat: bool = False
+    remat: str = "full"
+    logprob_chunk: int = 64
 
     def __post_init__(self):
         checks = [
@@ -78,6 +94,18 @@ class GRPOConfig:
             ("minibatches", self.minibatches >= 1, ">= 1"),
             ("microbatches", self.microbatches >= 1, ">= 1"),
             ("beta", self.beta >= 0, ">= 0"),
+            (
+                "remat",
+                isinstance(self.remat, str) and self.remat in REMAT_POLICIES,
+                f"one of {', '.join(REMAT_POLICIES)}",
+            ),
+            (
+                "logprob_chunk",
+                isinstance(self.logprob_chunk, int)
+                and not isinstance(self.logprob_chunk, bool)
+                and self.logprob_chunk >= 0,
+                "an integer >= 0 (0 = all positions at once)",
+            ),
         ]
         for field, ok, expected in checks:
             if not ok:
@@ -163,6 +191,13 @@ def _constrain_fsdp(mesh: Mesh, tree):
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, fsdp_sharding(mesh, x.shape)), tree)
 
 
+def _gather_layer(mesh: Mesh, layer: dict) -> dict:
+    """One layer's weights (inside the model's scan over layers) pinned to their FSDP shards, then all-gathered.
+    The first constraint's transpose is what matters in the backward pass: it returns the layer's gradient
+    reduce-scattered to the shards, so the scan never builds a full replicated gradient of every layer."""
+    return _gather(mesh, _constrain_fsdp(mesh, layer))
+
+
 def _gather(mesh: Mesh, tree):
     """The full (replicated) parameters for a forward pass: FSDP's all-gather."""
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, parallel.replicated(mesh)), tree)
@@ -204,18 +239,30 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
     optimizer = make_optimizer(optim)
 
     def micro_loss(params, ref_params, micro: Rollouts, on_policy):
-        def logprobs(p):
-            p = _gather(mesh, p)
-            if compute_dtype is not None:
+        def logprobs(p, with_entropy):
+            if compute_dtype is not None:  # cast the shards: the gathers then move model-dtype bytes
                 p = jax.tree.map(lambda x: x.astype(compute_dtype), p)
+            # The top-level leaves (embedding, head, final norm) are gathered here; each layer's weights inside the
+            # model's scan, one layer at a time (`_gather_layer`).
+            p = {**_gather(mesh, {k: v for k, v in p.items() if k != STACKED}), STACKED: p[STACKED]}
             return sequence_logprobs(
-                model_cfg, p, micro.prompt, micro.prompt_mask, micro.completion, micro.completion_mask
+                model_cfg,
+                p,
+                micro.prompt,
+                micro.prompt_mask,
+                micro.completion,
+                micro.completion_mask,
+                remat=grpo.remat,
+                chunk=grpo.logprob_chunk,
+                with_entropy=with_entropy,
+                layer_params=functools.partial(_gather_layer, mesh),
             )
 
-        logp_BxN = logprobs(params)
-        logp_ref_BxN = None if ref_params is None else jax.lax.stop_gradient(logprobs(ref_params))
+        # The policy's per-token entropy comes from the same forward (a metric: no gradient).
+        logp_BxN, entropy_BxN = logprobs(params, True)
+        logp_ref_BxN = None if ref_params is None else jax.lax.stop_gradient(logprobs(ref_params, False))
         logp_old_BxN = jnp.where(on_policy, jax.lax.stop_gradient(logp_BxN), micro.logp_old)
-        return grpo_loss(
+        loss, metrics = grpo_loss(
             logp_BxN,
             logp_old_BxN,
             logp_ref_BxN,
@@ -227,9 +274,11 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
             aggregation=grpo.aggregation,
             weights_BxN=micro.weight,
         )
+        # Sums, so that the minibatch's entropy is a mean over its tokens whatever the microbatches hold (padding).
+        metrics["entropy_sum"] = jnp.where(micro.completion_mask, jax.lax.stop_gradient(entropy_BxN), 0.0).sum()
+        metrics["tokens"] = jnp.asarray(micro.completion_mask, jnp.float32).sum()
+        return loss, metrics
 
-    if grpo.remat:  # keep only the weight matmuls' outputs for the backward pass; recompute norms, softmaxes, ...
-        micro_loss = jax.checkpoint(micro_loss, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     @jax.jit
@@ -246,6 +295,7 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
             "loss": metrics_U["loss"].sum(),
             "kl": metrics_U["kl"].mean(),
             "clip_fraction": metrics_U["clip_fraction"].mean(),
+            "entropy": metrics_U["entropy_sum"].sum() / jnp.maximum(metrics_U["tokens"].sum(), 1.0),
             "grad_norm": optax.tree.norm(grads),
         }
         return _constrain_fsdp(mesh, params), _constrain_fsdp(mesh, state._replace(opt_state=opt_state)), metrics
@@ -256,25 +306,31 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
 # ---- the method: sample, score, update
 
 
-def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh) -> Method:
+def pad_rows(x_Uxb: np.ndarray, rows: int) -> np.ndarray:
+    """[U, b, ...] -> [U, rows, ...] with zero (False) rows appended: no prompt or completion token, advantage 0,
+    token weight 0. `grpo_loss` masks every term of such a row out, so it adds exactly 0 to the loss and gradient;
+    it only makes a microbatch split evenly over the data axis."""
+    widths = [(0, 0), (0, rows - x_Uxb.shape[1])] + [(0, 0)] * (x_Uxb.ndim - 2)
+    return np.pad(x_Uxb, widths)
+
+
+def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_device: int | None = None) -> Method:
+    """The GRPO method; sampling decodes `rows_per_device` rows per device at once (as `esroll.plan` chose them),
+    else `parallel.rows_per_device` (0: all of a device's share)."""
     g = cfg.grpo
     X, M = cfg.train.prompts_per_step, g.group_size
     n_mini, n_micro = g.minibatches, g.microbatches
     b = X * M // (n_mini * n_micro)  # rows per microbatch
-    if b % mesh.size:
-        raise ConfigError(
-            "grpo.microbatches",
-            n_micro,
-            f"a count that leaves a multiple of the {mesh.size} devices in each microbatch of train.prompts_per_step "
-            f"× grpo.group_size / (grpo.minibatches × grpo.microbatches) rows (now {b})",
-        )
+    data = parallel.data_size(mesh)
+    b_padded = -(-b // data) * data  # masked rows make each microbatch split evenly over the data axis
     shape_advantages = advantages.get(g.advantage)
     replicate = sharding.caster(mesh, cfg.model.dtype)  # the decoding copy (model.dtype) of the masters
     # The trainer hands over replicated trees after init and restore: shard them first, so `update` compiles once.
     shard = jax.jit(functools.partial(_constrain_fsdp, mesh))
     micro_rows = NamedSharding(mesh, PartitionSpec(None, parallel.AXIS))
     sample_key = jax.random.key(cfg.seed + 1)
-    sampling = Sampling.of(cfg.train.max_new_tokens, g.temperature, cfg.parallel, cfg.parallel.rows_per_device)
+    rows_per_device = rows_per_device or cfg.parallel.rows_per_device
+    sampling = Sampling.of(cfg.train.max_new_tokens, g.temperature, cfg.parallel, rows_per_device)
     from esroll.config import make_optimizer  # esroll.config imports this module
 
     step_update = make_update(task.cfg, g, cfg.optimizer, mesh, cfg.model.dtype)
@@ -308,7 +364,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh) -> Method:
         # Minibatch m is rows [m·B/n_mini, (m+1)·B/n_mini), whole prompt groups when n_mini divides X.
         def minibatch(m: int) -> Rollouts:
             rows = slice(m * n_micro * b, (m + 1) * n_micro * b)
-            fields = (
+            fields = (  # token weights over the minibatch's real rows, before padding
                 out.prompt_BxP[rows],
                 out.prompt_mask_BxP[rows],
                 out.tokens_BxN[rows],
@@ -317,7 +373,9 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh) -> Method:
                 advantage_B[rows].astype(np.float32),
                 np.asarray(token_weights(completion_mask_BxN[rows], g.aggregation)),
             )
-            return Rollouts(*(parallel.put(micro_rows, x.reshape(n_micro, b, *x.shape[1:])) for x in fields))
+            return Rollouts(
+                *(parallel.put(micro_rows, pad_rows(x.reshape(n_micro, b, *x.shape[1:]), b_padded)) for x in fields)
+            )
 
         minibatches = [minibatch(m) for m in range(n_mini)]
         params, state = shard((params, state))

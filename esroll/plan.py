@@ -1,7 +1,8 @@
-"""Will a training step fit? Compile the programs an ES step runs, for real devices or for a TPU topology that is not
+"""Will a training step fit? Compile the programs a step runs, for real devices or for a TPU topology that is not
 there (JAX's deviceless ahead-of-time compilation), and add up what each device holds.
 
-An ES step runs five programs: `cast` (master weights → the decoding copy), `ask` (this step's low-rank factors),
+A GRPO step (`plan_grpo`) runs the cast, `generate` (the step's completions, in chunks), the optimizer `update` of one
+minibatch, and evaluation's `generate`. An ES step (`plan_es`) runs five programs: `cast` (master weights → the decoding copy), `ask` (this step's low-rank factors),
 `generate` (one chunk of the population's rows, perturbed), `tell` (estimate and optimizer update of the masters,
 donated), and held-out evaluation's `generate` (greedy, unperturbed). Each is compiled exactly as the trainer
 runs it — from the same functions, shardings and settings, with the platform taken from the target rather than from
@@ -261,6 +262,134 @@ def plan_es(
         resident=resident,
         programs=programs,
     )
+
+
+def plan_grpo(
+    cfg: ExperimentConfig,
+    model_cfg: ModelConfig,
+    mesh: Mesh,
+    *,
+    platform: str,
+    prompt_len: int,
+    eos_ids: tuple[int, ...] = (0,),
+    shrink: bool = True,
+) -> Plan:
+    """Compile a GRPO step of `cfg` for `mesh` and measure it: the cast of the FSDP-sharded masters to the decoding
+    copy, sampling the step's X·G completions (`generate`, in chunks as for ES), one optimizer update on one minibatch
+    (`esroll.grpo.make_update`: gradient accumulated over its microbatches), and evaluation's `generate`."""
+    from esroll import grpo
+    from esroll.config import make_optimizer
+
+    g = cfg.grpo
+    device = mesh.devices.flat[0]
+    limit = memory.device_memory_bytes(device)
+    shapes = _shapes(model_cfg)
+    fsdp = jax.tree.map(lambda x: grpo.fsdp_sharding(mesh, x.shape), shapes)
+    params = _abstract(shapes, cfg.model.master_dtype, fsdp)
+    compute = _abstract(shapes, cfg.model.dtype, sharding.compute_shardings(mesh, shapes))
+    optimizer = make_optimizer(cfg.optimizer)
+
+    def make_state(p):
+        return grpo.GRPOState(optimizer.init(p), p if g.beta > 0 else None)
+
+    abstract_state = jax.eval_shape(make_state, params)
+    state = _with_shardings(abstract_state, jax.tree.map(lambda a: grpo.fsdp_sharding(mesh, a.shape), abstract_state))
+    resident = {
+        "masters": memory.tree_bytes_per_device(params, jax.tree.map(lambda x: x.sharding, params)),
+        "optimizer state": memory.tree_bytes_per_device(state, jax.tree.map(lambda x: x.sharding, state)),
+        "decoding copy": memory.tree_bytes_per_device(compute, jax.tree.map(lambda x: x.sharding, compute)),
+    }
+    masters_and_state = resident["masters"] + resident["optimizer state"]
+    X, G, N = cfg.train.prompts_per_step, g.group_size, cfg.train.max_new_tokens
+    rows, data = X * G, parallel.data_size(mesh)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=parallel.replicated(mesh))
+    layers = None if cfg.parallel.decode_layers == "auto" else cfg.parallel.decode_layers
+
+    def lower_chunk(per_device: int, temperature: float):
+        chunk = data * per_device
+        prompt = jax.ShapeDtypeStruct((chunk, prompt_len), jnp.int32, sharding=parallel.rows(mesh))
+        mask = jax.ShapeDtypeStruct((chunk, prompt_len), bool, sharding=parallel.rows(mesh))
+        return lower_generate(
+            model_cfg,
+            compute,
+            prompt,
+            key,
+            max_new_tokens=N,
+            temperature=temperature,
+            eos_ids=eos_ids,
+            prompt_mask=mask,
+            layers=layers,
+            phases=cfg.parallel.decode_phases,
+            platform=platform,
+        )
+
+    def fit_rows(per_device: int, temperature: float, name: str) -> tuple[Program, int]:
+        while True:
+            program, _ = _compile(name, lower_chunk(per_device, temperature), masters_and_state)
+            auto = not cfg.parallel.rows_per_device
+            if not (shrink and auto and limit is not None and per_device > 1) or program.peak_bytes <= limit:
+                return program, per_device
+            per_device = max(1, per_device // 2)
+
+    def auto_rows(n: int) -> int:
+        return cfg.parallel.rows_per_device or memory.auto_rows_per_device(
+            model_cfg,
+            prompt_len,
+            N,
+            cfg.model.dtype,
+            free_bytes=None if limit is None else limit * cfg.parallel.memory_fraction - sum(resident.values()),
+            rows=n,
+            data_axis=data,
+            model_axis=parallel.model_size(mesh),
+        )
+
+    # One minibatch of U microbatches of b rows, b padded to a multiple of the data axis (masked rows).
+    U = g.microbatches
+    b = rows // (g.minibatches * U)
+    b += -b % data
+    micro = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, parallel.DATA))
+
+    def field(shape, dtype):
+        return jax.ShapeDtypeStruct((U, b, *shape), dtype, sharding=micro)
+
+    batch = grpo.Rollouts(
+        prompt=field((prompt_len,), jnp.int32),
+        prompt_mask=field((prompt_len,), bool),
+        completion=field((N,), jnp.int32),
+        completion_mask=field((N,), bool),
+        logp_old=field((N,), jnp.float32),
+        advantage=field((), jnp.float32),
+        weight=field((N,), jnp.float32),
+    )
+    on_policy = jax.ShapeDtypeStruct((), bool, sharding=parallel.replicated(mesh))
+    update = grpo.make_update(model_cfg, g, cfg.optimizer, mesh, cfg.model.dtype)
+    programs = [
+        _compile("cast", sharding.caster(mesh, cfg.model.dtype).lower(params), resident["optimizer state"])[0],
+        _compile("update", update.lower(params, state, batch, on_policy), 0)[0],
+    ]
+    gen, per_device = fit_rows(auto_rows(rows), g.temperature, "generate")
+    evaluation, eval_per_device = fit_rows(auto_rows(min(256, cfg.data.eval_size)), 0.0, "evaluate")
+    programs += [gen, evaluation]
+    return Plan(
+        method=cfg.method,
+        platform=platform,
+        mesh_shape=dict(mesh.shape),
+        device_kind=getattr(device, "device_kind", str(device)),
+        device_memory_bytes=limit,
+        prompt_len=prompt_len,
+        new_tokens=N,
+        rows_per_step=rows,
+        rows_per_device=per_device,
+        chunks=-(-rows // (data * per_device)),
+        eval_rows_per_device=eval_per_device,
+        resident=resident,
+        programs=programs,
+    )
+
+
+def plan_step(cfg: ExperimentConfig, model_cfg: ModelConfig, mesh: Mesh, **kwargs) -> Plan:
+    """`plan_grpo` or `plan_es`, by `cfg.method`."""
+    return (plan_grpo if cfg.method == "grpo" else plan_es)(cfg, model_cfg, mesh, **kwargs)
 
 
 def topology_mesh(name: str, model: int) -> tuple[Mesh, str]:

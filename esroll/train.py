@@ -96,7 +96,7 @@ def train_and_evaluate(
     if cfg.method == "grpo":
         from esroll.grpo import make_grpo_method
 
-        method = make_grpo_method(cfg, task, mesh)
+        method = make_grpo_method(cfg, task, mesh, rows_per_device=plan.rows_per_device if plan else None)
     else:
         from esroll.es_train import make_es_method
 
@@ -187,15 +187,15 @@ def train_and_evaluate(
 
 
 def preflight(cfg: ExperimentConfig, task: Task, mesh):
-    """Before the first step, where devices report their memory (GPUs, TPUs; not CPUs): compile the ES step for them
+    """Before the first step, where devices report their memory (GPUs, TPUs; not CPUs): compile the step for them
     as `experiments.plan` does, choosing the rows per device (halving an automatic count until the step fits), and
     refuse a step that cannot fit with one line naming its largest buffer. Returns the `esroll.plan.Plan` (None where
-    skipped: CPUs, GRPO)."""
-    if cfg.method == "grpo" or memory.device_memory_bytes(mesh.devices.flat[0]) is None:
+    skipped: CPUs)."""
+    if memory.device_memory_bytes(mesh.devices.flat[0]) is None:
         return None
-    from esroll.plan import plan_es
+    from esroll.plan import plan_step
 
-    plan = plan_es(
+    plan = plan_step(
         cfg, task.cfg, mesh, platform=jax.default_backend(), prompt_len=task.prompt_multiple, eos_ids=task.eos_ids
     )
     if not plan.fits:

@@ -8,9 +8,10 @@ and print the memory each device needs.
 deviceless ahead-of-time compilation on this host, which needs libtpu (`pip install -e '.[plan]'`), not a TPU.
 --topology=local compiles for this machine's own devices instead. Model shapes come from `model.path` when it is a
 local folder with a config.json, else from the built-in presets of the published configs (`esroll.models.presets`:
-"Qwen/Qwen3-8B" is the preset qwen3-8b); nothing is downloaded. The step is an ES step (`esroll.plan`): cast,
-ask, one chunk of generate, tell, and held-out evaluation's generate; the printed peak adds the buffers that live
-beside each program. Exit status 0 when it fits, 3 when it does not.
+"Qwen/Qwen3-8B" is the preset qwen3-8b); nothing is downloaded. An ES step (`esroll.plan`) is the cast of the master
+weights to the decoding copy, ask, one chunk of generate, tell, and held-out evaluation's generate; a GRPO step the
+cast, one chunk of sampling, the optimizer update of one minibatch, and evaluation. The printed peak adds the buffers
+that live beside each program. Exit status 0 when it fits, 3 when it does not.
 """
 
 import json
@@ -33,6 +34,11 @@ flags.mark_flags_as_required(["config"])
 GiB = 1024**3
 
 
+def size(n: int) -> str:
+    """Bytes as GiB ("13.27G") from 1 GiB up, else as MiB ("3.2M")."""
+    return f"{n / GiB:.2f}G" if n >= GiB else f"{n / 2**20:.1f}M"
+
+
 def model_shapes(path: str):
     """The ModelConfig of `model.path`: a local folder's config.json, or the preset its name matches."""
     from esroll.models import PRESETS, ModelConfig, model_config
@@ -52,11 +58,9 @@ def main(argv):
     import jax
 
     from esroll import parallel
-    from esroll.plan import plan_es, topology_mesh
+    from esroll.plan import plan_step, topology_mesh
 
     cfg = from_config_dict(_CONFIG.value.to_dict())
-    if cfg.method == "grpo":
-        raise InputError("experiments.plan covers the ES methods (looroll, eggroll); GRPO's update is planned apart")
     model_cfg, source = model_shapes(cfg.model.path)
     if _TOPOLOGY.value == "local":
         mesh, platform = parallel.make_mesh(model=cfg.parallel.model), jax.default_backend()
@@ -65,7 +69,7 @@ def main(argv):
             mesh, platform = topology_mesh(_TOPOLOGY.value, cfg.parallel.model)
         except ValueError as e:
             raise InputError(str(e)) from None
-    p = plan_es(cfg, model_cfg, mesh, platform=platform, prompt_len=_PROMPT_LEN.value)
+    p = plan_step(cfg, model_cfg, mesh, platform=platform, prompt_len=_PROMPT_LEN.value)
     spec = flags.FLAGS["config"].config_filename
     limit = p.device_memory_bytes
     shape = " × ".join(f"{k} {v}" for k, v in p.mesh_shape.items())
@@ -75,19 +79,19 @@ def main(argv):
         + f"; mesh {shape}; compiled for {platform}",
         f"rows: {p.rows_per_step} per step in {p.chunks} chunk(s) of {p.rows_per_device} per device; evaluation "
         f"{p.eval_rows_per_device or 'all'} per device; prompt {p.prompt_len} + {p.new_tokens} new tokens",
-        "resident per device: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in p.resident.items()),
+        "resident per device: " + ", ".join(f"{k} {size(v)}" for k, v in p.resident.items()),
         f"{'program':<10}{'arguments':>11}{'outputs':>10}{'aliased':>10}{'temps':>10}{'+resident':>11}"
         f"{'= peak':>10}{'compile':>9}",
     ]
     for q in p.programs:
+        sizes = (q.argument_bytes, q.output_bytes, q.alias_bytes, q.temp_bytes, q.other_resident_bytes, q.peak_bytes)
+        widths = (11, 10, 10, 10, 11, 10)
         lines.append(
-            f"{q.name:<10}{q.argument_bytes / GiB:>10.2f}G{q.output_bytes / GiB:>9.2f}G{q.alias_bytes / GiB:>9.2f}G"
-            f"{q.temp_bytes / GiB:>9.2f}G{q.other_resident_bytes / GiB:>10.2f}G{q.peak_bytes / GiB:>9.2f}G"
-            f"{q.compile_s:>8.1f}s"
+            f"{q.name:<10}" + "".join(f"{size(b):>{w}}" for b, w in zip(sizes, widths)) + f"{q.compile_s:>8.1f}s"
         )
     verdict = "unknown (device memory not reported)" if p.fits is None else ("fits" if p.fits else "does NOT fit")
     lines.append(
-        f"peak {p.peak_bytes_per_device / GiB:.2f} GiB per device"
+        f"peak {size(p.peak_bytes_per_device)} per device"
         + (f" of {limit / GiB:.1f} GiB" if limit else "")
         + f" ({p.peak_program.name}): {verdict}"
     )

@@ -1,5 +1,6 @@
 """GRPO: the loss against a loop-by-loop reference, exact microbatch accumulation, ρ = 1 on the first update, KL = 0
-at the reference, FSDP on 8 devices == 1 device, exact resumption."""
+at the reference, FSDP on 8 devices == 1 device, exact resumption; the memory knobs (per-layer remat, chunked
+completion log-probabilities) leave loss and gradient unchanged, and masked padding rows leave the update unchanged."""
 
 from __future__ import annotations
 
@@ -12,23 +13,35 @@ import pytest
 
 from configs.default import get_config
 from esroll import parallel
-from esroll.config import from_config_dict
+from esroll.config import OptimConfig, from_config_dict, make_optimizer
 from esroll.data import get_batch, make_splits
-from esroll.grpo import AGGREGATIONS, make_grpo_method, token_weights
+from esroll.grpo import (
+    AGGREGATIONS,
+    GRPOConfig,
+    GRPOState,
+    Rollouts,
+    make_grpo_method,
+    make_update,
+    pad_rows,
+    token_weights,
+)
 from esroll.grpo import grpo_loss as _grpo_loss
-from esroll.models import load_hf
+from esroll.models import forward, load_hf
+from esroll.sampling import sequence_logprobs
 from esroll.task import load_task
 from esroll.train import train_and_evaluate
 
-from conftest import check_exact_resume, quick_config
+from conftest import build_tiny_hf, check_exact_resume, quick_config
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.1
 grpo_loss = jax.jit(_grpo_loss, static_argnames=("eps_low", "eps_high", "beta", "aggregation"))
 
 
-# The 8-device runs also accumulate gradients over 2 microbatches and rematerialise, so that comparing them with
-# 1 device (1 microbatch, no remat) checks all three; the 8-device tests share one config, hence their compiled steps.
-EIGHT = dict(microbatches=2, remat=True)
+# The 8-device runs also accumulate gradients over 2 microbatches and rematerialise ("dots", chunked log-probabilities),
+# so that comparing them with 1 device (1 microbatch, no remat, one chunk: ONE) checks all of it; the 8-device tests
+# share one config, hence their compiled steps.
+EIGHT = dict(microbatches=2, remat="dots", logprob_chunk=2)
+ONE = dict(remat="none", logprob_chunk=0)
 
 
 def strict_quick(grpo: dict | None = None, **train_overrides):
@@ -143,14 +156,15 @@ def test_first_update_has_ratio_exactly_one():
 
 
 def test_sharded_equals_unsharded(tmp_path):
-    """One step on 8 fake CPU devices (FSDP parameters and optimizer state, rows split; 2 microbatches, remat) against
+    """One step on 8 fake CPU devices (FSDP parameters and optimizer state, rows split; 2 microbatches, remat, chunked
+    log-probabilities) against
     1 device (1 microbatch, no remat): the same completions and rewards, the gradient norm to 1e-5 relative, and the
     parameters to 1e-7 wherever the gradient is not float noise. AdamW's first step is lr·g/(|g| + 1e-8), so an entry
     whose gradient is ~1e-8 (tied-embedding rows of tokens the model never predicts, cancellations) moves by a
     fraction of lr that depends on the summation order; the comparison covers the entries whose 1-device step is at
     least 0.99·lr (|g| ≳ 1e-6), about 90% of them."""
     train = dict(steps=1, eval_every=100, checkpoint_every=100, export=False)
-    cfg = strict_quick(**train)
+    cfg = strict_quick(ONE, **train)
     one = train_and_evaluate(cfg, tmp_path / "one", mesh_devices=1, progress=False)
     eight = train_and_evaluate(strict_quick(EIGHT, **train), tmp_path / "eight", mesh_devices=8, progress=False)
     assert parallel.AXIS in eight["params"]["layers"]["up"].sharding.spec
@@ -171,7 +185,16 @@ def test_sharded_equals_unsharded(tmp_path):
 
 def test_resume_is_exact(tmp_path):
     steps = check_exact_resume(strict_quick(EIGHT, steps=4, checkpoint_every=2, eval_every=2), tmp_path)
-    keys = {"fitness_mean", "fitness_std", "loss", "kl", "clip_fraction", "frac_groups_all_equal", "grad_norm"}
+    keys = {
+        "fitness_mean",
+        "fitness_std",
+        "loss",
+        "kl",
+        "clip_fraction",
+        "frac_groups_all_equal",
+        "grad_norm",
+        "entropy",
+    }
     assert all(keys <= set(r) for r in steps)
 
 
@@ -184,3 +207,113 @@ def test_config_errors():
     cd.grpo.aggregation = "sum"
     with pytest.raises(ValueError, match="invalid value for 'grpo.aggregation'"):
         from_config_dict(cd.to_dict())
+    for field, value in (("remat", "some"), ("logprob_chunk", -1)):
+        cd = get_config("grpo_quick")
+        cd.grpo[field] = value
+        with pytest.raises(ValueError, match=f"invalid value for 'grpo.{field}'"):
+            from_config_dict(cd.to_dict())
+
+
+# ---- the memory knobs: per-layer remat and chunked completion log-probabilities
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def tiny(request, tmp_path_factory):
+    """(cfg, params) of a random 2-layer model: Qwen3 with an lm_head, or Qwen2 with the head tied to the embedding."""
+    folder = tmp_path_factory.mktemp(f"grpo_{request.param}")
+    build_tiny_hf("qwen3" if request.param == "untied" else "qwen2", folder, initializer_range=0.2)
+    cfg, params = load_hf(folder)
+    assert cfg.tie_word_embeddings == (request.param == "tied")
+    return cfg, params
+
+
+def scored_rows(vocab: int, rows: int = 3, P: int = 5, N: int = 7, seed: int = 0):
+    """Left-padded prompts of lengths 5, 2, 3, ... and completions of lengths 7, 4, 1, ... (N = 7, not a multiple of
+    the chunk 3), random tokens."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, vocab, (rows, P)).astype(np.int32)
+    prompt_mask = np.arange(P)[None, :] >= P - np.resize([5, 2, 3, 4, 1], rows)[:, None]
+    completion = rng.integers(0, vocab, (rows, N)).astype(np.int32)
+    completion_mask = np.arange(N)[None, :] < np.resize([7, 4, 1, 6, 3, 5, 2], rows)[:, None]
+    return prompt, prompt_mask, completion, completion_mask
+
+
+def full_softmax_logprobs(cfg, params, prompt, prompt_mask, completion, completion_mask):
+    """The pre-chunking computation: logits over every position, log-softmax, completion positions taken after."""
+    P = prompt.shape[1]
+    tokens = jnp.concatenate([prompt, completion], 1)
+    mask = jnp.concatenate([prompt_mask, completion_mask], 1)
+    logits = forward(cfg, params, tokens, mask_BxT=mask)[0][:, P - 1 : -1]
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), completion[..., None], -1)[..., 0]
+    entropy = -(jax.nn.softmax(logits) * jax.nn.log_softmax(logits)).sum(-1)
+    return jnp.where(completion_mask, logp, 0.0), jnp.where(completion_mask, entropy, 0.0)
+
+
+# Every policy and every kind of chunking (one chunk; chunks of 1; of 3, N = 7 not a multiple), 3 compilations a model
+# (compile time is most of these tests' time).
+@pytest.mark.parametrize("remat,chunk", [("dots", 0), ("none", 1), ("full", 3)])
+def test_remat_and_chunks_keep_loss_and_gradient(tiny, remat, chunk):
+    """A GRPO-like loss (advantage-weighted log-probabilities) and its gradient in every parameter: per-layer remat and
+    chunked completion log-probabilities against the full forward + log-softmax over all positions."""
+    cfg, params = tiny
+    rows = scored_rows(cfg.vocab_size)
+    weight = np.random.default_rng(1).normal(size=rows[3].shape).astype(np.float32)
+
+    def loss_of(logprobs):
+        return jax.jit(jax.value_and_grad(lambda p: (weight * logprobs(p)).sum()))(params)
+
+    ref_loss, ref_grad = loss_of(lambda p: full_softmax_logprobs(cfg, p, *rows)[0])
+    loss, grad = loss_of(lambda p: sequence_logprobs(cfg, p, *rows, remat=remat, chunk=chunk))
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_entropy_is_that_of_the_full_softmax(tiny, chunk):
+    cfg, params = tiny
+    rows = scored_rows(cfg.vocab_size)
+    ref_logp, ref_entropy = jax.jit(lambda p: full_softmax_logprobs(cfg, p, *rows))(params)
+    logp, entropy = jax.jit(lambda p: sequence_logprobs(cfg, p, *rows, chunk=chunk, with_entropy=True))(params)
+    assert float(ref_entropy.max()) > 1.0  # a spread-out distribution, not a near-one-hot one
+    np.testing.assert_allclose(np.asarray(entropy), np.asarray(ref_entropy), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(logp), np.asarray(ref_logp), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tiny", ["untied"], indirect=True)  # the head plays no part in padding: one model will do
+def test_padded_microbatch_gives_the_same_update(tiny):
+    """6 rows per microbatch (2 microbatches) on a 4-device data axis, padded by `pad_rows` to 8, against the same
+    6 rows on 1 device: the same parameters after one optimizer step, loss and metrics (β > 0, off-policy ratios).
+    Plain SGD at lr 1, so that the parameters' difference is the gradients' (AdamW's first step lr·g/(|g| + 1e-8)
+    would magnify float noise in near-zero gradient entries, see test_sharded_equals_unsharded). They agree to 1e-5
+    of the largest gradient entry: the float32 noise of splitting rows over devices at all (6 unpadded rows on 2
+    devices differ from 1 device by as much, 3e-6 of it: measured once, by hand)."""
+    cfg, params = tiny
+    rng = np.random.default_rng(2)
+    U, b, padded = 2, 6, 8
+    prompt, prompt_mask, completion, completion_mask = scored_rows(cfg.vocab_size, rows=U * b)
+    logp_old = np.where(completion_mask, -rng.uniform(0.5, 5.0, completion_mask.shape), 0.0).astype(np.float32)
+    advantage = rng.normal(size=U * b).astype(np.float32)
+    weight = np.asarray(token_weights(completion_mask, "seq_mean_token_mean"))
+    fields = (prompt, prompt_mask, completion, completion_mask, logp_old, advantage, weight)
+    grpo = GRPOConfig(group_size=2, beta=0.1, remat="full", logprob_chunk=3)
+    optim = OptimConfig(name="sgd", lr=1.0)  # new params = params - gradient: compares the gradients themselves
+    reference = jax.tree.map(lambda x: x * 1.05, params)  # a KL term that is not zero
+
+    def one_step(devices: int, rows: int):
+        mesh = parallel.make_mesh(devices)
+        update = make_update(cfg, grpo, optim, mesh)
+        state = GRPOState(make_optimizer(optim).init(params), reference)
+        batch = Rollouts(*(pad_rows(x.reshape(U, b, *x.shape[1:]), rows) for x in fields))
+        new_params, _, metrics = update(params, state, batch, jnp.asarray(False))
+        return jax.device_get(new_params), jax.device_get(metrics)
+
+    assert parallel.data_size(parallel.make_mesh(4)) == 4
+    unpadded, metrics = one_step(1, b)
+    padded_params, padded_metrics = one_step(4, padded)
+    largest = max(float(np.abs(x - p).max()) for x, p in zip(jax.tree.leaves(unpadded), jax.tree.leaves(params)))
+    for x, y in zip(jax.tree.leaves(unpadded), jax.tree.leaves(padded_params), strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * largest)
+    for key in ("loss", "kl", "clip_fraction", "grad_norm", "entropy"):
+        np.testing.assert_allclose(padded_metrics[key], metrics[key], rtol=1e-5, err_msg=key)
+    assert float(metrics["grad_norm"]) > 0 and float(metrics["kl"]) > 0 and float(metrics["entropy"]) > 0

@@ -45,3 +45,21 @@ def test_plan_compiles_the_es_step_for_a_tpu_slice_without_one(tmp_path):
     assert plan["rows_per_step"] == 8 * 4 and plan["rows_per_device"] == 8 and plan["chunks"] == 1
     assert plan["eval_rows_per_device"] == 8
     assert "fits" in run.stdout.splitlines()[-1]
+
+
+def test_grpo_plan_on_this_machine():
+    """The GRPO step's programs compiled for a local CPU device: the update of one minibatch (its microbatch rows
+    padded to the data axis) beside the sampling and evaluation chunks; a CPU reports no memory limit."""
+    from esroll import parallel
+    from esroll.plan import plan_step
+
+    from conftest import quick_config
+
+    cfg = quick_config("grpo_quick")
+    model_cfg, _ = model_shapes(cfg.model.path)
+    plan = plan_step(cfg, model_cfg, parallel.make_mesh(1), platform="cpu", prompt_len=16)
+    assert [p.name for p in plan.programs] == ["cast", "update", "generate", "evaluate"]
+    assert plan.rows_per_step == 4 * 4 and plan.chunks == 1 and plan.fits is None
+    update = plan.programs[1]
+    assert update.argument_bytes >= plan.resident["masters"] + plan.resident["optimizer state"]
+    assert plan.peak_bytes_per_device >= update.temp_bytes > 0

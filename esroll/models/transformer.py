@@ -32,6 +32,26 @@ Array = jax.Array
 # checkpoint loaders read it from here.
 STACKED = "layers"
 _NEG = -1e30  # finite, so a query with no visible key (a padded one) gives a uniform row instead of NaN
+# Per-layer rematerialisation of `forward` without a cache (training), by name: what the backward pass keeps of each
+# layer. "none": everything autodiff saves (all layers' float32 attention scores included: the largest buffers);
+# "full": only the layer's input, the residual stream [B, T, D] (the layer is recomputed in the backward pass);
+# "dots": the weight matmuls' outputs too (norms, attention and activations are recomputed).
+REMAT_POLICIES = ("none", "full", "dots")
+
+
+def _remat(body, remat: str | None):
+    """`body` (one scanned layer) under `jax.checkpoint` with the policy named `remat` (see REMAT_POLICIES)."""
+    if remat in (None, "none"):
+        return body
+    if remat == "full":
+        policy = None  # jax.checkpoint's default: save nothing but the inputs
+    elif remat == "dots":
+        policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    else:
+        raise ValueError(f"unknown remat policy {remat!r}; known: {', '.join(REMAT_POLICIES)}")
+    # prevent_cse=False: under lax.scan XLA cannot merge the recomputation with the forward pass (the case the
+    # optimisation barrier guards against), so the barrier would only cost time.
+    return jax.checkpoint(body, policy=policy, prevent_cse=False)
 
 
 class KVCache(NamedTuple):
@@ -92,8 +112,21 @@ def forward(
     positions_BxT: Array | None = None,
     cache: KVCache | None = None,
     perturb: Perturbation | None = None,
+    remat: str | None = None,
+    return_hidden: bool = False,
+    layer_params=None,
 ) -> tuple[Array, KVCache | None]:
     """Logits [B, T, V] in float32, and the updated cache (None without one).
+
+    `layer_params` (no cache only) maps each layer's weights inside the scan before the layer uses them: GRPO passes
+    a sharding constraint that all-gathers one layer's FSDP shards at a time (and whose transpose reduce-scatters that
+    layer's gradient), so no device ever holds every layer's full weights or gradients at once.
+
+    With `return_hidden`, the final-normed hidden states [B, T, D] (model dtype) instead of the logits: a caller
+    that needs only some positions' logits (`esroll.sampling.sequence_logprobs`) applies `head` to those, in chunks,
+    and never holds the [B, T, V] float32 buffer. `remat` (no cache only; a name in REMAT_POLICIES, None = "none")
+    rematerialises each scanned layer for the backward pass, so that what is saved per layer is the residual stream
+    ("full") or it and the weight matmuls' outputs ("dots"), never the attention scores.
 
     mask_BxT marks real tokens (False for padding); positions default to the count of real tokens before each one,
     which is right for left-padded prompts and for decoding after them. With a cache, the T new tokens are written at
@@ -140,9 +173,14 @@ def forward(
         return x_BxTxD + linears(jax.nn.silu(gate_BxTxF) * up_BxTxF, p, d, ("down",), member_B)[0], kv
 
     layer_deltas = deltas.get(STACKED) or {}
+    if remat not in (None, "none") and cache is not None:
+        raise ValueError("forward: remat applies to the cache-free (training) path only")
     if cache is None:
+        prepare = layer_params or (lambda p: p)  # e.g. FSDP: gather this layer's weights only, as it runs
         x_BxTxD, _ = jax.lax.scan(
-            lambda x, pd: (block(x, *pd, None)[0], None), x_BxTxD, (params[STACKED], layer_deltas)
+            _remat(lambda x, pd: (block(x, prepare(pd[0]), pd[1], None)[0], None), remat),
+            x_BxTxD,
+            (params[STACKED], layer_deltas),
         )
     elif cache.stacked:
         if isinstance(params[STACKED], (list, tuple)) or isinstance(layer_deltas, (list, tuple)):
@@ -168,17 +206,29 @@ def forward(
             new_v.append(v)
     final_norm = row_vector(params["final_norm"], deltas.get("final_norm"), member_B)
     x_BxTxD = rms_norm(x_BxTxD, final_norm, cfg.rms_norm_eps)
-    if cfg.tie_word_embeddings:
-        logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, params["embed"])
-    else:
-        logits_BxTxV = linears(x_BxTxD, params, deltas, ("lm_head",), member_B)[0]
-    logits_BxTxV = logits_BxTxV.astype(jnp.float32)
+    if return_hidden:
+        if cache is not None:
+            raise ValueError("forward: return_hidden applies to the cache-free path only")
+        return x_BxTxD, None
+    logits_BxTxV = head(cfg, params, x_BxTxD, perturb)
 
     if cache is None:
         return logits_BxTxV, None
     if not cache.stacked:
         new_k, new_v = tuple(new_k), tuple(new_v)
     return logits_BxTxV, KVCache(new_k, new_v, valid_BxS=key_valid_BxS, index=cache.index + T)
+
+
+def head(cfg: ModelConfig, params: dict, x_BxTxD: Array, perturb: Perturbation | None = None) -> Array:
+    """Logits [B, T, V] in float32 of final-normed hidden states: x·embedᵀ when the embedding is tied, else
+    x·lm_head (with the perturbation's head deltas, if any). T may be any slice of positions."""
+    if cfg.tie_word_embeddings:
+        logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, params["embed"])
+    else:
+        deltas = {} if perturb is None else perturb.deltas
+        member_B = None if perturb is None else perturb.member_B
+        logits_BxTxV = linears(x_BxTxD, params, deltas, ("lm_head",), member_B)[0]
+    return logits_BxTxV.astype(jnp.float32)
 
 
 def _attention(cfg, p, d, member_B, h_BxTxD, cos_sin, visible_BxTxS, kv):
