@@ -136,6 +136,18 @@ def local_rows(x: jax.Array) -> tuple[np.ndarray, np.ndarray]:
     return idx, vals
 
 
+def to_host(tree):
+    """A pytree of global arrays as host numpy arrays on every process: a collective where an array is split across
+    processes (every process must call it), a local copy otherwise."""
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(x)
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
+
+
 def broadcast_from_lead(values: tuple[int, ...]) -> tuple[int, ...]:
     """Process 0's values of a tuple of small ints, on every process."""
     if jax.process_count() == 1:

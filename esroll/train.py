@@ -175,10 +175,11 @@ def train_and_evaluate(
     if last is None or last["step"] != step:
         metrics.write({"step": step, "wall_time": elapsed, **run_eval()})
     metrics.close()
+    # The model in `model.dtype`, as it was loaded; every process joins the gather of a model split across hosts.
+    final = parallel.to_host(to_compute(params)) if cfg.train.export else None
     if lead:
         plot_eval_curve(workdir / "metrics.jsonl", workdir / "eval_accuracy.png", title=f"{cfg.method}")
         if cfg.train.export:
-            final = jax.device_get(to_compute(params))  # the model in `model.dtype`, as it was loaded
             save_hf(workdir / "final", task.cfg, final, tokenizer=task.tokenizer)
     summary = _summary(cfg, workdir, read_metrics(workdir / "metrics.jsonl"), start_step, step - start_step)
     if lead:

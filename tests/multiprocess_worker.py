@@ -18,7 +18,7 @@ from esroll.train import train_and_evaluate  # noqa: E402
 if __name__ == "__main__":
     maybe_initialize_distributed(True)
     workdir, out = sys.argv[1], sys.argv[2]
-    cfg = quick_config("quick", steps=2, eval_every=100, checkpoint_every=100, export=False)
+    cfg = quick_config("quick", steps=2, eval_every=100, checkpoint_every=100, export=True)  # a model split over hosts
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, model=2))
     result = train_and_evaluate(cfg, workdir, progress=False)
     params = jax.experimental.multihost_utils.process_allgather(result["params"], tiled=True)

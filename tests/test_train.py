@@ -105,6 +105,13 @@ def test_two_processes_equal_one(tmp_path):
         for i in range(2)
     ]
     assert all(p.wait(timeout=600) == 0 for p in procs)
+    # The export gathers the model split over both processes' devices (each holds half of every layer).
+    from esroll.models import load_hf
+
+    _, exported = load_hf(tmp_path / "multi" / "final")
+    trained = np.load(tmp_path / "p0.npz")
+    for name in ("q", "down"):  # split over the model axis by columns / by rows
+        np.testing.assert_array_equal(np.asarray(exported["layers"][name]), trained[f"['layers']['{name}']"])
     cfg = quick(steps=2, eval_every=100, checkpoint_every=100, export=False)
     single = train_and_evaluate(cfg, tmp_path / "single", mesh_devices=4, progress=False)
     flat_single = {
