@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from esroll import es, es_train, memory, parallel, sharding
+from esroll import es_train, memory, parallel, sharding
 from esroll.config import ExperimentConfig
 from esroll.models import ModelConfig, Perturbation, param_shapes
 from esroll.sampling import lower_generate

@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from jax.sharding import PartitionSpec as P
 
 from esroll import es, parallel, sharding
