@@ -151,6 +151,104 @@ def _compile(name: str, lowered, other_resident: int) -> tuple[Program, Any]:
     return program, compiled
 
 
+@dataclasses.dataclass
+class _Target:
+    """What both plans share: the config, the devices, and the decoding copy's abstract shards."""
+
+    cfg: ExperimentConfig
+    model_cfg: ModelConfig
+    mesh: Mesh
+    platform: str
+    prompt_len: int
+    eos_ids: tuple[int, ...]
+    shrink: bool
+
+    def __post_init__(self):
+        self.device = self.mesh.devices.flat[0]
+        self.limit = memory.device_memory_bytes(self.device)
+        self.shapes = _shapes(self.model_cfg)
+        self.compute = _abstract(self.shapes, self.cfg.model.dtype, sharding.compute_shardings(self.mesh, self.shapes))
+        self.key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=parallel.replicated(self.mesh))
+        self.data = parallel.data_size(self.mesh)
+
+    def resident(self, params, state) -> dict[str, int]:
+        """Bytes per device of the buffers that live through a step."""
+        return {
+            name: memory.tree_bytes_per_device(tree, jax.tree.map(lambda x: x.sharding, tree))
+            for name, tree in (("masters", params), ("optimizer state", state), ("decoding copy", self.compute))
+        }
+
+    def auto_rows(self, rows: int, resident: dict[str, int]) -> int:
+        """`parallel.rows_per_device`, or the first guess of `esroll.memory` for a rollout of `rows` rows."""
+        cfg = self.cfg
+        return cfg.parallel.rows_per_device or memory.auto_rows_per_device(
+            self.model_cfg,
+            self.prompt_len,
+            cfg.train.max_new_tokens,
+            cfg.model.dtype,
+            free_bytes=None
+            if self.limit is None
+            else self.limit * cfg.parallel.memory_fraction - sum(resident.values()),
+            rows=rows,
+            data_axis=self.data,
+            model_axis=parallel.model_size(self.mesh),
+        )
+
+    def lower_chunk(self, per_device: int, temperature: float, deltas=None):
+        """`generate` on one chunk of `per_device` rows per device (perturbed with `deltas` when given)."""
+        chunk, rows = self.data * per_device, parallel.rows(self.mesh)
+        prompt = jax.ShapeDtypeStruct((chunk, self.prompt_len), jnp.int32, sharding=rows)
+        mask = jax.ShapeDtypeStruct((chunk, self.prompt_len), bool, sharding=rows)
+        perturb = None
+        if deltas is not None:
+            perturb = Perturbation(deltas, jax.ShapeDtypeStruct((chunk,), jnp.int32, sharding=rows))
+        layers = None if self.cfg.parallel.decode_layers == "auto" else self.cfg.parallel.decode_layers
+        return lower_generate(
+            self.model_cfg,
+            self.compute,
+            prompt,
+            self.key,
+            max_new_tokens=self.cfg.train.max_new_tokens,
+            temperature=temperature,
+            eos_ids=self.eos_ids,
+            prompt_mask=mask,
+            perturb=perturb,
+            layers=layers,
+            phases=self.cfg.parallel.decode_phases,
+            platform=self.platform,
+        )
+
+    def fit_rows(self, name: str, per_device: int, temperature: float, beside: int, deltas=None):
+        """Compile a chunk of `per_device` rows per device (its arguments hold the decoding copy; `beside` bytes
+        live next to it); halve an automatic row count while the step does not fit. Returns (program, rows)."""
+        auto = not self.cfg.parallel.rows_per_device
+        while True:
+            program, _ = _compile(name, self.lower_chunk(per_device, temperature, deltas), beside)
+            if (
+                not (self.shrink and auto and self.limit is not None and per_device > 1)
+                or program.peak_bytes <= self.limit
+            ):
+                return program, per_device
+            per_device = max(1, per_device // 2)
+
+    def plan(self, rows: int, per_device: int, eval_per_device: int, resident, programs) -> Plan:
+        return Plan(
+            method=self.cfg.method,
+            platform=self.platform,
+            mesh_shape=dict(self.mesh.shape),
+            device_kind=getattr(self.device, "device_kind", str(self.device)),
+            device_memory_bytes=self.limit,
+            prompt_len=self.prompt_len,
+            new_tokens=self.cfg.train.max_new_tokens,
+            rows_per_step=rows,
+            rows_per_device=per_device,
+            chunks=-(-rows // (self.data * per_device)),
+            eval_rows_per_device=eval_per_device,
+            resident=resident,
+            programs=programs,
+        )
+
+
 def plan_es(
     cfg: ExperimentConfig,
     model_cfg: ModelConfig,
@@ -166,102 +264,30 @@ def plan_es(
     With `parallel.rows_per_device` 0 the row count starts from the trainer's estimate (`es_train.estimate_rows_per_device`)
     and, when `shrink` and the compiled step does not fit, halved until it does (down to 1 row).
     """
+    t = _Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
     es_cfg = cfg.es_config
-    device = mesh.devices.flat[0]
-    limit = memory.device_memory_bytes(device)
-    shapes = _shapes(model_cfg)
-    masters_sh = sharding.master_shardings(mesh, shapes)
-    params = _abstract(shapes, cfg.model.master_dtype, masters_sh)
-    compute = _abstract(shapes, cfg.model.dtype, sharding.compute_shardings(mesh, shapes))
+    params = _abstract(t.shapes, cfg.model.master_dtype, sharding.master_shardings(mesh, t.shapes))
     strategy = es_train._strategy(es_cfg, cfg.optimizer, mesh)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=parallel.replicated(mesh))
     state = _with_shardings(
-        jax.eval_shape(strategy.init, params, key), es_train.state_shardings(es_cfg, cfg.optimizer, mesh, params)
+        jax.eval_shape(strategy.init, params, t.key), es_train.state_shardings(es_cfg, cfg.optimizer, mesh, params)
     )
-    resident = {
-        "masters": memory.tree_bytes_per_device(params, jax.tree.map(lambda x: x.sharding, params)),
-        "optimizer state": memory.tree_bytes_per_device(state, jax.tree.map(lambda x: x.sharding, state)),
-        "decoding copy": memory.tree_bytes_per_device(compute, jax.tree.map(lambda x: x.sharding, compute)),
-    }
+    resident = t.resident(params, state)
     masters_and_state = resident["masters"] + resident["optimizer state"]
-
-    M, X, N = cfg.es.population, cfg.train.prompts_per_step, cfg.train.max_new_tokens
-    rows = M * X
-    data = parallel.data_size(mesh)
-    layers = None if cfg.parallel.decode_layers == "auto" else cfg.parallel.decode_layers
-    deltas = jax.eval_shape(strategy.ask, state, compute)
-    deltas = _with_shardings(deltas, sharding.delta_shardings(mesh, deltas, compute))
-
-    def lower_chunk(per_device: int, perturbed: bool, temperature: float):
-        chunk = data * per_device
-        prompt = jax.ShapeDtypeStruct((chunk, prompt_len), jnp.int32, sharding=parallel.rows(mesh))
-        mask = jax.ShapeDtypeStruct((chunk, prompt_len), bool, sharding=parallel.rows(mesh))
-        perturb = None
-        if perturbed:
-            member = jax.ShapeDtypeStruct((chunk,), jnp.int32, sharding=parallel.rows(mesh))
-            perturb = Perturbation(deltas, member)
-        return lower_generate(
-            model_cfg,
-            compute,
-            prompt,
-            key,
-            max_new_tokens=N,
-            temperature=temperature,
-            eos_ids=eos_ids,
-            prompt_mask=mask,
-            perturb=perturb,
-            layers=layers,
-            phases=cfg.parallel.decode_phases,
-            platform=platform,
-        )
-
+    deltas = jax.eval_shape(strategy.ask, state, t.compute)
+    deltas = _with_shardings(deltas, sharding.delta_shardings(mesh, deltas, t.compute))
+    fitness = jax.ShapeDtypeStruct((cfg.es.population,), jnp.float32, sharding=parallel.replicated(mesh))
     programs = [
         _compile("cast", sharding.caster(mesh, cfg.model.dtype).lower(params), resident["optimizer state"])[0],
-        _compile("ask", strategy.ask.lower(state, compute), masters_and_state)[0],
+        _compile("ask", strategy.ask.lower(state, t.compute), masters_and_state)[0],
+        _compile("tell", strategy.tell.lower(state, params, fitness), 0)[0],
     ]
-    fitness = jax.ShapeDtypeStruct((M,), jnp.float32, sharding=parallel.replicated(mesh))
-    programs.append(_compile("tell", strategy.tell.lower(state, params, fitness), 0)[0])
-
-    def fit_rows(per_device: int, perturbed: bool, temperature: float, name: str) -> tuple[Program, int]:
-        """Compile a chunk of `per_device` rows per device (its arguments hold the decoding copy; the masters and the
-        optimizer state live beside it); halve an automatic row count while the step does not fit."""
-        while True:
-            program, _ = _compile(name, lower_chunk(per_device, perturbed, temperature), masters_and_state)
-            auto = not cfg.parallel.rows_per_device
-            if not (shrink and auto and limit is not None and per_device > 1) or program.peak_bytes <= limit:
-                return program, per_device
-            per_device = max(1, per_device // 2)
-
+    rows = cfg.es.population * cfg.train.prompts_per_step
     per_device = es_train.estimate_rows_per_device(cfg, model_cfg, prompt_len, mesh, params, rows)
-    gen, per_device = fit_rows(per_device, True, cfg.train.temperature, "generate")
-    eval_rows = min(256, cfg.data.eval_size)
-    eval_per_device = cfg.parallel.rows_per_device or memory.auto_rows_per_device(
-        model_cfg,
-        prompt_len,
-        N,
-        cfg.model.dtype,
-        free_bytes=None if limit is None else limit * cfg.parallel.memory_fraction - sum(resident.values()),
-        rows=eval_rows,
-        data_axis=data,
-        model_axis=parallel.model_size(mesh),
+    gen, per_device = t.fit_rows("generate", per_device, cfg.train.temperature, masters_and_state, deltas)
+    evaluation, eval_per_device = t.fit_rows(
+        "evaluate", t.auto_rows(min(256, cfg.data.eval_size), resident), 0.0, masters_and_state
     )
-    evaluation, eval_per_device = fit_rows(eval_per_device, False, 0.0, "evaluate")
-    programs += [gen, evaluation]
-    return Plan(
-        method=cfg.method,
-        platform=platform,
-        mesh_shape=dict(mesh.shape),
-        device_kind=getattr(device, "device_kind", str(device)),
-        device_memory_bytes=limit,
-        prompt_len=prompt_len,
-        new_tokens=N,
-        rows_per_step=rows,
-        rows_per_device=per_device,
-        chunks=-(-rows // (data * per_device)),
-        eval_rows_per_device=eval_per_device,
-        resident=resident,
-        programs=programs,
-    )
+    return t.plan(rows, per_device, eval_per_device, resident, [*programs, gen, evaluation])
 
 
 def plan_grpo(
@@ -280,13 +306,11 @@ def plan_grpo(
     from esroll import grpo
     from esroll.config import make_optimizer
 
+    t = _Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
     g = cfg.grpo
-    device = mesh.devices.flat[0]
-    limit = memory.device_memory_bytes(device)
-    shapes = _shapes(model_cfg)
-    fsdp = jax.tree.map(lambda x: grpo.fsdp_sharding(mesh, x.shape), shapes)
-    params = _abstract(shapes, cfg.model.master_dtype, fsdp)
-    compute = _abstract(shapes, cfg.model.dtype, sharding.compute_shardings(mesh, shapes))
+    params = _abstract(
+        t.shapes, cfg.model.master_dtype, jax.tree.map(lambda x: grpo.fsdp_sharding(mesh, x.shape), t.shapes)
+    )
     optimizer = make_optimizer(cfg.optimizer)
 
     def make_state(p):
@@ -294,59 +318,14 @@ def plan_grpo(
 
     abstract_state = jax.eval_shape(make_state, params)
     state = _with_shardings(abstract_state, jax.tree.map(lambda a: grpo.fsdp_sharding(mesh, a.shape), abstract_state))
-    resident = {
-        "masters": memory.tree_bytes_per_device(params, jax.tree.map(lambda x: x.sharding, params)),
-        "optimizer state": memory.tree_bytes_per_device(state, jax.tree.map(lambda x: x.sharding, state)),
-        "decoding copy": memory.tree_bytes_per_device(compute, jax.tree.map(lambda x: x.sharding, compute)),
-    }
+    resident = t.resident(params, state)
     masters_and_state = resident["masters"] + resident["optimizer state"]
-    X, G, N = cfg.train.prompts_per_step, g.group_size, cfg.train.max_new_tokens
-    rows, data = X * G, parallel.data_size(mesh)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=parallel.replicated(mesh))
-    layers = None if cfg.parallel.decode_layers == "auto" else cfg.parallel.decode_layers
-
-    def lower_chunk(per_device: int, temperature: float):
-        chunk = data * per_device
-        prompt = jax.ShapeDtypeStruct((chunk, prompt_len), jnp.int32, sharding=parallel.rows(mesh))
-        mask = jax.ShapeDtypeStruct((chunk, prompt_len), bool, sharding=parallel.rows(mesh))
-        return lower_generate(
-            model_cfg,
-            compute,
-            prompt,
-            key,
-            max_new_tokens=N,
-            temperature=temperature,
-            eos_ids=eos_ids,
-            prompt_mask=mask,
-            layers=layers,
-            phases=cfg.parallel.decode_phases,
-            platform=platform,
-        )
-
-    def fit_rows(per_device: int, temperature: float, name: str) -> tuple[Program, int]:
-        while True:
-            program, _ = _compile(name, lower_chunk(per_device, temperature), masters_and_state)
-            auto = not cfg.parallel.rows_per_device
-            if not (shrink and auto and limit is not None and per_device > 1) or program.peak_bytes <= limit:
-                return program, per_device
-            per_device = max(1, per_device // 2)
-
-    def auto_rows(n: int) -> int:
-        return cfg.parallel.rows_per_device or memory.auto_rows_per_device(
-            model_cfg,
-            prompt_len,
-            N,
-            cfg.model.dtype,
-            free_bytes=None if limit is None else limit * cfg.parallel.memory_fraction - sum(resident.values()),
-            rows=n,
-            data_axis=data,
-            model_axis=parallel.model_size(mesh),
-        )
+    rows, N = cfg.train.prompts_per_step * g.group_size, cfg.train.max_new_tokens
 
     # One minibatch of U microbatches of b rows, b padded to a multiple of the data axis (masked rows).
     U = g.microbatches
     b = rows // (g.minibatches * U)
-    b += -b % data
+    b += -b % t.data
     micro = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, parallel.DATA))
 
     def field(shape, dtype):
@@ -367,24 +346,11 @@ def plan_grpo(
         _compile("cast", sharding.caster(mesh, cfg.model.dtype).lower(params), resident["optimizer state"])[0],
         _compile("update", update.lower(params, state, batch, on_policy), 0)[0],
     ]
-    gen, per_device = fit_rows(auto_rows(rows), g.temperature, "generate")
-    evaluation, eval_per_device = fit_rows(auto_rows(min(256, cfg.data.eval_size)), 0.0, "evaluate")
-    programs += [gen, evaluation]
-    return Plan(
-        method=cfg.method,
-        platform=platform,
-        mesh_shape=dict(mesh.shape),
-        device_kind=getattr(device, "device_kind", str(device)),
-        device_memory_bytes=limit,
-        prompt_len=prompt_len,
-        new_tokens=N,
-        rows_per_step=rows,
-        rows_per_device=per_device,
-        chunks=-(-rows // (data * per_device)),
-        eval_rows_per_device=eval_per_device,
-        resident=resident,
-        programs=programs,
+    gen, per_device = t.fit_rows("generate", t.auto_rows(rows, resident), g.temperature, masters_and_state)
+    evaluation, eval_per_device = t.fit_rows(
+        "evaluate", t.auto_rows(min(256, cfg.data.eval_size), resident), 0.0, masters_and_state
     )
+    return t.plan(rows, per_device, eval_per_device, resident, [*programs, gen, evaluation])
 
 
 def plan_step(cfg: ExperimentConfig, model_cfg: ModelConfig, mesh: Mesh, **kwargs) -> Plan:
