@@ -24,7 +24,8 @@ slice (v5e:2x2, 13.3 of 16 GiB) or a v5p:2x2x1 (75 of 95 GiB); 1.7B on a v5e-4 (
 (v5e:4x4, model axis 4, 14.6 GiB); 8B on a v5e-64 (v5e:8x8, model axis 8, 13.8 GiB) or a v5p:2x2x2 (79.5 of 95 GiB).
 GPUs (not planned: no GPU was available): the per-device figures suggest 0.6B and 1.7B on one 80 GB H100/H200 and
 8B on 8 of them with `--config.parallel.model=8`. Multi-host: `--config.distributed=True`, one process per host, a
-shared or gs:// workdir. The GRPO variant is FSDP only (`parallel.model` 1).
+shared or gs:// workdir. GRPO (same hardware, same model axis) fits there too: 0.6B and 1.7B on a v5e:2x2 (13.6 and
+14.4 GiB), 4B on a v5e:4x4 (8.5 GiB), 8B on a v5e:8x8 (5.3 GiB).
 Reference (the LOO-ROLL paper, docs/theory.md): LOO-ROLL on GSM8K test 38.1% -> 63.0% (0.6B), 65.9% -> 80.0% (8B).
 """
 
@@ -78,7 +79,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.es.rank = 1
     c.es.sigma = sigma
     c.es.shaping = "zscore"
-    c.parallel.model = model_axis if method != "grpo" else 1  # tensor parallelism (ES); GRPO is FSDP only
+    c.parallel.model = model_axis  # tensor parallelism: decoding (ES, GRPO) and GRPO's update
     c.optimizer.name = "adam"
     c.optimizer.lr = 5e-4
     c.train.steps = 500

@@ -174,8 +174,6 @@ class ExperimentConfig:
         for key, ok, expected in checks:
             if not ok:
                 raise ConfigError(key, _get(self, key), expected)
-        if self.method == "grpo" and self.parallel.model > 1:
-            raise ConfigError("parallel.model", self.parallel.model, "1 for grpo (its update is FSDP over all devices)")
         if self.method in ES_METHODS:
             try:
                 self.es_config

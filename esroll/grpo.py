@@ -9,14 +9,15 @@ exp(logp − stop_gradient(logp)): exactly 1, with the policy gradient as its gr
 log-probabilities `generate` returned (KV-cache path; they may differ from a full forward by ~1e-6, far inside any
 clip range), so no extra forward pass is spent on π_old.
 
-Sharding (FSDP / ZeRO-3 over the mesh's "data" axis): every leaf of the parameters, the optimizer state and the
-reference parameters is split along its largest dimension divisible by the mesh size (replicated if none); the
-loss gathers the full parameters (cast to `model.dtype`; the parameters themselves are the `model.master_dtype`
-masters), and the gradient comes back reduce-scattered. The rows of each microbatch are split over the same axis,
-padded up to a multiple of its size with masked rows (no completion or prompt token, zero advantage and token
-weight), which add exactly nothing to the loss or the gradient: any device count takes any batch.
-Sampling (`esroll.rollout`) runs on a replicated copy of the parameters in `model.dtype`, with the rows split, as ES
-does.
+Sharding: the ("data", "model") mesh and layout of ES (`esroll.sharding`). The `model.master_dtype` masters, the
+optimizer state and the reference parameters are split over "data" (FSDP / ZeRO-3) and over "model" (heads, MLP
+columns, vocabulary). The loss casts the shards to `model.dtype` and gathers them over "data" one layer at a time,
+inside the model's scan (`_gather_layer`), into the tensor-parallel compute layout, so that the forward and backward
+passes are split over "model" as decoding is; each layer's gradient comes back reduce-scattered to the master shards.
+The rows of each microbatch are split over "data", padded up to a multiple of its size with masked rows (no
+completion or prompt token, zero advantage and token weight), which add exactly nothing to the loss or the gradient:
+any device count takes any batch. Sampling (`esroll.rollout`) decodes from the same cast of the masters that ES
+decodes from, tensor-parallel over "model", rows split over "data".
 
 Shapes (the legend in `esroll/__init__.py`): X prompts per step, M completions per prompt (`group_size`), B = X·M rows,
 P padded prompt length, N = max_new_tokens, U microbatches of b rows per minibatch.
@@ -174,33 +175,22 @@ def grpo_loss(
     return jnp.where(mask, w_BxN * loss_BxN, 0.0).sum(), metrics
 
 
-# ---- sharding
+# ---- sharding: the ES layout (`esroll.sharding`), one layer gathered at a time
 
 
-def fsdp_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    """Split the largest dimension divisible by the mesh size over "data"; replicate leaves that have none."""
-    dims = [d for d in range(len(shape)) if shape[d] % mesh.size == 0 and shape[d] >= mesh.size]
-    if not dims:
-        return parallel.replicated(mesh)
-    spec = [None] * len(shape)
-    spec[max(dims, key=lambda d: shape[d])] = parallel.AXIS
-    return NamedSharding(mesh, PartitionSpec(*spec))
-
-
-def _constrain_fsdp(mesh: Mesh, tree):
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, fsdp_sharding(mesh, x.shape)), tree)
+def _gather(mesh: Mesh, tree: dict) -> dict:
+    """The top-level leaves (embedding, head, final norm) as a forward pass uses them: laid out by the compute rules
+    (FSDP's all-gather over "data"; still split over "model")."""
+    return jax.lax.with_sharding_constraint(tree, sharding.compute_shardings(mesh, tree))
 
 
 def _gather_layer(mesh: Mesh, layer: dict) -> dict:
-    """One layer's weights (inside the model's scan over layers) pinned to their FSDP shards, then all-gathered.
-    The first constraint's transpose is what matters in the backward pass: it returns the layer's gradient
-    reduce-scattered to the shards, so the scan never builds a full replicated gradient of every layer."""
-    return _gather(mesh, _constrain_fsdp(mesh, layer))
-
-
-def _gather(mesh: Mesh, tree):
-    """The full (replicated) parameters for a forward pass: FSDP's all-gather."""
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, parallel.replicated(mesh)), tree)
+    """One layer's weights (inside the model's scan over layers) pinned to their master shards, then gathered over
+    "data" into the compute layout. The first constraint's transpose is what matters in the backward pass: it returns
+    the layer's gradient reduce-scattered to the master shards, so the scan never builds a full gradient of every
+    layer."""
+    layer = jax.lax.with_sharding_constraint(layer, sharding.master_shardings(mesh, layer, layer=True))
+    return jax.lax.with_sharding_constraint(layer, sharding.compute_shardings(mesh, layer, layer=True))
 
 
 # ---- one optimizer step on one minibatch
@@ -209,6 +199,17 @@ def _gather(mesh: Mesh, tree):
 class GRPOState(NamedTuple):
     opt_state: Any
     ref_params: dict | None  # the frozen initial policy; None when beta = 0 (no reference forward at all)
+
+
+def state_shardings(grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, params) -> GRPOState:
+    """Where a GRPO state lives: the optimizer moments like the master weights they mirror, the reference policy like
+    the masters, step counts replicated."""
+    from esroll.config import make_optimizer  # esroll.config imports this module
+
+    optimizer = make_optimizer(optim)
+    masters = sharding.master_shardings(mesh, params)
+    abstract = jax.eval_shape(optimizer.init, params)
+    return GRPOState(sharding.state_shardings(mesh, optimizer, abstract, masters), masters if grpo.beta > 0 else None)
 
 
 class Rollouts(NamedTuple):
@@ -281,6 +282,8 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
+    # Not donated: on the 1.7B plan (v5e:2x2) donating params and state raised the update's temporaries from 4.7 to
+    # 11.2 GiB per chip (copies XLA inserts so that the scan over microbatches still reads the old masters).
     @jax.jit
     def update(params, state: GRPOState, batch: Rollouts, on_policy: Array):
         def accumulate(grads, micro: Rollouts):
@@ -291,6 +294,11 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
         grads, metrics_U = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         params = optax.apply_updates(params, updates)
+        masters = sharding.master_shardings(mesh, params)  # out in the layout they came in: one compilation
+        params = jax.lax.with_sharding_constraint(params, masters)
+        opt_state = jax.lax.with_sharding_constraint(
+            opt_state, sharding.state_shardings(mesh, optimizer, opt_state, masters)
+        )
         metrics = {
             "loss": metrics_U["loss"].sum(),
             "kl": metrics_U["kl"].mean(),
@@ -298,7 +306,7 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
             "entropy": metrics_U["entropy_sum"].sum() / jnp.maximum(metrics_U["tokens"].sum(), 1.0),
             "grad_norm": optax.tree.norm(grads),
         }
-        return _constrain_fsdp(mesh, params), _constrain_fsdp(mesh, state._replace(opt_state=opt_state)), metrics
+        return params, state._replace(opt_state=opt_state), metrics
 
     return update
 
@@ -316,7 +324,9 @@ def pad_rows(x_Uxb: np.ndarray, rows: int) -> np.ndarray:
 
 def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_device: int | None = None) -> Method:
     """The GRPO method; sampling decodes `rows_per_device` rows per device at once (as `esroll.plan` chose them),
-    else `parallel.rows_per_device` (0: all of a device's share)."""
+    else `parallel.rows_per_device` (0: all of a device's share). `step` expects the masters as `esroll.task.load_task`
+    places them on `mesh` and the state as `init` (or a restore into its layout) leaves it; the update returns both in
+    that layout, so it compiles once."""
     g = cfg.grpo
     X, M = cfg.train.prompts_per_step, g.group_size
     n_mini, n_micro = g.minibatches, g.microbatches
@@ -324,9 +334,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     data = parallel.data_size(mesh)
     b_padded = -(-b // data) * data  # masked rows make each microbatch split evenly over the data axis
     shape_advantages = advantages.get(g.advantage)
-    replicate = sharding.caster(mesh, cfg.model.dtype)  # the decoding copy (model.dtype) of the masters
-    # The trainer hands over replicated trees after init and restore: shard them first, so `update` compiles once.
-    shard = jax.jit(functools.partial(_constrain_fsdp, mesh))
+    to_compute = sharding.caster(mesh, cfg.model.dtype)  # the decoding copy (model.dtype) of the masters
     micro_rows = NamedSharding(mesh, PartitionSpec(None, parallel.AXIS))
     sample_key = jax.random.key(cfg.seed + 1)
     rows_per_device = rows_per_device or cfg.parallel.rows_per_device
@@ -342,15 +350,14 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         def make(p):
             return GRPOState(optimizer.init(p), p if g.beta > 0 else None)
 
-        layout = jax.tree.map(lambda a: fsdp_sharding(mesh, a.shape), jax.eval_shape(make, params))
-        return jax.jit(make, out_shardings=layout)(params)  # on the mesh, FSDP-sharded like the update leaves it
+        return jax.jit(make, out_shardings=state_shardings(g, cfg.optimizer, mesh, params))(params)
 
     def step(params, state: GRPOState, examples: list[Example], step_index: int):
         # M completions per prompt; rows are prompt-major (row x·M + j answers prompt x).
         out = rollout(
             task,
             mesh,
-            replicate(params),
+            to_compute(params),
             examples,
             np.repeat(np.arange(X), M),
             jax.random.fold_in(sample_key, step_index),
@@ -378,7 +385,6 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             )
 
         minibatches = [minibatch(m) for m in range(n_mini)]
-        params, state = shard((params, state))
         history = []
         for iteration in range(g.inner_iterations):
             for m, batch in enumerate(minibatches):

@@ -300,7 +300,7 @@ def plan_grpo(
     eos_ids: tuple[int, ...] = (0,),
     shrink: bool = True,
 ) -> Plan:
-    """Compile a GRPO step of `cfg` for `mesh` and measure it: the cast of the FSDP-sharded masters to the decoding
+    """Compile a GRPO step of `cfg` for `mesh` and measure it: the cast of the sharded masters to the decoding
     copy, sampling the step's X·G completions (`generate`, in chunks as for ES), one optimizer update on one minibatch
     (`esroll.grpo.make_update`: gradient accumulated over its microbatches), and evaluation's `generate`."""
     from esroll import grpo
@@ -308,16 +308,15 @@ def plan_grpo(
 
     t = _Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
     g = cfg.grpo
-    params = _abstract(
-        t.shapes, cfg.model.master_dtype, jax.tree.map(lambda x: grpo.fsdp_sharding(mesh, x.shape), t.shapes)
-    )
+    params = _abstract(t.shapes, cfg.model.master_dtype, sharding.master_shardings(mesh, t.shapes))
     optimizer = make_optimizer(cfg.optimizer)
 
     def make_state(p):
         return grpo.GRPOState(optimizer.init(p), p if g.beta > 0 else None)
 
-    abstract_state = jax.eval_shape(make_state, params)
-    state = _with_shardings(abstract_state, jax.tree.map(lambda a: grpo.fsdp_sharding(mesh, a.shape), abstract_state))
+    state = _with_shardings(
+        jax.eval_shape(make_state, params), grpo.state_shardings(g, cfg.optimizer, mesh, params)
+    )
     resident = t.resident(params, state)
     masters_and_state = resident["masters"] + resident["optimizer state"]
     rows, N = cfg.train.prompts_per_step * g.group_size, cfg.train.max_new_tokens

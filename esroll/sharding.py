@@ -10,8 +10,9 @@ rule table maps names to mesh axes, with flax's `logical_to_mesh_axes`:
              compute rules plus the hidden ("embed") dimension split over "data" (FSDP / ZeRO-3: no device holds more
              than 1/devices of the master weights or of the Adam moments).
 
-A dimension whose size the mesh axis does not divide stays unsplit (e.g. 8 KV heads on a model axis of 16), and an
-axis of size 1 is dropped, so a (n, 1) mesh gives plain replicated compute parameters. Low-rank factors of a
+A dimension whose size the mesh axis does not divide stays unsplit (e.g. a 97-token vocabulary on a model axis of 2;
+the test is on the dimension's size, so 8 KV heads of 128 on a model axis of 16 do split, half a head per device),
+and an axis of size 1 is dropped, so a (n, 1) mesh gives plain replicated compute parameters. Low-rank factors of a
 perturbation follow their weight: a [L, M, I, R] splits I as the weight's input dimension, b [L, M, O, R] O as its
 output dimension; the member and rank axes are never split.
 """
@@ -57,9 +58,10 @@ COMPUTE_RULES = (("heads", MODEL), ("kv_heads", MODEL), ("mlp", MODEL), ("vocab"
 MASTER_RULES = (*COMPUTE_RULES, ("embed", DATA))
 
 
-def leaf_spec(mesh: Mesh, name: str, shape: tuple[int, ...], rules) -> PartitionSpec:
-    """The PartitionSpec of leaf `name` of `shape` under `rules`, keeping only splits the mesh axis divides."""
-    logical = LOGICAL.get(name, (None,) * len(shape))
+def leaf_spec(mesh: Mesh, name: str, shape: tuple[int, ...], rules, layer: bool = False) -> PartitionSpec:
+    """The PartitionSpec of leaf `name` of `shape` under `rules`, keeping only splits the mesh axis divides. With
+    `layer`, the leaf is one layer's slice of a stacked leaf (its logical axes without the leading "layers")."""
+    logical = LOGICAL.get(name, (None,) * (len(shape) + layer))[layer:]
     if len(logical) != len(shape):
         raise ValueError(f"parameter {name!r} has shape {shape}, expected {len(logical)} dimensions")
     spec = nn.logical_to_mesh_axes(logical, rules)
@@ -74,18 +76,19 @@ def _map_named(fn, tree: dict) -> dict:
     return jax.tree_util.tree_map_with_path(lambda path, x: fn(path[-1].key, x), tree)
 
 
-def _shardings(mesh: Mesh, params: dict, rules) -> dict:
-    return _map_named(lambda name, x: NamedSharding(mesh, leaf_spec(mesh, name, tuple(x.shape), rules)), params)
+def _shardings(mesh: Mesh, params: dict, rules, layer: bool) -> dict:
+    return _map_named(lambda name, x: NamedSharding(mesh, leaf_spec(mesh, name, tuple(x.shape), rules, layer)), params)
 
 
-def compute_shardings(mesh: Mesh, params: dict) -> dict:
-    """Shardings of the decoding copy of `params` (arrays or ShapeDtypeStructs): see the module docstring."""
-    return _shardings(mesh, params, COMPUTE_RULES)
+def compute_shardings(mesh: Mesh, params: dict, *, layer: bool = False) -> dict:
+    """Shardings of the decoding copy of `params` (arrays or ShapeDtypeStructs): see the module docstring. With
+    `layer`, `params` is one layer's weights (a slice of `params[STACKED]`, as inside a scan over layers)."""
+    return _shardings(mesh, params, COMPUTE_RULES, layer)
 
 
-def master_shardings(mesh: Mesh, params: dict) -> dict:
-    """Shardings of the master parameters (and of the optimizer state that mirrors them)."""
-    return _shardings(mesh, params, MASTER_RULES)
+def master_shardings(mesh: Mesh, params: dict, *, layer: bool = False) -> dict:
+    """Shardings of the master parameters (and of the optimizer state that mirrors them); `layer` as above."""
+    return _shardings(mesh, params, MASTER_RULES, layer)
 
 
 def delta_shardings(mesh: Mesh, deltas: dict, params: dict) -> dict:

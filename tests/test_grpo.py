@@ -4,12 +4,15 @@ completion log-probabilities) leave loss and gradient unchanged, and masked padd
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import PartitionSpec
 
 from configs.default import get_config
 from esroll import parallel
@@ -44,10 +47,11 @@ EIGHT = dict(microbatches=2, remat="dots", logprob_chunk=2)
 ONE = dict(remat="none", logprob_chunk=0)
 
 
-def strict_quick(grpo: dict | None = None, **train_overrides):
+def strict_quick(grpo: dict | None = None, model: int = 1, **train_overrides):
     """grpo_quick with ε_low = ε_high = 0, so that any ratio ρ ≠ 1 clips. With μ = 1 and one minibatch every update
-    is on-policy, so training is unchanged."""
-    return quick_config("grpo_quick", grpo={"epsilon_low": 0.0, "epsilon_high": 0.0, **(grpo or {})}, **train_overrides)
+    is on-policy, so training is unchanged. `model`: the mesh's model axis (`parallel.model`)."""
+    cfg = quick_config("grpo_quick", grpo={"epsilon_low": 0.0, "epsilon_high": 0.0, **(grpo or {})}, **train_overrides)
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, model=model))
 
 
 def hand_built(seed=0):
@@ -135,28 +139,28 @@ def test_kl_is_zero_when_policy_equals_reference():
 
 def test_first_update_has_ratio_exactly_one():
     """μ = 1, one minibatch: nothing clips even at ε = 0, the gradient flows, the KL to the (equal) reference is zero,
-    and parameters, optimizer state and reference come back sharded over the 8 devices. (Taking π_old from
+    and parameters, optimizer state and reference come back split over the 8 devices of a 4 × 2 mesh. (Taking π_old from
     generate's KV-cache log-probabilities, ~1e-6 off a full forward, instead clips 7% of this batch's tokens at ε = 0
     and cuts the gradient norm tenfold: measured once, by hand.)"""
-    cfg = strict_quick(EIGHT)
+    cfg = strict_quick(EIGHT, 2)
     assert cfg.grpo.inner_iterations == cfg.grpo.minibatches == 1 and cfg.grpo.beta > 0
     train, held_out = make_splits(cfg.data)
-    task, params = load_task(cfg, train, held_out)
-    mesh = parallel.make_mesh(8)
+    mesh = parallel.make_mesh(8, model=2)
+    task, params = load_task(cfg, train, held_out, mesh)
     method = make_grpo_method(cfg, task, mesh)
-    params = parallel.put_replicated(mesh, params)
-    state = parallel.put_replicated(mesh, method.init(params, jax.random.key(0)))
+    state = method.init(params, jax.random.key(0))
     examples = get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, 0)
     new_params, state, metrics, _ = method.step(params, state, examples, 0)
     assert 0 < metrics["fitness_mean"] < 1 and metrics["frac_groups_all_equal"] < 1  # some advantage is nonzero
     assert float(metrics["clip_fraction"]) == 0.0 and float(metrics["grad_norm"]) > 0
     assert abs(float(metrics["kl"])) < 1e-6
     for leaf in (new_params["layers"]["gate"], state.opt_state[1][0].mu["layers"]["gate"], state.ref_params["embed"]):
-        assert parallel.AXIS in leaf.sharding.spec and leaf.addressable_shards[0].data.size * 8 == leaf.size
+        assert {"data", "model"} <= set(leaf.sharding.spec) and leaf.addressable_shards[0].data.size * 8 == leaf.size
 
 
 def test_sharded_equals_unsharded(tmp_path):
-    """One step on 8 fake CPU devices (FSDP parameters and optimizer state, rows split; 2 microbatches, remat, chunked
+    """One step on 8 fake CPU devices as a 4 × 2 data × model mesh (masters and optimizer state split over both axes,
+    sampling and the update tensor-parallel over "model", rows split over "data"; 2 microbatches, remat, chunked
     log-probabilities) against
     1 device (1 microbatch, no remat): the same completions and rewards, the gradient norm to 1e-5 relative, and the
     parameters to 1e-7 wherever the gradient is not float noise. AdamW's first step is lr·g/(|g| + 1e-8), so an entry
@@ -166,8 +170,8 @@ def test_sharded_equals_unsharded(tmp_path):
     train = dict(steps=1, eval_every=100, checkpoint_every=100, export=False)
     cfg = strict_quick(ONE, **train)
     one = train_and_evaluate(cfg, tmp_path / "one", mesh_devices=1, progress=False)
-    eight = train_and_evaluate(strict_quick(EIGHT, **train), tmp_path / "eight", mesh_devices=8, progress=False)
-    assert parallel.AXIS in eight["params"]["layers"]["up"].sharding.spec
+    eight = train_and_evaluate(strict_quick(EIGHT, 2, **train), tmp_path / "eight", mesh_devices=8, progress=False)
+    assert eight["params"]["layers"]["up"].sharding.spec == PartitionSpec(None, "data", "model")
     _, initial = load_hf(cfg.model.path)
     compared = 0
     for before, x, y in zip(*(jax.tree.leaves(p) for p in (initial, one["params"], eight["params"]))):
@@ -184,7 +188,8 @@ def test_sharded_equals_unsharded(tmp_path):
 
 
 def test_resume_is_exact(tmp_path):
-    steps = check_exact_resume(strict_quick(EIGHT, steps=4, checkpoint_every=2, eval_every=2), tmp_path)
+    """On the 4 × 2 mesh of test_sharded_equals_unsharded (its compiled programs)."""
+    steps = check_exact_resume(strict_quick(EIGHT, 2, steps=4, checkpoint_every=2, eval_every=2), tmp_path)
     keys = {
         "fitness_mean",
         "fitness_std",
@@ -280,17 +285,20 @@ def test_entropy_is_that_of_the_full_softmax(tiny, chunk):
     np.testing.assert_allclose(np.asarray(logp), np.asarray(ref_logp), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("tiny", ["untied"], indirect=True)  # the head plays no part in padding: one model will do
-def test_padded_microbatch_gives_the_same_update(tiny):
-    """6 rows per microbatch (2 microbatches) on a 4-device data axis, padded by `pad_rows` to 8, against the same
-    6 rows on 1 device: the same parameters after one optimizer step, loss and metrics (β > 0, off-policy ratios).
+@pytest.mark.parametrize("tiny", ["untied"], indirect=True)  # one model will do
+@pytest.mark.parametrize("data,model", [(4, 1), (8, 1), (4, 2), (2, 4)])
+def test_update_on_any_mesh_equals_one_device(tiny, data, model):
+    """6 rows per microbatch (2 microbatches) on a data × model mesh of fake devices, padded by `pad_rows` to a
+    multiple of the data axis (8 on 4 and 8 devices; none on 2), against the same 6 rows on 1 device: the same
+    parameters after one optimizer step, loss and metrics (β > 0, off-policy ratios). The masters and the optimizer
+    state come out split over "data" and, on a model axis, tensor-parallel over it (the decoding layout).
     Plain SGD at lr 1, so that the parameters' difference is the gradients' (AdamW's first step lr·g/(|g| + 1e-8)
     would magnify float noise in near-zero gradient entries, see test_sharded_equals_unsharded). They agree to 1e-5
     of the largest gradient entry: the float32 noise of splitting rows over devices at all (6 unpadded rows on 2
     devices differ from 1 device by as much, 3e-6 of it: measured once, by hand)."""
     cfg, params = tiny
     rng = np.random.default_rng(2)
-    U, b, padded = 2, 6, 8
+    U, b = 2, 6
     prompt, prompt_mask, completion, completion_mask = scored_rows(cfg.vocab_size, rows=U * b)
     logp_old = np.where(completion_mask, -rng.uniform(0.5, 5.0, completion_mask.shape), 0.0).astype(np.float32)
     advantage = rng.normal(size=U * b).astype(np.float32)
@@ -300,20 +308,60 @@ def test_padded_microbatch_gives_the_same_update(tiny):
     optim = OptimConfig(name="sgd", lr=1.0)  # new params = params - gradient: compares the gradients themselves
     reference = jax.tree.map(lambda x: x * 1.05, params)  # a KL term that is not zero
 
-    def one_step(devices: int, rows: int):
-        mesh = parallel.make_mesh(devices)
+    def one_step(mesh, rows: int):
         update = make_update(cfg, grpo, optim, mesh)
         state = GRPOState(make_optimizer(optim).init(params), reference)
         batch = Rollouts(*(pad_rows(x.reshape(U, b, *x.shape[1:]), rows) for x in fields))
-        new_params, _, metrics = update(params, state, batch, jnp.asarray(False))
-        return jax.device_get(new_params), jax.device_get(metrics)
+        return update(params, state, batch, jnp.asarray(False))
 
-    assert parallel.data_size(parallel.make_mesh(4)) == 4
-    unpadded, metrics = one_step(1, b)
-    padded_params, padded_metrics = one_step(4, padded)
+    padded = -(-b // data) * data
+    unpadded, _, metrics = jax.device_get(one_step(parallel.make_mesh(1), b))
+    new_params, _, sharded_metrics = one_step(parallel.make_mesh(data * model, model=model), padded)
+    gate = new_params["layers"]["gate"]  # [L, D, I]: D over "data", I over "model"
+    assert gate.sharding.spec == (PartitionSpec(None, "data", "model") if model > 1 else PartitionSpec(None, "data"))
+    assert gate.addressable_shards[0].data.size * data * model == gate.size
     largest = max(float(np.abs(x - p).max()) for x, p in zip(jax.tree.leaves(unpadded), jax.tree.leaves(params)))
-    for x, y in zip(jax.tree.leaves(unpadded), jax.tree.leaves(padded_params), strict=True):
+    for x, y in zip(jax.tree.leaves(unpadded), jax.tree.leaves(jax.device_get(new_params)), strict=True):
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * largest)
     for key in ("loss", "kl", "clip_fraction", "grad_norm", "entropy"):
-        np.testing.assert_allclose(padded_metrics[key], metrics[key], rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose(sharded_metrics[key], metrics[key], rtol=1e-5, err_msg=key)
     assert float(metrics["grad_norm"]) > 0 and float(metrics["kl"]) > 0 and float(metrics["entropy"]) > 0
+
+
+def test_float32_masters_keep_small_updates_of_a_bf16_model():
+    """The shipped model decoded in bfloat16: 10 GRPO steps of AdamW at lr 1e-6 (no weight decay) move >= 99% of the
+    float32 master entries that received a non-zero gradient (Adam's second moment > 0: embedding rows of tokens never
+    seen receive none). bfloat16 masters, as the baseline once had, keep most of them: an update of ~lr is below half
+    a bfloat16 spacing of most weights, so it rounds away."""
+
+    def changed_fraction(master_dtype: str) -> float:
+        cfg = quick_config("grpo_quick", grpo={"beta": 0.0}, steps=10)
+        cfg = dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(cfg.model, dtype="bfloat16", master_dtype=master_dtype),
+            optimizer=dataclasses.replace(cfg.optimizer, lr=1e-6, weight_decay=0.0),
+        )
+        train, held_out = make_splits(cfg.data)
+        mesh = parallel.make_mesh(1)
+        task, params = load_task(cfg, train, held_out, mesh)
+        initial = jax.device_get(params)
+        method = make_grpo_method(cfg, task, mesh)
+        state = method.init(params, jax.random.key(0))
+        for step in range(cfg.train.steps):
+            examples = get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, step)
+            params, state, _, _ = method.step(params, state, examples, step)
+        moved = graded = 0
+        for before, after, nu in zip(
+            jax.tree.leaves(initial),
+            jax.tree.leaves(jax.device_get(params)),
+            jax.tree.leaves(jax.device_get(optax.tree.get(state.opt_state, "nu"))),
+            strict=True,
+        ):
+            assert after.dtype == np.dtype(master_dtype)
+            moved += np.sum((after != before) & (nu > 0))
+            graded += np.sum(nu > 0)
+        assert graded > 0.5 * sum(x.size for x in jax.tree.leaves(initial))
+        return moved / graded
+
+    assert changed_fraction("float32") >= 0.99  # 0.99987 measured
+    assert changed_fraction("bfloat16") < 0.5  # 0.017 measured

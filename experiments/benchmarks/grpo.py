@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from configs.default import get_config
-from esroll import parallel
+from esroll import parallel, sharding
 from esroll.config import from_config_dict
 from esroll.data import get_batch, make_splits, score
 from esroll.grpo import make_grpo_method
@@ -38,8 +38,8 @@ def _esroll_stepper(cfg, task, params, train):
     """A function running esroll's GRPO step `i` to completion; returns (seconds, completion tokens)."""
     mesh = parallel.make_mesh(1)
     method = make_grpo_method(cfg, task, mesh)
-    params = parallel.put_replicated(mesh, params)
-    carry = [params, parallel.put_replicated(mesh, method.init(params, jax.random.key(cfg.seed)))]
+    params = sharding.place(params, sharding.master_shardings(mesh, params))  # the trainer's layout (`load_task`)
+    carry = [params, method.init(params, jax.random.key(cfg.seed))]
 
     def run(i: int) -> tuple[float, int]:
         start = time.perf_counter()
