@@ -1,10 +1,14 @@
-"""GRPO training throughput: esroll's GRPO step against TRL's `GRPOTrainer`, same model, prompts, reward and settings.
+"""GRPO training throughput: esroll's GRPO step against TRL's `GRPOTrainer`, same weights, prompts, reward and settings.
 
 A step is everything: sampling G completions per prompt, rewards, advantages and one clipped-AdamW update. The
-figure is completion tokens per second of esroll over TRL, after warm-up steps (compilation excluded). Both run in
-this process on the shipped tiny model with the `configs/default.py:grpo` settings, one esroll step after each TRL
-step (from a TRL callback), so that both see the same machine load. `--model` and `--dtype` do not apply.
-TRL is optional (`pip install trl`); without it the figure is None, with the reason.
+figure is completion tokens per second of esroll over TRL. The model is a random Qwen3 of the "mid" shape (hidden
+1024; "quick" under --quick; --model picks another) with the `_idtask` prompts and reward, so that every completion
+has exactly the configured number of tokens on both sides (`_idtask.GRPO_SIZES`: 8 prompts × 8 completions, 64 new
+tokens). All run in this process: after each TRL step (from a TRL callback), one esroll step with one device per
+core (as the trainers run) and one on a single device, so that all see the same machine load. TRL's steps alternate
+between one intra-op thread per core and a single thread (on a shared machine its multi-threaded kernels can
+stall), and its faster setting counts. Figures are medians over the timed steps. TRL is optional (the `bench`
+extra); without it the figure is None, with the reason.
 """
 
 from __future__ import annotations
@@ -13,85 +17,53 @@ import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
-import jax
 import numpy as np
 
-from configs.default import get_config
-from esroll import parallel, sharding
-from esroll.config import from_config_dict
-from esroll.data import get_batch, make_splits, score
-from esroll.grpo import make_grpo_method
-from esroll.task import load_task
-
-REPO = Path(__file__).resolve().parents[2]
+from esroll import parallel
+from experiments.benchmarks import _idtask
+from experiments.benchmarks._shapes import shape_name
 
 
-def _config():
-    cd = get_config("grpo")
-    cd.model.path = str(REPO / cd.model.path)
-    return from_config_dict(cd.to_dict())
-
-
-def _esroll_stepper(cfg, task, params, train):
-    """A function running esroll's GRPO step `i` to completion; returns (seconds, completion tokens)."""
-    mesh = parallel.make_mesh(1)
-    method = make_grpo_method(cfg, task, mesh)
-    params = sharding.place(params, sharding.master_shardings(mesh, params))  # the trainer's layout (`load_task`)
-    carry = [params, method.init(params, jax.random.key(cfg.seed))]
-
-    def run(i: int) -> tuple[float, int]:
-        start = time.perf_counter()
-        examples = get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, i)
-        params, state, metrics, n_tokens = method.step(*carry, examples, i)
-        jax.block_until_ready((params, state, metrics))
-        carry[:] = [params, state]
-        return time.perf_counter() - start, n_tokens
-
-    return run
-
-
-def _trl_interleaved(cfg, task, train, steps: int, folder: str, ours) -> dict[str, list]:
-    """Train TRL for `steps` steps; after each, run `ours(i)` once, so both sides see the same machine load."""
+def _trl_interleaved(cfg, folder: str, batches, steps: int, steppers: dict) -> dict[str, list]:
+    """Train TRL for `steps` steps, alternating its thread count; after each, run every esroll stepper once."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    P, G = cfg.train.prompts_per_step, cfg.grpo.group_size
-    rows = [e for step in range(steps) for e in get_batch(train, P, cfg.data.seed, step)]
-    texts = [task.tokenizer.decode(ids) for ids in task.prompt_ids(rows)]
-    dataset = Dataset.from_dict({"prompt": texts, "row": list(range(len(rows)))})
+    X, G = cfg.train.prompts_per_step, cfg.grpo.group_size
+    dataset = Dataset.from_dict({"prompt": [p for batch in batches for p in batch]})
+    cores = len(os.sched_getaffinity(0))
+    log = {"trl_s": [], "trl_threads": [], "trl_tokens": []} | {f"{k}_{v}": [] for k in steppers for v in ("s", "tokens")}
 
-    def reward(prompts, completions, row, **_):
-        return [score(rows[i], c) for i, c in zip(row, completions)]
-
-    log = {"trl_s": [], "trl_tokens": [], "ours_s": [], "ours_tokens": []}
+    def reward(prompts, completions, **_):
+        log["trl_tokens"].append(sum(len(c.split()) for c in completions))
+        return _idtask.reward_from_text(completions)
 
     class Interleave(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            threads = cores if state.global_step % 2 == 0 else 1
+            torch.set_num_threads(threads)
+            log["trl_threads"].append(threads)
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             log["trl_s"].append(time.perf_counter() - self.start)
-            seconds, tokens = ours(len(log["ours_s"]))
-            log["ours_s"].append(seconds)
-            log["ours_tokens"].append(tokens)
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
-                log["trl_tokens"].append(round(logs["completions/mean_length"] * P * G))
+            for side, run in steppers.items():
+                seconds, tokens = run(len(log[f"{side}_s"]))
+                log[f"{side}_s"].append(seconds)
+                log[f"{side}_tokens"].append(tokens)
 
     args = GRPOConfig(
-        output_dir=folder,
+        output_dir=os.path.join(folder, "trl"),
         use_cpu=True,
         report_to="none",
         save_strategy="no",
         logging_steps=1,
         disable_tqdm=True,
         max_steps=steps,
-        per_device_train_batch_size=P * G,
+        per_device_train_batch_size=X * G,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         num_generations=G,
@@ -113,13 +85,12 @@ def _trl_interleaved(cfg, task, train, steps: int, folder: str, ours) -> dict[st
         shuffle_dataset=False,
         seed=cfg.seed,
     )
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
     trainer = GRPOTrainer(
-        model=model,
+        model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
         reward_funcs=reward,
         args=args,
         train_dataset=dataset,
-        processing_class=task.tokenizer,
+        processing_class=AutoTokenizer.from_pretrained(folder),
         callbacks=[Interleave()],
     )
     trainer.remove_callback(PrinterCallback)  # it prints every step's log dict when tqdm is disabled
@@ -128,41 +99,61 @@ def _trl_interleaved(cfg, task, train, steps: int, folder: str, ours) -> dict[st
 
 
 def grpo_step_vs_trl(args) -> dict:
-    """Completion tokens/s of a full GRPO step, esroll over TRL, both after `warmup` untimed steps."""
+    """Completion tokens/s of a full GRPO step, esroll over TRL at its faster thread count, after warm-up steps."""
     try:
         import torch
         import trl
     except ImportError as e:
-        return {"grpo_step_vs_trl": None, "reason": f"TRL is not installed ({e}); pip install trl"}
-    torch.set_num_threads(os.cpu_count())
-    warmup, timed = (1, 3) if args.quick else (2, 10)
-    cfg = _config()
-    train, held_out = make_splits(cfg.data)
-    task, params = load_task(cfg, train, held_out)
-    ours = _esroll_stepper(cfg, task, params, train)
+        return {"grpo_step_vs_trl": None, "reason": f"TRL is not installed ({e}); pip install -e '.[bench]'"}
+    X, G, n, prompt_len, warmup, timed = _idtask.GRPO_SIZES["quick" if args.quick else "full"]
+    warmup, timed = warmup + 1, timed + timed % 2  # each thread count warms up, and is timed as often
+    name = shape_name(args)
+    steps = warmup + timed
     with tempfile.TemporaryDirectory() as folder:
-        log = _trl_interleaved(cfg, task, train, warmup + timed, folder, ours)
-    ours_s, ours_tok, trl_s, trl_tok = (log[k][warmup:] for k in ("ours_s", "ours_tokens", "trl_s", "trl_tokens"))
-    ours_tps, trl_tps = sum(ours_tok) / sum(ours_s), sum(trl_tok) / sum(trl_s)
-    rows = cfg.train.prompts_per_step * cfg.grpo.group_size
+        model_cfg, params = _idtask.save_model(folder, name)
+        cfg = _idtask.grpo_config(folder, X, G, n)
+        batches = [_idtask.prompts(model_cfg.vocab_size, X, prompt_len, seed=i) for i in range(steps)]
+        mesh = parallel.make_mesh()  # esroll as its trainers run: one device per core; and on one device
+        steppers = {
+            "ours": _idtask.grpo_stepper(cfg, model_cfg, params, batches, prompt_len, mesh),
+            "ours_1device": _idtask.grpo_stepper(cfg, model_cfg, params, batches, prompt_len, parallel.make_mesh(1)),
+        }
+        log = _trl_interleaved(cfg, folder, batches, steps, steppers)
+    timed_steps = range(warmup, steps)
+    ours_tps, ours_1device = (
+        statistics.median(log[f"{side}_tokens"][i] / log[f"{side}_s"][i] for i in timed_steps) for side in steppers
+    )
+    trl_tps = {
+        threads: statistics.median(
+            log["trl_tokens"][i] / log["trl_s"][i] for i in timed_steps if log["trl_threads"][i] == threads
+        )
+        for threads in sorted(set(log["trl_threads"]))
+    }
+    best = max(trl_tps.values())
     return {
-        "grpo_step_vs_trl": ours_tps / trl_tps,
+        "grpo_step_vs_trl": ours_tps / best,
+        "grpo_step_vs_trl_1device": ours_1device / best,
         "esroll_tokens_per_s": ours_tps,
-        "trl_tokens_per_s": trl_tps,
-        "esroll_step_s_median": statistics.median(ours_s),
-        "trl_step_s_median": statistics.median(trl_s),
-        "esroll_mean_completion_tokens": float(np.mean(ours_tok)) / rows,
-        "trl_mean_completion_tokens": float(np.mean(trl_tok)) / rows,
-        "prompts": cfg.train.prompts_per_step,
-        "group_size": cfg.grpo.group_size,
-        "max_new_tokens": cfg.train.max_new_tokens,
+        "esroll_tokens_per_s_1device": ours_1device,
+        "trl_tokens_per_s": best,
+        **{f"trl_tokens_per_s_{t}threads": v for t, v in trl_tps.items()},
+        "esroll_step_s": [log["ours_s"][i] for i in timed_steps],
+        "esroll_step_s_1device": [log["ours_1device_s"][i] for i in timed_steps],
+        "trl_step_s": [log["trl_s"][i] for i in timed_steps],
+        "completion_tokens_per_step": log["ours_tokens"][warmup],
+        "trl_completion_tokens_per_step": log["trl_tokens"][warmup],
+        "shape": name,
+        "prompts": X,
+        "group_size": G,
+        "new_tokens": n,
+        "prompt_len": prompt_len,
         "timed_steps": timed,
         "warmup_steps": warmup,
+        "esroll_devices": mesh.size,
         "trl_version": trl.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "jax_devices": 1,
-        "model": "assets/tiny-qwen3-arith",
-        "timing": "completion tokens / wall time of full steps, the two sides alternating, after warm-up steps",
+        "torch_version": torch.__version__,
+        "unmatched": "esroll rematerialises each layer in the backward pass (its default); TRL does not",
+        "timing": "median completion tokens/s over timed steps, one esroll step on each mesh after each TRL step",
     }
 
 

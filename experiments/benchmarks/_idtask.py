@@ -1,0 +1,123 @@
+"""A token-id task at benchmark shapes, the same for esroll and its peers (Tunix, TRL).
+
+A random Qwen3 model of a named shape (`_shapes.SHAPES`, rope_theta 1e6 as real Qwen3 has) is saved with a
+word-level tokenizer whose words are the token ids themselves ("17" is token 17), so that a peer that only takes
+text (TRL, Tunix's sampler) sees exactly the ids esroll sees. Prompts are `prompt_len` random ids (all of one length:
+no padding anywhere), and the reward, computed alike from ids or from text, is the fraction of a completion's tokens
+whose id is even. The end-of-sequence token is one past the model's vocabulary, so it is never sampled: every
+completion is exactly `max_new_tokens` long on every side, and both sides do the same work.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from configs.default import get_config
+from esroll import sharding
+from esroll.config import ExperimentConfig, from_config_dict
+from esroll.data import Example
+from esroll.grpo import make_grpo_method
+from esroll.models import load_hf
+from esroll.task import Task
+from experiments.benchmarks._shapes import hf_config_kwargs
+
+PAD, EOS = "0", "<eos>"
+
+
+def save_model(folder: str | Path, name: str, seed: int = 0):
+    """Write the random model and its tokenizer to `folder`; returns (esroll ModelConfig, params)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(seed)
+    kwargs = hf_config_kwargs(name)
+    vocab = kwargs["vocab_size"]
+    hf_cfg = transformers.Qwen3Config(
+        **kwargs, rope_theta=1e6, max_position_embeddings=4096, initializer_range=0.1, eos_token_id=None
+    )
+    transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).save_pretrained(str(folder))
+    words = {str(i): i for i in range(vocab)} | {EOS: vocab}
+    tok = Tokenizer(models.WordLevel(words, unk_token=PAD))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS)
+    fast.save_pretrained(str(folder))
+    return load_hf(folder)
+
+
+def rope_theta(folder: str | Path) -> float:
+    """The saved config's rope theta (transformers >= 5 nests it under rope_parameters)."""
+    c = json.loads((Path(folder) / "config.json").read_text())
+    return float(c.get("rope_theta") or c["rope_parameters"]["rope_theta"])
+
+
+def prompts(vocab: int, count: int, prompt_len: int, seed: int = 0) -> list[str]:
+    """`count` prompts of `prompt_len` random ids in [1, vocab), as text ("5 17 33 ...")."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(map(str, rng.integers(1, vocab, prompt_len))) for _ in range(count)]
+
+
+def even_fraction(ids) -> float:
+    ids = np.asarray(ids)
+    return float(np.mean(ids % 2 == 0)) if ids.size else 0.0
+
+
+def reward_from_text(completions: list[str]) -> list[float]:
+    """The reward of completions given as text (TRL, Tunix)."""
+    return [even_fraction([int(w) for w in c.split() if w.isdigit()]) for c in completions]
+
+
+class IdTask(Task):
+    """`esroll.task.Task` over id prompts, rewarded by `even_fraction`."""
+
+    def rewards(self, examples, tokens, lengths):
+        return np.array([even_fraction(t[:n]) for t, n in zip(tokens, lengths)], np.float32)
+
+
+def make_task(model_cfg, prompt_len: int) -> IdTask:
+    def prompt_ids(examples: list[Example]) -> list[list[int]]:
+        return [[int(w) for w in e.prompt.split()] for e in examples]
+
+    return IdTask(model_cfg, None, prompt_ids, (model_cfg.vocab_size,), int(PAD), prompt_len)
+
+
+def examples(texts: list[str]) -> list[Example]:
+    return [Example(task="ids", prompt=t, answer="", solution="", target_text="") for t in texts]
+
+
+# ---- GRPO steps at these shapes (the peers' GRPO benchmarks)
+
+# (prompts per step, completions per prompt, new tokens, prompt length, warm-up steps, timed steps)
+GRPO_SIZES = {"quick": (2, 4, 8, 16, 1, 2), "full": (8, 8, 64, 32, 2, 8)}
+
+
+def grpo_config(folder: str, prompts: int, group: int, new_tokens: int) -> ExperimentConfig:
+    """`configs/default.py:grpo` (its AdamW, ε, temperature 1, per-layer remat, chunked log-probabilities) at this
+    batch, with μ = 1, β = 0, one minibatch and one microbatch: the settings the peers are run with."""
+    cd = get_config("grpo")
+    cd.model.path = str(folder)
+    cd.train.prompts_per_step, cd.train.max_new_tokens = prompts, new_tokens
+    cd.grpo.update(group_size=group, beta=0.0, inner_iterations=1, minibatches=1, microbatches=1, temperature=1.0)
+    return from_config_dict(cd.to_dict())
+
+
+def grpo_stepper(cfg: ExperimentConfig, model_cfg, params, batches: list[list[str]], prompt_len: int, mesh):
+    """run(i): esroll's GRPO step on prompt batch i, to completion, with the trainer's layout on `mesh`; returns
+    (seconds, completion tokens)."""
+    method = make_grpo_method(cfg, make_task(model_cfg, prompt_len), mesh)
+    carry = [sharding.place(params, sharding.master_shardings(mesh, params))]
+    carry.append(method.init(carry[0], jax.random.key(0)))
+
+    def run(i: int) -> tuple[float, int]:
+        start = time.perf_counter()
+        p, s, metrics, tokens = method.step(*carry, examples(batches[i]), i)
+        jax.block_until_ready((p, s, metrics))
+        carry[:] = [p, s]
+        return time.perf_counter() - start, tokens
+
+    return run
