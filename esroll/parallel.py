@@ -45,7 +45,7 @@ def maybe_initialize_distributed(enabled: bool) -> None:
         jax.distributed.initialize()  # cluster auto-detection (TPU pods, SLURM, ...)
 
 
-SMALL_MODEL_PARAMS = 100_000_000  # above this, one CPU device (see use_cpu_cores_as_devices)
+SMALL_MODEL_PARAMS = 20_000_000  # above this, one CPU device (see use_cpu_cores_as_devices)
 
 
 def use_cpu_cores_as_devices(model_params: int = 0) -> int:
@@ -56,9 +56,12 @@ def use_cpu_cores_as_devices(model_params: int = 0) -> int:
     well), so on a CPU host the trainers and benchmarks split rows over one device per core instead; `generate` then
     decodes each device's rows in its own loop (measured: 1.8 -> 2.1x transformers' speed on a 4-layer hidden-256
     model). A model of more than SMALL_MODEL_PARAMS parameters (`model_params`, 0 if unknown) keeps one device: its
-    GEMMs fill every core, and each device would hold its own copy of the weights (measured on 2 cores with
-    Qwen3-0.6B shapes in bfloat16: two devices made a steady ES step 1.3-1.7x slower and took 1.8x the peak memory). Call before JAX initialises its backends
-    (first thing in an entry script); it does not touch accelerators. Returns the count in effect (-1: left to JAX).
+    GEMMs fill every core, and each device would hold its own copy of the weights. Measured on 2 cores: with
+    Qwen3-0.6B shapes in bfloat16, two devices made a steady ES step 1.3-1.7x slower and took 1.8x the peak memory;
+    at the benchmarks' "mid" shape (hidden 1024, 2 layers, 34M parameters) greedy decoding of 64 rows ran 1.8-2.1x
+    faster on one device than split over two, while at hidden 256 (5M) the split is 1.15x faster. Call before JAX
+    initialises its backends (first thing in an entry script); it does not touch accelerators. Returns the count in
+    effect (-1: left to JAX).
     """
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return -1

@@ -314,9 +314,7 @@ def plan_grpo(
     def make_state(p):
         return grpo.GRPOState(optimizer.init(p), p if g.beta > 0 else None)
 
-    state = _with_shardings(
-        jax.eval_shape(make_state, params), grpo.state_shardings(g, cfg.optimizer, mesh, params)
-    )
+    state = _with_shardings(jax.eval_shape(make_state, params), grpo.state_shardings(g, cfg.optimizer, mesh, params))
     resident = t.resident(params, state)
     masters_and_state = resident["masters"] + resident["optimizer state"]
     rows, N = cfg.train.prompts_per_step * g.group_size, cfg.train.max_new_tokens

@@ -1,6 +1,7 @@
 """Benchmarks: one entry point, tables on stdout and figures by name in JSON.
 
     python -m experiments.bench [--quick] [--json PATH] [--only NAME[,NAME]] [--model SHAPE] [--dtype bfloat16]
+        [--grpo_remat none]
 
 Each benchmark measures a ratio in one run (this machine is shared and noisy: both sides run interleaved in the same
 process), never asserts a time. Benchmarks live in experiments/benchmarks/*.py, each exposing
@@ -44,6 +45,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--only", default="", help="comma-separated benchmark names (default: all, listed below)")
     parser.add_argument("--model", default="", help="a named real-model shape with random weights, e.g. qwen3-0.6b")
     parser.add_argument("--dtype", default="float32", help="parameter dtype of the benchmark models")
+    parser.add_argument(
+        "--grpo_remat", default="", help="esroll's grpo.remat in the GRPO benchmarks (default: the config's, 'full')"
+    )
     args = parser.parse_args(argv)
     parallel.use_cpu_cores_as_devices()  # generate_vs_hf splits rows over one device per core, as the trainers do
 
@@ -59,6 +63,7 @@ def main(argv=None) -> dict:
             "quick": args.quick,
             "model": args.model,
             "dtype": args.dtype,
+            "grpo_remat": args.grpo_remat,
             "time": time.time(),
         }
     }

@@ -96,13 +96,16 @@ def examples(texts: list[str]) -> list[Example]:
 GRPO_SIZES = {"quick": (2, 4, 8, 16, 1, 2), "full": (8, 8, 64, 32, 2, 8)}
 
 
-def grpo_config(folder: str, prompts: int, group: int, new_tokens: int) -> ExperimentConfig:
-    """`configs/default.py:grpo` (its AdamW, ε, temperature 1, per-layer remat, chunked log-probabilities) at this
-    batch, with μ = 1, β = 0, one minibatch and one microbatch: the settings the peers are run with."""
+def grpo_config(folder: str, prompts: int, group: int, new_tokens: int, remat: str = "") -> ExperimentConfig:
+    """`configs/default.py:grpo` (its AdamW, ε, temperature 1, per-layer remat unless `remat` says otherwise, chunked
+    log-probabilities) at this batch, with μ = 1, β = 0, one minibatch and one microbatch: the settings the peers are
+    run with."""
     cd = get_config("grpo")
     cd.model.path = str(folder)
     cd.train.prompts_per_step, cd.train.max_new_tokens = prompts, new_tokens
     cd.grpo.update(group_size=group, beta=0.0, inner_iterations=1, minibatches=1, microbatches=1, temperature=1.0)
+    if remat:
+        cd.grpo.remat = remat
     return from_config_dict(cd.to_dict())
 
 
@@ -121,3 +124,18 @@ def grpo_stepper(cfg: ExperimentConfig, model_cfg, params, batches: list[list[st
         return time.perf_counter() - start, tokens
 
     return run
+
+
+def grpo_context(name: str, cfg: ExperimentConfig, prompt_len: int, warmup: int, timed: int, mesh) -> dict:
+    """The settings a GRPO benchmark's JSON entry records beside its figures."""
+    return {
+        "shape": name,
+        "prompts": cfg.train.prompts_per_step,
+        "group_size": cfg.grpo.group_size,
+        "new_tokens": cfg.train.max_new_tokens,
+        "prompt_len": prompt_len,
+        "timed_steps": timed,
+        "warmup_steps": warmup,
+        "esroll_devices": mesh.size,
+        "grpo_remat": cfg.grpo.remat,
+    }

@@ -35,7 +35,9 @@ def _trl_interleaved(cfg, folder: str, batches, steps: int, steppers: dict) -> d
     X, G = cfg.train.prompts_per_step, cfg.grpo.group_size
     dataset = Dataset.from_dict({"prompt": [p for batch in batches for p in batch]})
     cores = len(os.sched_getaffinity(0))
-    log = {"trl_s": [], "trl_threads": [], "trl_tokens": []} | {f"{k}_{v}": [] for k in steppers for v in ("s", "tokens")}
+    log = {"trl_s": [], "trl_threads": [], "trl_tokens": []} | {
+        f"{k}_{v}": [] for k in steppers for v in ("s", "tokens")
+    }
 
     def reward(prompts, completions, **_):
         log["trl_tokens"].append(sum(len(c.split()) for c in completions))
@@ -111,7 +113,7 @@ def grpo_step_vs_trl(args) -> dict:
     steps = warmup + timed
     with tempfile.TemporaryDirectory() as folder:
         model_cfg, params = _idtask.save_model(folder, name)
-        cfg = _idtask.grpo_config(folder, X, G, n)
+        cfg = _idtask.grpo_config(folder, X, G, n, args.grpo_remat)
         batches = [_idtask.prompts(model_cfg.vocab_size, X, prompt_len, seed=i) for i in range(steps)]
         mesh = parallel.make_mesh()  # esroll as its trainers run: one device per core; and on one device
         steppers = {
@@ -142,17 +144,11 @@ def grpo_step_vs_trl(args) -> dict:
         "trl_step_s": [log["trl_s"][i] for i in timed_steps],
         "completion_tokens_per_step": log["ours_tokens"][warmup],
         "trl_completion_tokens_per_step": log["trl_tokens"][warmup],
-        "shape": name,
-        "prompts": X,
-        "group_size": G,
-        "new_tokens": n,
-        "prompt_len": prompt_len,
-        "timed_steps": timed,
-        "warmup_steps": warmup,
-        "esroll_devices": mesh.size,
+        **_idtask.grpo_context(name, cfg, prompt_len, warmup, timed, mesh),
         "trl_version": trl.__version__,
         "torch_version": torch.__version__,
-        "unmatched": "esroll rematerialises each layer in the backward pass (its default); TRL does not",
+        "unmatched": "esroll rematerialises each layer in the backward pass unless --grpo_remat=none (its default); "
+        "TRL does not",
         "timing": "median completion tokens/s over timed steps, one esroll step on each mesh after each TRL step",
     }
 

@@ -165,7 +165,7 @@ def grpo_step_vs_tunix(args) -> dict:
     name = shape_name(args)
     with tempfile.TemporaryDirectory() as folder:
         model_cfg, params = _idtask.save_model(folder, name)
-        cfg = _idtask.grpo_config(folder, X, G, n)
+        cfg = _idtask.grpo_config(folder, X, G, n, args.grpo_remat)
         tmesh = create_mesh((1, 1), ("fsdp", "tp"))
         with jax.set_mesh(tmesh):
             _, actor = _tunix_model(folder, mesh=tmesh)
@@ -246,19 +246,12 @@ def grpo_step_vs_tunix(args) -> dict:
         "tunix_step_s": log["tunix_s"][warmup:],
         "completion_tokens_per_step": log["ours_tokens"][warmup],
         "tunix_completion_tokens_per_step": log["tunix_tokens"][warmup],
-        "shape": name,
-        "prompts": X,
-        "group_size": G,
-        "new_tokens": n,
-        "prompt_len": prompt_len,
-        "timed_steps": timed,
-        "warmup_steps": warmup,
-        "esroll_devices": mesh.size,
+        **_idtask.grpo_context(name, cfg, prompt_len, warmup, timed, mesh),
         "tunix_devices": tmesh.size,
         "tunix_version": getattr(tunix, "__version__", "unknown"),
         "unmatched": "Tunix on a 1 × 1 mesh (as its CPU examples run), esroll on one device per core as its trainers "
-        "run (and on one device: the _1device figures); advantage std epsilon 1e-6 (Tunix) vs 1e-4; esroll rematerialises each layer in the backward pass (its "
-        "default), Tunix does not",
+        "run (and on one device: the _1device figures); advantage std epsilon 1e-6 (Tunix) vs 1e-4; esroll "
+        "rematerialises each layer in the backward pass unless --grpo_remat=none (its default), Tunix does not",
         "timing": "median completion tokens/s over timed steps, one Tunix step then one esroll step on each mesh, "
         "after warm-up",
     }
