@@ -201,6 +201,11 @@ class GRPOState(NamedTuple):
     ref_params: dict | None  # the frozen initial policy; None when beta = 0 (no reference forward at all)
 
 
+def init_state(grpo: GRPOConfig, optimizer, params) -> GRPOState:
+    """The optimizer state, and the parameters as the frozen reference policy when the KL term needs one (β > 0)."""
+    return GRPOState(optimizer.init(params), params if grpo.beta > 0 else None)
+
+
 def state_shardings(grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, params) -> GRPOState:
     """Where a GRPO state lives: the optimizer moments like the master weights they mirror, the reference policy like
     the masters, step counts replicated."""
@@ -347,9 +352,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     def init(params, key):
         del key  # sampling keys are fold_in(seed, step); nothing else is random
 
-        def make(p):
-            return GRPOState(optimizer.init(p), p if g.beta > 0 else None)
-
+        make = functools.partial(init_state, g, optimizer)
         return jax.jit(make, out_shardings=state_shardings(g, cfg.optimizer, mesh, params))(params)
 
     def step(params, state: GRPOState, examples: list[Example], step_index: int):

@@ -17,6 +17,7 @@ config, the prompt length from the caller (the trainer knows it from the data: i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import time
@@ -309,11 +310,7 @@ def plan_grpo(
     t = _Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
     g = cfg.grpo
     params = _abstract(t.shapes, cfg.model.master_dtype, sharding.master_shardings(mesh, t.shapes))
-    optimizer = make_optimizer(cfg.optimizer)
-
-    def make_state(p):
-        return grpo.GRPOState(optimizer.init(p), p if g.beta > 0 else None)
-
+    make_state = functools.partial(grpo.init_state, g, make_optimizer(cfg.optimizer))
     state = _with_shardings(jax.eval_shape(make_state, params), grpo.state_shardings(g, cfg.optimizer, mesh, params))
     resident = t.resident(params, state)
     masters_and_state = resident["masters"] + resident["optimizer state"]

@@ -18,7 +18,6 @@ import statistics
 import tempfile
 import time
 
-import numpy as np
 
 from esroll import parallel
 from experiments.benchmarks import _idtask
