@@ -4,8 +4,13 @@
         [--config.methods=looroll,eggroll,grpo,looroll_r8] [--config.seeds="(0, 1, 2, 3, 4)"]
 
 Each method trains once per seed for `time_budget_s` seconds of training wall time (evaluation excluded); seed k sets
-data.seed and seed to k for every method. Rerunning with the same --workdir skips finished runs and resumes the
-interrupted one. Outputs in the workdir: accuracy_vs_time.png, results.md, results.csv, runs.csv.
+`seed` (the noise) and `data.order_seed` (the batch order) to k for every method, never the data or its split; the
+methods' order rotates from seed to seed. Rerunning with the same --workdir skips finished runs and resumes the
+interrupted one. Outputs in the workdir: accuracy_vs_time.png, views.png, results.md, results.csv, runs.csv.
+
+With `tuning.seeds` set (the tuned protocol, `esroll.compare.Tuning`), each method is first tuned: `tuning.runs`
+settings (its own and draws from `tuning.space`), each on every tuning seed for `tuning.time_budget_s`, scored by
+validation AUC (`experiment.data.validation_size` > 0); the best is run on `seeds` and scored on the test split.
 
 The method configs are derived from the training configs, so they stay in sync: the base experiment is the looroll
 config, and every other method's overrides are exactly where its training config differs from it (e.g. grpo is
@@ -16,6 +21,12 @@ Variants:
   default (no argument)  The tiny shipped model on 2-digit addition, 2 CPU cores: 3 methods × 3 seeds × 150 s, 27
                          minutes with evaluation and warm-up (measured). Measured results: docs/compare_results.md.
   quick                  Seconds per run, for the test suite (looroll and eggroll, 2 seeds).
+  tuned                  The tuned protocol on the default task: looroll, eggroll, looroll_r8, grpo; 4 settings × 2
+                         tuning seeds × 60 s, then 5 evaluation seeds × 120 s: ~1.6 h on 2 CPU cores (planned from
+                         the step rates; not yet run to the end).
+  tuned_quick            The tuned protocol in seconds (looroll and grpo), for the test suite.
+  es_fall                Why untuned LOO-ROLL falls after its peak: lr 1e-3 (its default) vs 3e-4, vs cosine-decayed,
+                         vs σ 0.0025; 3 seeds × 120 s (~30 min on 2 CPU cores).
   gsm8k_qwen3_<size>     GSM8K with Qwen3 <size> in 0.6b, 1.7b, 4b, 8b (configs/gsm8k_qwen3.py, whose docstring gives
                          the flags for model and data paths). Hardware: 0.6b and 1.7b on one 80 GB GPU (H100/H200),
                          1 h per run (9 h for 3 × 3); 4b on 4-8 GPUs and 8b on 8 GPUs, 2 h per run.
@@ -30,6 +41,9 @@ METHODS = ("looroll", "eggroll", "grpo")
 VARIANTS = {
     "default": "the shipped tiny model on 2-digit addition: 3 methods × 3 seeds × 150 s on 2 CPU cores",
     "quick": "seconds per run, for the test suite (looroll and eggroll, 2 seeds)",
+    "tuned": "the tuned protocol on the default task: 4 methods, 4 settings × 2 tuning seeds × 60 s each, then 5 "
+    "evaluation seeds × 120 s (~1.6 h on 2 CPU cores)",
+    "tuned_quick": "the tuned protocol in seconds, for the test suite (looroll and grpo)",
     "gsm8k_qwen3_<size>": f"GSM8K with Qwen3 <size> in {', '.join(gsm8k_qwen3.SIZES)} (accelerators)",
     "countdown_qwen3_<size>": "Countdown with Qwen3 <size>; `countdown` = countdown_qwen3_0.6b",
 }
@@ -64,6 +78,78 @@ def _comparison(experiments: dict[str, ConfigDict]) -> ConfigDict:
     c.time_budget_s = 150.0  # training wall time per run
     c.max_steps = 1_000_000  # train.steps; high, so that the budget ends every run
     c.warmup = True  # compile each method in a throwaway run first, so compilation is not charged to a budget
+    c.tuning = ConfigDict()  # the tuned protocol (esroll.compare.Tuning); no tuning seeds: none
+    c.tuning.seeds = ()  # disjoint from `seeds`
+    c.tuning.runs = 1  # settings per method, its own among them
+    c.tuning.search = "random"  # grid | random
+    c.tuning.seed = 0  # of the search
+    c.tuning.time_budget_s = 0.0  # per tuning run (0: time_budget_s)
+    c.tuning.space = ConfigDict()  # method -> nested config keys -> list of values, or "log:LOW:HIGH" / "uniform:..."
+    return c
+
+
+# The search spaces of the tuned variants: what a fair comparison tunes for each method (declared ranges, the same
+# number of draws for every method). The schedules' horizons are in steps (resume stays exact): about the steps each
+# method takes in the evaluation budget on 2 cores (ES ~1.5 s a step, GRPO ~4 s).
+ES_SPACE = {
+    "optimizer": {"lr": "log:1e-4:2e-3", "schedule": ["constant", "cosine"], "horizon": [80]},
+    "es": {"sigma": "log:0.002:0.01"},
+}
+GRPO_SPACE = {
+    "optimizer": {"lr": "log:3e-5:3e-4", "schedule": ["constant", "cosine"], "horizon": [30]},
+    "grpo": {"group_size": [4, 8]},
+}
+
+
+def _es_fall() -> ConfigDict:
+    """Why untuned LOO-ROLL rises then falls on the default task: its default (Adam lr 1e-3, σ 0.005) against a
+    smaller learning rate, the same learning rate decayed, and a smaller σ; 3 seeds × 120 s, ~30 min on 2 cores."""
+    c = get_config("default")
+    base = c.overrides["looroll"]
+    c.overrides = {
+        "looroll": base,
+        "lr_low": _merge_dicts(base, {"optimizer": {"lr": 3e-4}}),
+        "lr_cosine": _merge_dicts(base, {"optimizer": {"schedule": "cosine", "lr_final": 1e-4, "horizon": 80}}),
+        "sigma_half": _merge_dicts(base, {"es": {"sigma": 0.0025}}),
+    }
+    c.methods = ",".join(c.overrides)
+    c.time_budget_s = 120.0
+    return c
+
+
+def _merge_dicts(base: dict, more: dict) -> dict:
+    out = dict(base)
+    for key, value in more.items():
+        out[key] = _merge_dicts(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def _tuned(quick: bool) -> ConfigDict:
+    """The default task, each method tuned on validation (tuning seeds 100, 101), then evaluated on test."""
+    c = get_config("default")
+    c.methods = "looroll,eggroll,looroll_r8,grpo"
+    c.experiment.data.validation_size = 128  # of the 256 held-out questions (never in the shipped model's training)
+    c.seeds = (0, 1, 2, 3, 4)
+    c.time_budget_s = 120.0
+    c.tuning.seeds = (100, 101)
+    c.tuning.runs = 4
+    c.tuning.time_budget_s = 60.0
+    c.tuning.space = {m: ES_SPACE for m in ("looroll", "eggroll", "looroll_r8")} | {"grpo": GRPO_SPACE}
+    if quick:
+        q = get_config("quick")
+        c.experiment = q.experiment
+        c.overrides = q.overrides
+        c.experiment.data.eval_size = 32
+        c.experiment.data.validation_size = 16
+        c.methods = "looroll,grpo"
+        c.seeds = (0, 1)
+        c.time_budget_s = 1.0
+        c.max_steps = 2
+        c.tuning.seeds = (100,)
+        c.tuning.runs = 2
+        c.tuning.time_budget_s = 1.0
+        small = {"optimizer": {"lr": "log:1e-4:1e-3"}}
+        c.tuning.space = {"looroll": small, "grpo": small}
     return c
 
 
@@ -90,6 +176,10 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.time_budget_s = 1.0
         c.max_steps = 3  # the budget or 3 steps, whichever comes first
         return c
+    if arg in ("tuned", "tuned_quick"):
+        return _tuned(arg == "tuned_quick")
+    if arg == "es_fall":
+        return _es_fall()
     if arg == "countdown":
         arg = "countdown_qwen3_0.6b"
     task, _, size = arg.partition("_qwen3_")

@@ -2,9 +2,18 @@
 
 Every method trains for the same wall-time budget (`train.time_budget_s`, steps set high) once per seed, each run an
 ordinary `train_and_evaluate` run in workdir/<method>/seed<k>, so an interrupted comparison resumes where it stopped
-and finished runs are skipped. A seed fixes the data (`data.seed`: generation, held-out split, batch order) and the
-experiment seed for every method, so runs of one seed differ only in the method: the statistics compare methods by
-paired differences over seeds.
+and finished runs are skipped. A seed sets the experiment seed (perturbation and sampling noise) and the order of the
+training batches (`data.order_seed`) for every method; the data and its splits (`data.seed`) stay the experiment's,
+so no seed moves a held-out question into the data the model was pretrained on. Runs of one seed differ only in the
+method: the statistics compare methods by paired differences over seeds. The methods' order rotates from seed to
+seed, so that drift in the machine's speed favours none.
+
+The tuned protocol (`Tuning`) first gives every method the same number of tuning runs: its own setting and settings
+drawn from its declared search space, each trained on every tuning seed (disjoint from the evaluation seeds) and
+scored on the validation split (`data.validation_size`, disjoint from the test split); the setting with the best mean
+validation AUC against wall time is then run on the evaluation seeds and scored on the test split. Tuning runs live in
+workdir/tuning/<method>/c<k>/seed<s>, and the choice is recomputed from their metrics on every invocation
+(workdir/tuning/choice.json records it).
 
 The report of a finished or partly finished workdir is `esroll.report`, which also defines the workdir's layout
 (comparison.json, <method>/seed<k>) and when a run is finished, so that both modules read the workdir alike.
@@ -13,29 +22,72 @@ The report of a finished or partly finished workdir is `esroll.report`, which al
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import tempfile
+import zlib
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from esroll.config import ExperimentConfig, from_config_dict
 from esroll.metrics import read_metrics
-from esroll.report import SPEC_FILE, run_dir, run_ended
+from esroll.report import SPEC_FILE, area_under_curve, run_dir, run_ended
+
+SEARCHES = ("grid", "random")
+CHOICE_FILE = "choice.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Equal tuning budgets: each method gets `runs` settings, its own (candidate 0) and `runs` − 1 from its
+    search space, each trained for `time_budget_s` on every tuning seed and scored by validation AUC.
+
+    `spaces`: method -> {dotted config key: values}, where values is a list (the choices; a grid's axis) or a string
+    "log:LOW:HIGH" / "uniform:LOW:HIGH" (random search only). `search` grid draws `runs` − 1 distinct points of the
+    grid in a seeded order; random draws each key independently. With `runs` > 1 every method needs a space: all
+    are tuned alike."""
+
+    seeds: tuple[int, ...]
+    runs: int
+    search: str
+    spaces: dict[str, dict[str, Any]]
+    time_budget_s: float
+    seed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     """One experiment config per method name (with `train.time_budget_s` = `time_budget_s`); every method runs once
-    per seed, the seed setting `seed` and `data.seed`."""
+    per seed (`run_config`). With `tuning`, each method's config is first tuned (`run_tuning`)."""
 
     configs: dict[str, ExperimentConfig]
     seeds: tuple[int, ...]
     time_budget_s: float
     reference: str
     warmup: bool = True
+    tuning: Tuning | None = None
 
-    def run_config(self, name: str, seed: int) -> ExperimentConfig:
-        cfg = self.configs[name]
-        return dataclasses.replace(cfg, seed=seed, data=dataclasses.replace(cfg.data, seed=seed))
+    def run_config(self, name: str, seed: int, overrides: dict | None = None) -> ExperimentConfig:
+        """Method `name` on `seed`: the seed sets the noise and the batch order, never the data or its splits."""
+        cfg = _with(self.configs[name], overrides or {})
+        split = "test" if self.tuning else cfg.data.eval_split
+        data = dataclasses.replace(cfg.data, order_seed=seed, eval_split=split)
+        return dataclasses.replace(cfg, seed=seed, data=data)
+
+    def tuning_config(self, name: str, seed: int, overrides: dict) -> ExperimentConfig:
+        """A tuning run: the candidate's setting on a tuning seed, for the tuning budget, scored on validation."""
+        cfg = self.run_config(name, seed, overrides)
+        train = dataclasses.replace(cfg.train, time_budget_s=self.tuning.time_budget_s)
+        return dataclasses.replace(cfg, train=train, data=dataclasses.replace(cfg.data, eval_split="validation"))
+
+    def order(self, index: int) -> list[str]:
+        """The methods in the order seed number `index` runs them: rotated by one per seed."""
+        names = list(self.configs)
+        k = index % len(names)
+        return names[k:] + names[:k]
 
 
 def _merge(base: dict, overrides: dict) -> dict:
@@ -43,6 +95,100 @@ def _merge(base: dict, overrides: dict) -> dict:
     for key, value in overrides.items():
         out[key] = _merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
     return out
+
+
+def _nested(dotted: dict[str, Any]) -> dict:
+    """{"optimizer.lr": 1e-3} -> {"optimizer": {"lr": 1e-3}}."""
+    out: dict = {}
+    for key, value in dotted.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def _flat(nested: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in nested.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _with(cfg: ExperimentConfig, overrides: dict) -> ExperimentConfig:
+    """`cfg` with nested `overrides`, validated as a config file's values are."""
+    if not overrides:
+        return cfg
+    return from_config_dict(_merge(_config_json(cfg), overrides))
+
+
+def _draw(values: Any, rng: np.random.Generator, where: str) -> Any:
+    if isinstance(values, (list, tuple)):
+        return values[int(rng.integers(len(values)))]
+    kind, low, high = _range(values, where)
+    if kind == "log":
+        return float(math.exp(rng.uniform(math.log(low), math.log(high))))
+    return float(rng.uniform(low, high))
+
+
+def _range(values: Any, where: str) -> tuple[str, float, float]:
+    parts = values.split(":") if isinstance(values, str) else []
+    try:
+        kind, low, high = parts[0], float(parts[1]), float(parts[2])
+    except (IndexError, ValueError):
+        kind, low, high = "", 0.0, 0.0
+    if len(parts) != 3 or kind not in ("log", "uniform") or not low < high or (kind == "log" and low <= 0):
+        raise ValueError(
+            f"config: tuning.space.{where} must be a list of values or 'log:LOW:HIGH' / 'uniform:LOW:HIGH' with "
+            f"LOW < HIGH (and LOW > 0 for log), got {values!r}"
+        )
+    return kind, low, high
+
+
+def candidates(tuning: Tuning, method: str) -> list[dict]:
+    """The settings `method` is tuned over, as nested overrides: [{}] (its own setting) and `runs` − 1 more, the
+    same on every call (seeded by the tuning seed and the method's name)."""
+    space = _flat(tuning.spaces.get(method, {}))
+    rng = np.random.default_rng([tuning.seed, zlib.crc32(method.encode())])
+    if tuning.search == "grid":
+        for key, values in space.items():
+            if not isinstance(values, (list, tuple)):
+                raise ValueError(f"config: tuning.space.{method}.{key} must be a list of values for a grid search")
+        grid = [dict(zip(space, point)) for point in itertools.product(*space.values())]
+        if len(grid) < tuning.runs - 1:
+            raise ValueError(
+                f"config: tuning.space.{method} has {len(grid)} grid points, fewer than tuning.runs - 1 = "
+                f"{tuning.runs - 1}: every method gets the same number of tuning runs"
+            )
+        points = [grid[i] for i in rng.permutation(len(grid))[: tuning.runs - 1]]
+    else:
+        points = [{key: _draw(v, rng, f"{method}.{key}") for key, v in space.items()} for _ in range(tuning.runs - 1)]
+    return [{}] + [_nested(p) for p in points]
+
+
+def _tuning_from_dict(d: dict, methods: tuple[str, ...], eval_seeds: tuple[int, ...], budget: float) -> Tuning | None:
+    seeds = tuple(int(s) for s in d.get("seeds", ()))
+    if not seeds:
+        return None
+    overlap = sorted(set(seeds) & set(eval_seeds))
+    if overlap:
+        raise ValueError(f"config: tuning.seeds and seeds share {overlap}: tuning never runs on an evaluation seed")
+    if d["search"] not in SEARCHES:
+        raise ValueError(f"config: tuning.search must be one of {', '.join(SEARCHES)}, got {d['search']!r}")
+    if d["runs"] < 1:
+        raise ValueError("config: tuning.runs must be >= 1")
+    spaces = dict(d.get("space") or {})
+    untuned = [m for m in methods if not spaces.get(m) and d["runs"] > 1]
+    if untuned:
+        raise ValueError(f"config: tuning.space has no entry for method {untuned[0]!r}: every method is tuned alike")
+    tuning = Tuning(seeds, int(d["runs"]), d["search"], spaces, float(d["time_budget_s"] or budget), int(d["seed"]))
+    for m in methods:
+        candidates(tuning, m)  # refuses a malformed space now, not after hours of runs
+    return tuning
 
 
 def comparison_from_dict(d: dict) -> Comparison:
@@ -63,7 +209,10 @@ def comparison_from_dict(d: dict) -> Comparison:
         cd["train"] = {**cd["train"], "steps": d["max_steps"], "time_budget_s": d["time_budget_s"]}
         configs[name] = from_config_dict(cd)
     seeds = tuple(int(s) for s in d["seeds"])
-    return Comparison(configs, seeds, float(d["time_budget_s"]), d["reference"], bool(d["warmup"]))
+    tuning = _tuning_from_dict(d.get("tuning") or {}, methods, seeds, float(d["time_budget_s"]))
+    if tuning and any(c.data.validation_size == 0 for c in configs.values()):
+        raise ValueError("config: tuning needs a validation split: set experiment.data.validation_size > 0")
+    return Comparison(configs, seeds, float(d["time_budget_s"]), d["reference"], bool(d["warmup"]), tuning)
 
 
 def _config_json(cfg: ExperimentConfig) -> dict:
@@ -81,7 +230,7 @@ def is_complete(directory: Path, cfg: ExperimentConfig) -> bool:
 
 def _warm_up(cfg: ExperimentConfig, mesh_devices: int) -> None:
     """Two untimed steps in a throwaway workdir, so that jit compilation (cached per process) is not charged to the
-    budget of whichever run of this method comes first."""
+    budget of whichever run of this setting comes first."""
     from esroll.train import train_and_evaluate
 
     train = dataclasses.replace(
@@ -91,17 +240,65 @@ def _warm_up(cfg: ExperimentConfig, mesh_devices: int) -> None:
         train_and_evaluate(dataclasses.replace(cfg, train=train), tmp, mesh_devices=mesh_devices, progress=False)
 
 
+def tuning_dir(workdir: str | Path, method: str, candidate: int, seed: int) -> Path:
+    return Path(workdir) / "tuning" / method / f"c{candidate}" / f"seed{seed}"
+
+
+def validation_auc(directory: Path, budget: float) -> float | None:
+    """The run's AUC of validation accuracy against training wall time over `budget`, or None unless it finished."""
+    records = read_metrics(directory / "metrics.jsonl")
+    config_path = directory / "config.json"
+    if not config_path.is_file() or not run_ended(records, json.loads(config_path.read_text())["train"]):
+        return None
+    evals = [r for r in records if "eval_accuracy" in r]
+    return area_under_curve([r["wall_time"] for r in evals], [r["eval_accuracy"] for r in evals], budget)
+
+
+def choose(comp: Comparison, workdir: str | Path) -> dict[str, dict]:
+    """Each method's chosen setting from the tuning runs on disk: the candidate with the highest mean validation AUC
+    over the tuning seeds (the lowest index on a tie). Raises if a tuning run has not finished."""
+    out = {}
+    for name in comp.configs:
+        scored = []
+        for k, overrides in enumerate(candidates(comp.tuning, name)):
+            aucs = [
+                validation_auc(tuning_dir(workdir, name, k, s), comp.tuning.time_budget_s) for s in comp.tuning.seeds
+            ]
+            if any(a is None for a in aucs):
+                raise RuntimeError(f"tuning run {name} c{k} has not finished in {workdir}/tuning")
+            scored.append(
+                {"candidate": k, "overrides": overrides, "validation_auc": aucs, "mean": float(np.mean(aucs))}
+            )
+        best = max(scored, key=lambda c: (c["mean"], -c["candidate"]))
+        out[name] = {"chosen": best["candidate"], "overrides": best["overrides"], "candidates": scored}
+    return out
+
+
+def _run(cfg, directory, warm, mesh_devices, overwrite, progress, label) -> str:
+    from esroll.train import train_and_evaluate
+
+    if is_complete(directory, cfg):
+        return "skipped"
+    key = json.dumps(_config_json(dataclasses.replace(cfg, seed=0, data=dataclasses.replace(cfg.data, order_seed=0))))
+    if key not in warm:  # one warm-up per distinct setting: each compiles its own programs
+        _warm_up(cfg, mesh_devices)
+        warm.add(key)
+    print(f"[compare] {label}: training for {cfg.train.time_budget_s:.0f} s", flush=True)
+    train_and_evaluate(cfg, directory, overwrite=overwrite, mesh_devices=mesh_devices, progress=progress)
+    return "ran"
+
+
 def run_comparison(
     comp: Comparison, workdir: str | Path, *, overwrite: bool = False, mesh_devices: int = 0, progress: bool = True
 ) -> list[tuple[str, int, str]]:
-    """Run every (method, seed) not yet finished in `workdir`; returns (method, seed, "ran" | "skipped") in run order.
+    """Run every (method, seed) not yet finished in `workdir` (after the tuning runs, with `comp.tuning`); returns
+    (method, seed, "ran" | "skipped") of the evaluation runs in run order.
 
     Seed-major order (all methods of seed 0, then seed 1, ...), so that the runs paired in the statistics ran close
-    together in time, under similar machine load. workdir/comparison.json records this invocation's methods, seeds,
-    budget and reference: the report covers those.
+    together in time, under similar machine load, the methods rotated from seed to seed (`Comparison.order`).
+    workdir/comparison.json records this invocation's methods, seeds, budget, reference and tuning protocol: the
+    report covers those.
     """
-    from esroll.train import train_and_evaluate
-
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     spec = {
@@ -110,19 +307,27 @@ def run_comparison(
         "time_budget_s": comp.time_budget_s,
         "reference": comp.reference,
     }
+    if comp.tuning:
+        spec["tuning"] = dataclasses.asdict(comp.tuning)
     (workdir / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
     warm: set[str] = set()
+    chosen = {name: {} for name in comp.configs}
+    if comp.tuning:
+        for i, seed in enumerate(comp.tuning.seeds):
+            for name in comp.order(i):
+                for k, overrides in enumerate(candidates(comp.tuning, name)):
+                    cfg = comp.tuning_config(name, seed, overrides)
+                    label = f"tuning {name} c{k} seed {seed}"
+                    _run(cfg, tuning_dir(workdir, name, k, seed), warm, mesh_devices, overwrite, progress, label)
+        choice = choose(comp, workdir)
+        (workdir / "tuning" / CHOICE_FILE).write_text(json.dumps(choice, indent=2) + "\n")
+        chosen = {name: c["overrides"] for name, c in choice.items()}
     done = []
-    for seed in comp.seeds:
-        for name in comp.configs:
-            cfg, directory = comp.run_config(name, seed), run_dir(workdir, name, seed)
-            if is_complete(directory, cfg):
-                done.append((name, seed, "skipped"))
-                continue
-            if comp.warmup and name not in warm:
-                _warm_up(cfg, mesh_devices)
-                warm.add(name)
-            print(f"[compare] {name} seed {seed}: training for {comp.time_budget_s:.0f} s", flush=True)
-            train_and_evaluate(cfg, directory, overwrite=overwrite, mesh_devices=mesh_devices, progress=progress)
-            done.append((name, seed, "ran"))
+    for i, seed in enumerate(comp.seeds):
+        for name in comp.order(i):
+            cfg = comp.run_config(name, seed, chosen[name])
+            status = _run(
+                cfg, run_dir(workdir, name, seed), warm, mesh_devices, overwrite, progress, f"{name} seed {seed}"
+            )
+            done.append((name, seed, status))
     return done

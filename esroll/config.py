@@ -20,11 +20,13 @@ from esroll.errors import ConfigError, InputError, unknown_key
 from esroll.es.estimators import METHODS as ES_METHODS
 from esroll.es.strategy import ESConfig, ESSettings
 from esroll.grpo import GRPOConfig
+from esroll.schedules import SCHEDULES, make_schedule
 
 METHODS = (*ES_METHODS, "grpo")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DTYPES = ("float32", "bfloat16")
 DECODE_LAYERS = ("auto", "scan", "unrolled")
+EVAL_SPLITS = ("test", "validation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +67,11 @@ class DataConfig:
     name) and `eval_path` (empty: split `eval_size` rows off the training data). Synthetic tasks generate `n_examples`
     rows from `seed` with `digits`, `ops`, `n_terms`, `word_problems` (arithmetic) or `countdown_numbers`;
     gsm_symbolic generates `n_examples` GSM-Symbolic problems (reasoning-gym), `eval_size` of them from held-out
-    templates. template: plain | chat (the tokenizer's chat template, with `system` as the system message)."""
+    templates. template: plain | chat (the tokenizer's chat template, with `system` as the system message).
+    `seed` fixes the data and the split; `order_seed` (-1: `seed`) only the order of the training batches, so a
+    comparison can vary the order without moving any question between the splits. The first `validation_size`
+    held-out questions are the validation split and the rest the test split; `eval_split` (test | validation) is
+    the one held-out evaluation scores (with validation_size 0, test is the whole held-out set)."""
 
     task: str = "arithmetic"
     path: str = ""
@@ -78,18 +84,33 @@ class DataConfig:
     countdown_numbers: int = 3
     eval_size: int = 256
     seed: int = 0
+    order_seed: int = -1
+    validation_size: int = 0
+    eval_split: str = "test"
     template: str = "plain"
     system: str = ""
+
+    @property
+    def batch_seed(self) -> int:
+        """The seed of the training batches' order."""
+        return self.seed if self.order_seed < 0 else self.order_seed
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """An optax optimizer: name adam | adamw | sgd; max_grad_norm 0 = no clipping."""
+    """An optax optimizer: name adam | adamw | sgd; max_grad_norm 0 = no clipping. The learning rate follows
+    `schedule` (`esroll.schedules`: constant | linear | cosine) from `lr` to `lr_final` over `horizon` optimizer
+    steps (a declared number: the schedule is a function of the step, so resume is exact and a time-budgeted run
+    needs no guess of its length), after `warmup_steps` of linear warm-up from 0."""
 
     name: str = "adam"
     lr: float = 1e-3
     weight_decay: float = 0.0
     max_grad_norm: float = 0.0
+    schedule: str = "constant"
+    lr_final: float = 0.0
+    horizon: int = 0
+    warmup_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +171,29 @@ class ExperimentConfig:
             ("data.task", self.data.task in TASKS, f"one of {', '.join(TASKS)}"),
             ("data.template", self.data.template in TEMPLATES, f"one of {', '.join(TEMPLATES)}"),
             ("data.eval_size", self.data.eval_size >= 1, ">= 1"),
+            (
+                "data.validation_size",
+                0 <= self.data.validation_size < self.data.eval_size,
+                ">= 0 and below data.eval_size (the rest is the test split)",
+            ),
+            ("data.eval_split", self.data.eval_split in EVAL_SPLITS, f"one of {', '.join(EVAL_SPLITS)}"),
+            (
+                "data.eval_split",
+                self.data.eval_split == "test" or self.data.validation_size > 0,
+                "'test' when data.validation_size is 0 (there is no validation split)",
+            ),
             ("optimizer.name", self.optimizer.name in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
             ("optimizer.lr", self.optimizer.lr > 0, "> 0"),
             ("optimizer.max_grad_norm", self.optimizer.max_grad_norm >= 0, ">= 0"),
+            ("optimizer.schedule", self.optimizer.schedule in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
+            ("optimizer.lr_final", self.optimizer.lr_final >= 0, ">= 0"),
+            ("optimizer.warmup_steps", self.optimizer.warmup_steps >= 0, ">= 0"),
+            (
+                "optimizer.horizon",
+                self.optimizer.horizon > self.optimizer.warmup_steps
+                or (self.optimizer.schedule == "constant" and self.optimizer.warmup_steps == 0),
+                "more steps than optimizer.warmup_steps (a schedule or a warm-up needs its horizon declared)",
+            ),
             ("train.steps", self.train.steps >= 1, ">= 1"),
             ("train.time_budget_s", self.train.time_budget_s >= 0, ">= 0"),
             ("train.prompts_per_step", self.train.prompts_per_step >= 1, ">= 1"),
@@ -183,13 +224,15 @@ class ExperimentConfig:
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    """The optax optimizer `cfg` names (global-norm clipping first when `max_grad_norm` > 0)."""
+    """The optax optimizer `cfg` names at its learning-rate schedule (global-norm clipping first when
+    `max_grad_norm` > 0)."""
+    lr = make_schedule(cfg.schedule, cfg.lr, cfg.lr_final, cfg.horizon, cfg.warmup_steps)
     if cfg.name == "sgd":
-        opt = optax.sgd(cfg.lr)
+        opt = optax.sgd(lr)
     elif cfg.name == "adamw":
-        opt = optax.adamw(cfg.lr, weight_decay=cfg.weight_decay)
+        opt = optax.adamw(lr, weight_decay=cfg.weight_decay)
     else:
-        opt = optax.adam(cfg.lr)
+        opt = optax.adam(lr)
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), opt) if cfg.max_grad_norm > 0 else opt
 
 

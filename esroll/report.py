@@ -1,5 +1,10 @@
 """The report of a matched wall-time comparison (`esroll.compare`): curves, AUC, paired statistics, tables, figures.
 
+Each run is seen three ways (`VIEWS`): held-out accuracy against training wall time, against completions generated
+for training, and against tokens generated for training. The time view's AUC is the mean accuracy over [0, budget];
+a count view's AUC is the mean accuracy over [0, X], X the view's common range: the smallest final count among the
+finished runs of all methods, so that every method is compared over the same range (`view_ranges`).
+
 Reads only the workdir (comparison.json and each run's config.json and metrics.jsonl), so it redraws the report of a
 finished or partly finished comparison; notebooks/compare.ipynb calls the same functions. Statistics, tables and
 figures cover finished runs; runs.csv lists every run that has an evaluation, finished or not.
@@ -50,15 +55,23 @@ class RunResult:
     seed: int
     times: np.ndarray  # training wall time of each evaluation (s)
     accuracies: np.ndarray  # held-out accuracy at those times
+    completions: np.ndarray  # sequences generated for training before each evaluation (cumulative)
+    tokens: np.ndarray  # tokens generated for training before each evaluation (cumulative; NaN: not logged)
     steps: int
     wall_time: float
     evaluations_per_step: int  # ES: population members; GRPO: sampled completions
     completions_per_step: int  # sequences generated per step
     complete: bool
+    probe_s: float = math.nan  # the evaluation before training: greedy decoding of the held-out set (NaN: not timed)
 
     @property
     def final_accuracy(self) -> float:
         return float(self.accuracies[-1])
+
+    @property
+    def has_tokens(self) -> bool:
+        """Whether its metrics counted tokens (runs logged before the counters existed did not)."""
+        return bool(np.isfinite(self.tokens).all())
 
 
 def evaluation_counts(cfg: dict) -> tuple[int, int]:
@@ -71,6 +84,28 @@ def evaluation_counts(cfg: dict) -> tuple[int, int]:
     return cfg["es"]["population"], cfg["es"]["population"] * prompts
 
 
+def generated_counts(records: list[dict], completions_per_step: int) -> tuple[np.ndarray, np.ndarray]:
+    """(completions, tokens) generated for training before each evaluation record in `records`.
+
+    Step records carry the cumulative counters "completions" and "tokens"; an evaluation record without them (the
+    one before training, or a final evaluation written apart from its step's record) has the counts of the latest
+    record before it (0 before any). A run whose records hold no counter at all (logged before they existed) falls
+    back to step × `completions_per_step` completions and NaN tokens.
+    """
+    counted = {key: any(key in r for r in records) for key in ("completions", "tokens")}
+    current = {"completions": 0.0, "tokens": 0.0}
+    out: dict[str, list[float]] = {"completions": [], "tokens": []}
+    for r in records:
+        for key in current:
+            current[key] = float(r.get(key, current[key]))
+        if "eval_accuracy" not in r:
+            continue
+        fallback = {"completions": float(r["step"] * completions_per_step), "tokens": math.nan}
+        for key in current:
+            out[key].append(current[key] if counted[key] else fallback[key])
+    return np.array(out["completions"], float), np.array(out["tokens"], float)
+
+
 def load_run(directory: Path, method: str, seed: int) -> RunResult | None:
     """The run in `directory`, or None when it has no evaluation yet."""
     records = read_metrics(directory / "metrics.jsonl")
@@ -79,16 +114,20 @@ def load_run(directory: Path, method: str, seed: int) -> RunResult | None:
         return None
     cfg = json.loads((directory / "config.json").read_text())
     per_eval, per_completion = evaluation_counts(cfg)
+    completions, tokens = generated_counts(records, per_completion)
     return RunResult(
         method=method,
         seed=seed,
         times=np.array([r["wall_time"] for r in evals], float),
         accuracies=np.array([r["eval_accuracy"] for r in evals], float),
+        completions=completions,
+        tokens=tokens,
         steps=int(records[-1]["step"]),
         wall_time=float(records[-1]["wall_time"]),
         evaluations_per_step=per_eval,
         completions_per_step=per_completion,
         complete=run_ended(records, cfg["train"]),
+        probe_s=float(evals[0].get("eval_s", math.nan)) if evals[0]["step"] == 0 else math.nan,
     )
 
 
@@ -103,6 +142,42 @@ def load_comparison(workdir: str | Path) -> tuple[dict, list[RunResult]]:
             if run is not None:
                 runs.append(run)
     return spec, runs
+
+
+# ---- views: what accuracy is plotted against
+
+VIEWS = ("time", "completions", "tokens")
+VIEW_LABELS = {
+    "time": "training wall time (s)",
+    "completions": "completions generated for training",
+    "tokens": "tokens generated for training",
+}
+
+
+def view_x(run: RunResult, view: str) -> np.ndarray:
+    """The run's x at each evaluation in `view`: training wall time, or completions or tokens generated so far."""
+    if view not in VIEWS:
+        raise ValueError(f"unknown view {view!r}; expected one of {VIEWS}")
+    return {"time": run.times, "completions": run.completions, "tokens": run.tokens}[view]
+
+
+def view_ranges(runs: Sequence[RunResult], budget: float) -> dict[str, float]:
+    """The range [0, X] each view's AUC covers: the time budget, and for completions and tokens the smallest final
+    count among the finished runs in `runs` (all methods), runs without token counts left out (NaN: no such run)."""
+    out = {"time": float(budget)}
+    for view in VIEWS[1:]:
+        finals = [float(view_x(r, view)[-1]) for r in runs if r.complete]
+        finals = [x for x in finals if math.isfinite(x)]
+        out[view] = min(finals) if finals else math.nan
+    return out
+
+
+def view_auc(run: RunResult, view: str, upper: float) -> float:
+    """`area_under_curve` of the run in `view` over [0, upper]; NaN when the run has no x there or upper is not > 0."""
+    x = view_x(run, view)
+    if not (math.isfinite(upper) and upper > 0) or not np.isfinite(x).all():
+        return math.nan
+    return area_under_curve(x, run.accuracies, upper)
 
 
 # ---- statistics
@@ -152,8 +227,13 @@ def _mean_sd(values: Sequence[float]) -> dict[str, float]:
     return {"mean": float(v.mean()) if len(v) else math.nan, "sd": float(v.std(ddof=1)) if len(v) > 1 else math.nan}
 
 
-def per_run_rows(runs: Sequence[RunResult], budget: float) -> list[dict[str, Any]]:
-    """One row per run: its status, steps, first and last evaluation, AUC over `budget`, and what it generated."""
+def per_run_rows(
+    runs: Sequence[RunResult], budget: float, ranges: dict[str, float] | None = None
+) -> list[dict[str, Any]]:
+    """One row per run: its status, steps, first and last evaluation, AUC over `budget`, AUC against completions and
+    tokens over their common ranges (`view_ranges`; by default those of the finished runs in `runs`), and what it
+    generated. final_completions and final_tokens are the counts at the last evaluation."""
+    ranges = view_ranges(runs, budget) if ranges is None else ranges
     return [
         {
             "method": r.method,
@@ -164,28 +244,55 @@ def per_run_rows(runs: Sequence[RunResult], budget: float) -> list[dict[str, Any
             "initial_accuracy": float(r.accuracies[0]),
             "final_accuracy": r.final_accuracy,
             "auc": area_under_curve(r.times, r.accuracies, budget),
+            "auc_completions": view_auc(r, "completions", ranges["completions"]),
+            "auc_tokens": view_auc(r, "tokens", ranges["tokens"]),
             "evaluations": r.evaluations_per_step * r.steps,
             "completions": r.completions_per_step * r.steps,
+            "final_completions": float(r.completions[-1]),
+            "final_tokens": float(r.tokens[-1]),
         }
         for r in runs
     ]
 
 
-def summarize(runs: Sequence[RunResult], methods: Sequence[str], reference: str, budget: float) -> list[dict[str, Any]]:
-    """One row per method over its finished runs: final accuracy and AUC (mean, sd over seeds), steps and evaluation
-    counts, and paired differences against `reference` on the seeds both finished."""
-    rows = {(r["method"], r["seed"]): r for r in per_run_rows([r for r in runs if r.complete], budget)}
+_PAIRED = ("final_accuracy", "auc", "auc_completions", "auc_tokens")  # summarize's paired differences
+
+
+def summarize(
+    runs: Sequence[RunResult],
+    methods: Sequence[str],
+    reference: str,
+    budget: float,
+    ranges: dict[str, float] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per method over its finished runs: final accuracy, AUC against time, completions and tokens (mean, sd
+    over seeds), steps and generation counts, and paired differences against `reference` on the seeds both finished.
+
+    The count views' AUCs cover `ranges` (by default `view_ranges` of the finished runs in `runs`), written as
+    range_completions and range_tokens. Runs without token counts are left out of the tokens view (n_seeds_tokens,
+    n_pairs_tokens: the runs and pairs it covers).
+    """
+    finished = [r for r in runs if r.complete]
+    ranges = view_ranges(finished, budget) if ranges is None else ranges
+    rows = {(r["method"], r["seed"]): r for r in per_run_rows(finished, budget, ranges)}
     out = []
     for name in methods:
         mine = {seed: row for (m, seed), row in rows.items() if m == name}
         row: dict[str, Any] = {"method": name, "n_seeds": len(mine)}
-        for key in ("final_accuracy", "auc", "steps", "evaluations", "completions"):
-            row.update({f"{key}_{k}": v for k, v in _mean_sd([r[key] for r in mine.values()]).items()})
+        row["n_seeds_tokens"] = sum(math.isfinite(r["final_tokens"]) for r in mine.values())
+        row["range_completions"], row["range_tokens"] = ranges["completions"], ranges["tokens"]
+        keys = ("final_accuracy", "auc", "auc_completions", "auc_tokens", "steps", "evaluations", "completions")
+        for key in (*keys, "final_completions", "final_tokens"):
+            values = [v for v in (r[key] for r in mine.values()) if not math.isnan(v)]
+            row.update({f"{key}_{k}": v for k, v in _mean_sd(values).items()})
         if name != reference:
             seeds = sorted(s for s in mine if (reference, s) in rows)
             row["n_pairs"] = len(seeds)
-            for key in ("final_accuracy", "auc"):
-                test = paired_test([mine[s][key] - rows[(reference, s)][key] for s in seeds])
+            for key in _PAIRED:
+                diffs = [mine[s][key] - rows[(reference, s)][key] for s in seeds]
+                test = paired_test([d for d in diffs if not math.isnan(d)])
+                if key == "auc_tokens":
+                    row["n_pairs_tokens"] = test["n"]
                 row.update({f"{key}_diff_{k}": v for k, v in test.items() if k != "n"})
         out.append(row)
     return out
@@ -214,6 +321,32 @@ def _p(x: float) -> str:
     return _fmt(x, spec=".3f")
 
 
+def _count(x: float) -> str:
+    return _fmt(x, spec=",.0f")
+
+
+def _paired_rows(summary: Sequence[dict], ref: str, metrics: Sequence[tuple[str, str]], pairs: dict[str, str]) -> list:
+    """Rows of a paired-differences table: per method (not the reference) and metric (key, label); `pairs` names the
+    summary column counting a metric's pairs (default n_pairs)."""
+    lines = []
+    for r in summary:
+        if r["method"] == ref:
+            continue
+        for key, label in metrics:
+            lines.append(
+                f"| {r['method']} | {label} | {r[pairs.get(key, 'n_pairs')]} | {_pct(r[f'{key}_diff_mean'])} "
+                f"| [{_pct(r[f'{key}_diff_ci_low'])}, {_pct(r[f'{key}_diff_ci_high'])}] | {_p(r[f'{key}_diff_p_t'])} "
+                f"| {_p(r[f'{key}_diff_p_wilcoxon'])} | {_p(r[f'{key}_diff_p_sign'])} |"
+            )
+    return lines
+
+
+_PAIRED_HEADER = [
+    "| method | metric | pairs | mean diff | 95% CI (t) | paired t p | Wilcoxon p | sign test p |",
+    "|---|---|---|---|---|---|---|---|",
+]
+
+
 def markdown_table(summary: Sequence[dict], spec: dict) -> str:
     """The results as Markdown: a per-method table, the paired differences against the reference, and notes."""
     ref, budget, n = spec["reference"], spec["time_budget_s"], len(spec["seeds"])
@@ -232,22 +365,48 @@ def markdown_table(summary: Sequence[dict], spec: dict) -> str:
             f"| {_pct(r['auc_mean'])} ± {_pct(r['auc_sd'])} | {_fmt(r['steps_mean'], spec='.0f')} "
             f"| {_fmt(r['evaluations_mean'], spec='.0f')} | {_fmt(r['completions_mean'], spec='.0f')} |"
         )
+    lines += ["", f"Paired differences against {ref} (method − {ref}, points of accuracy):", "", *_PAIRED_HEADER]
+    lines += _paired_rows(summary, ref, (("final_accuracy", "final accuracy"), ("auc", "AUC")), {})
+    x_c = summary[0]["range_completions"] if summary else math.nan
+    x_t = summary[0]["range_tokens"] if summary else math.nan
     lines += [
         "",
-        f"Paired differences against {ref} (method − {ref}, points of accuracy):",
+        "Sample efficiency",
         "",
-        "| method | metric | pairs | mean diff | 95% CI (t) | paired t p | Wilcoxon p | sign test p |",
-        "|---|---|---|---|---|---|---|---|",
+        (
+            f"AUC against completions: mean accuracy over [0, X] completions generated for training, X = {_count(x_c)}; "
+            f"against tokens: over [0, X] tokens generated for training, X = {_count(x_t)}. Final counts at the last "
+            "evaluation; mean ± sd over seeds."
+        ),
+        "",
+        "| method | seeds | AUC vs completions | AUC vs tokens | final completions | final tokens |",
+        "|---|---|---|---|---|---|",
     ]
     for r in summary:
-        if r["method"] == ref:
-            continue
-        for key, label in (("final_accuracy", "final accuracy"), ("auc", "AUC")):
-            lines.append(
-                f"| {r['method']} | {label} | {r['n_pairs']} | {_pct(r[f'{key}_diff_mean'])} "
-                f"| [{_pct(r[f'{key}_diff_ci_low'])}, {_pct(r[f'{key}_diff_ci_high'])}] | {_p(r[f'{key}_diff_p_t'])} "
-                f"| {_p(r[f'{key}_diff_p_wilcoxon'])} | {_p(r[f'{key}_diff_p_sign'])} |"
-            )
+        seeds = f"{r['n_seeds']}" + (
+            f" ({r['n_seeds_tokens']} with tokens)" if r["n_seeds_tokens"] < r["n_seeds"] else ""
+        )
+        lines.append(
+            f"| {r['method']} | {seeds} | {_pct(r['auc_completions_mean'])} ± {_pct(r['auc_completions_sd'])} "
+            f"| {_pct(r['auc_tokens_mean'])} ± {_pct(r['auc_tokens_sd'])} "
+            f"| {_count(r['final_completions_mean'])} ± {_count(r['final_completions_sd'])} "
+            f"| {_count(r['final_tokens_mean'])} ± {_count(r['final_tokens_sd'])} |"
+        )
+    lines += ["", f"Paired differences against {ref} (method − {ref}, points of accuracy):", "", *_PAIRED_HEADER]
+    metrics = (("auc_completions", "AUC vs completions"), ("auc_tokens", "AUC vs tokens"))
+    lines += _paired_rows(summary, ref, metrics, {"auc_tokens": "n_pairs_tokens"})
+    untokened = [
+        f"{r['method']} ({r['n_seeds'] - r['n_seeds_tokens']})" for r in summary if r["n_seeds_tokens"] < r["n_seeds"]
+    ]
+    skipped = (
+        (
+            f" Finished runs whose metrics carry no generation counters (logged before they existed): "
+            f"{', '.join(untokened)}; their completions are steps × completions per step, and the tokens view "
+            "(AUC, final tokens, the range and the pairs) leaves them out."
+        )
+        if untokened
+        else ""
+    )
     lines += [
         "",
         (
@@ -258,16 +417,63 @@ def markdown_table(summary: Sequence[dict], spec: dict) -> str:
             "held at the last value, divided by the budget. Evaluations: ES population members × steps (each member "
             "scores all of a step's prompts); GRPO sampled completions. Completions: sequences generated for training."
         ),
+        "",
+        (
+            "Sample efficiency. The same runs, accuracy against what they generated for training instead of wall "
+            "time. Methods reach different counts within the time budget, so each count view is compared over a "
+            "common range: X is the smallest final count (at the last evaluation) among the finished runs of all "
+            "methods, and a run's AUC is its mean accuracy over [0, X] (trapezoids between evaluations, interpolated "
+            "at X, divided by X). Every method is thus scored over the same range; beyond X only some runs have "
+            f"data.{skipped}"
+        ),
     ]
     return "\n".join(lines) + "\n"
+
+
+def protocol_notes(workdir: Path, runs: Sequence[RunResult]) -> str:
+    """Markdown: the machine's speed over the runs (the timed evaluation before training: the same greedy decoding of
+    the same questions in every run of a method), and the tuned protocol's choices (workdir/tuning/choice.json)."""
+    lines = []
+    probes = [r.probe_s for r in runs if math.isfinite(r.probe_s)]
+    if probes:
+        med = float(np.median(probes))
+        lines += [
+            "",
+            (
+                f"Machine speed alongside: the held-out evaluation before training (greedy decoding, the same in "
+                f"every run) took {med:.2f} s median, {min(probes):.2f}–{max(probes):.2f} s over {len(probes)} runs "
+                f"({100 * (min(probes) / med - 1):+.0f}% / {100 * (max(probes) / med - 1):+.0f}%)."
+            ),
+        ]
+    choice_path = Path(workdir) / "tuning" / "choice.json"
+    if choice_path.is_file():
+        choice = json.loads(choice_path.read_text())
+        lines += [
+            "",
+            "Tuning: each method's settings (candidate 0 is its own), mean validation AUC over the tuning seeds; "
+            "the chosen one in bold, then run on the evaluation seeds and scored on the test split.",
+            "",
+            "| method | candidate | setting | validation AUC per tuning seed (%) | mean (%) |",
+            "|---|---|---|---|---|",
+        ]
+        for method, c in choice.items():
+            for cand in c["candidates"]:
+                setting = json.dumps(cand["overrides"]) if cand["overrides"] else "its own"
+                mark = "**" if cand["candidate"] == c["chosen"] else ""
+                aucs = ", ".join(_pct(a) for a in cand["validation_auc"])
+                lines.append(
+                    f"| {method} | {mark}c{cand['candidate']}{mark} | `{setting}` | {aucs} | {_pct(cand['mean'])} |"
+                )
+    return "\n".join(lines) + ("\n" if lines else "")
 
 
 # ---- figures
 
 
-def mean_curve(runs: Sequence[RunResult], grid: np.ndarray) -> np.ndarray:
-    """Accuracy averaged over runs on a time grid, each run interpolated as in `area_under_curve`."""
-    return np.mean([np.interp(grid, r.times, r.accuracies) for r in runs], axis=0)
+def mean_curve(runs: Sequence[RunResult], grid: np.ndarray, view: str = "time") -> np.ndarray:
+    """Accuracy averaged over runs on a grid of `view`'s x (default time), each run interpolated as in
+    `area_under_curve`."""
+    return np.mean([np.interp(grid, view_x(r, view), r.accuracies) for r in runs], axis=0)
 
 
 def _finish(ax, ylabel: str) -> None:
@@ -276,18 +482,25 @@ def _finish(ax, ylabel: str) -> None:
     ax.legend(fontsize=8)
 
 
-def plot_curves(ax, runs: Sequence[RunResult], methods: Sequence[str], budget: float) -> None:
-    """Held-out accuracy against training wall time: each seed thin, the mean over seeds thick."""
+def plot_curves(ax, runs: Sequence[RunResult], methods: Sequence[str], budget: float, view: str = "time") -> None:
+    """Held-out accuracy against `view`'s x (default training wall time): each seed thin, the mean over seeds thick
+    on a grid over [0, budget] (for a count view, its common range X). Runs without x in the view are left out."""
+    counted = [r for r in runs if r.method in methods and np.isfinite(view_x(r, view)).all()]
+    if view != "time" and not (counted and math.isfinite(budget) and budget > 0):
+        ax.text(0.5, 0.5, f"no finished run counts {view}", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel(VIEW_LABELS[view])
+        ax.set_ylabel("held-out accuracy")
+        return
     grid = np.linspace(0.0, budget, 200)
     for i, name in enumerate(methods):
-        mine = [r for r in runs if r.method == name]
+        mine = [r for r in counted if r.method == name]
         if not mine:
             continue
         for r in mine:
-            ax.plot(r.times, r.accuracies, color=f"C{i}", alpha=0.35, lw=1, marker=".", ms=3)
-        ax.plot(grid, mean_curve(mine, grid), color=f"C{i}", lw=2.5, label=f"{name} (mean of {len(mine)})")
+            ax.plot(view_x(r, view), r.accuracies, color=f"C{i}", alpha=0.35, lw=1, marker=".", ms=3)
+        ax.plot(grid, mean_curve(mine, grid, view), color=f"C{i}", lw=2.5, label=f"{name} (mean of {len(mine)})")
     ax.axvline(budget, color="k", ls=":", lw=1)
-    ax.set_xlabel("training wall time (s)")
+    ax.set_xlabel(VIEW_LABELS[view])
     _finish(ax, "held-out accuracy")
 
 
@@ -322,8 +535,17 @@ def plot_paired(ax, runs: Sequence[RunResult], methods: Sequence[str]) -> None:
 # ---- the report
 
 
+def plot_views(axes, runs: Sequence[RunResult], methods: Sequence[str], ranges: dict[str, float]) -> None:
+    """One panel per view (`VIEWS`, in order): `plot_curves` against that view's x over its range in `ranges`."""
+    for ax, view in zip(axes, VIEWS):
+        plot_curves(ax, runs, methods, ranges[view], view)
+        what = "budget" if view == "time" else "common range"
+        ax.set_title(f"against {VIEW_LABELS[view].split(' (')[0]}; {what} {ranges[view]:,.4g}", fontsize=9)
+
+
 def write_report(workdir: str | Path) -> dict[str, Path]:
-    """Tables (runs.csv, results.csv, results.md) and the figure (accuracy_vs_time.png) of the runs in `workdir`."""
+    """Tables (runs.csv, results.csv, results.md) and figures (accuracy_vs_time.png; views.png: accuracy against
+    wall time, completions and tokens generated) of the runs in `workdir`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -333,16 +555,18 @@ def write_report(workdir: str | Path) -> dict[str, Path]:
     spec, runs = load_comparison(workdir)
     budget, methods, reference = spec["time_budget_s"], spec["methods"], spec["reference"]
     finished = [r for r in runs if r.complete]
-    summary = summarize(finished, methods, reference, budget)
+    ranges = view_ranges(finished, budget)
+    summary = summarize(finished, methods, reference, budget, ranges)
     paths = {
         "runs_csv": workdir / "runs.csv",
         "results_csv": workdir / "results.csv",
         "results_md": workdir / "results.md",
         "figure": workdir / "accuracy_vs_time.png",
+        "views": workdir / "views.png",
     }
-    write_csv(per_run_rows(runs, budget), paths["runs_csv"])
+    write_csv(per_run_rows(runs, budget, ranges), paths["runs_csv"])
     write_csv(summary, paths["results_csv"])
-    paths["results_md"].write_text(markdown_table(summary, spec))
+    paths["results_md"].write_text(markdown_table(summary, spec) + protocol_notes(workdir, runs))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=120, gridspec_kw={"width_ratios": [3, 3, 2]})
     plot_curves(axes[0], finished, methods, budget)
     plot_differences(axes[1], finished, methods, reference, budget)
@@ -350,5 +574,11 @@ def write_report(workdir: str | Path) -> dict[str, Path]:
     axes[0].set_title(f"matched wall time: {budget:g} s per run, {len(spec['seeds'])} seeds")
     fig.tight_layout()
     fig.savefig(paths["figure"])
+    plt.close(fig)
+    fig, axes = plt.subplots(1, len(VIEWS), figsize=(15, 4), dpi=120)
+    plot_views(axes, finished, methods, ranges)
+    fig.suptitle(f"held-out accuracy: {budget:g} s of training per run, {len(spec['seeds'])} seeds", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(paths["views"])
     plt.close(fig)
     return paths

@@ -27,6 +27,7 @@ from esroll.errors import InputError, reading
 from esroll.metrics import MetricsWriter, first_eval, last_eval, plot_eval_curve, read_metrics
 from esroll.models import save_hf
 from esroll.rollout import PAD, Sampling, rollout
+from esroll.schedules import make_schedule
 from esroll.task import Task, load_task
 
 
@@ -47,6 +48,14 @@ def evaluate(
         for name, score_B in out.scores.items():
             totals[name] = totals.get(name, 0.0) + float(score_B.sum(dtype=np.float64))
     return {f"eval_{name}": total / len(examples) for name, total in totals.items()}
+
+
+def _learning_rate(cfg: ExperimentConfig):
+    """step -> the learning rate of that step's first optimizer update (GRPO takes μ × minibatches per step)."""
+    o = cfg.optimizer
+    lr = make_schedule(o.schedule, o.lr, o.lr_final, o.horizon, o.warmup_steps)
+    per_step = cfg.grpo.inner_iterations * cfg.grpo.minibatches if cfg.method == "grpo" else 1
+    return lambda step: float(lr(step * per_step)) if callable(lr) else lr
 
 
 def train_and_evaluate(
@@ -107,16 +116,19 @@ def train_and_evaluate(
     if lead:
         claim_workdir(workdir, config_dict)
     ckpt = Checkpointer(workdir)
-    start_step, elapsed = 0, 0.0
+    start_step, elapsed, generated = 0, 0.0, {"completions": 0, "tokens": 0}  # cumulative, as the records log them
     if ckpt_step is not None:
         restored, meta = ckpt.restore({"params": params, "state": state})  # into the template's shardings
         params, state = restored["params"], restored["state"]
         start_step, elapsed = int(meta["step"]), float(meta["wall_time"])
+        generated = {k: int(meta.get(k, 0)) for k in generated}
     metrics = MetricsWriter(workdir, keep_through=ckpt_step, enabled=lead)
 
     # ---- evaluation
     def run_eval() -> dict[str, float]:
-        return evaluate(task, to_compute(params), held_out, eval_sampling, mesh)
+        start = time.perf_counter()
+        scores = evaluate(task, to_compute(params), held_out, eval_sampling, mesh)
+        return {**scores, "eval_s": time.perf_counter() - start}  # greedy decoding of the held-out set: a speed probe
 
     eval_rows = plan.eval_rows_per_device if plan else _eval_rows_per_device(cfg, task, mesh, params, state, held_out)
     eval_sampling = Sampling.of(cfg.train.max_new_tokens, 0.0, cfg.parallel, eval_rows)
@@ -134,17 +146,21 @@ def train_and_evaluate(
 
     # ---- loop
     budget = cfg.train.time_budget_s
+    lr_at = _learning_rate(cfg)
+    rows = cfg.train.prompts_per_step * (cfg.grpo.group_size if cfg.method == "grpo" else cfg.es.population)
     bar = _progress_bar(cfg, start_step, elapsed, enabled=progress and lead)
     step, acc, saved_step = start_step, None, start_step
     while step < cfg.train.steps and not (budget and elapsed >= budget):
         t0 = time.perf_counter()
-        examples = get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, step)
+        examples = get_batch(train, cfg.train.prompts_per_step, cfg.data.batch_seed, step)
         params, state, m, n_tokens = method.step(params, state, examples, step)
         m = {k: float(v) for k, v in m.items()}  # the host needs rewards anyway; one sync per step
         dt = time.perf_counter() - t0
         elapsed += dt
         step += 1
-        record = {"step": step, "wall_time": elapsed, "tokens_per_s": n_tokens / dt, **m}
+        generated = {"completions": generated["completions"] + rows, "tokens": generated["tokens"] + n_tokens}
+        record = {"step": step, "wall_time": elapsed, **generated, "tokens_per_s": n_tokens / dt, "lr": lr_at(step - 1)}
+        record.update(m)
         if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
             record.update(run_eval())
             acc = record["eval_accuracy"]
@@ -157,7 +173,7 @@ def train_and_evaluate(
             tok_s=f"{n_tokens / dt:.0f}",
         )
         if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-            ckpt.save(step, {"params": params, "state": state}, {"step": step, "wall_time": elapsed})
+            ckpt.save(step, {"params": params, "state": state}, {"step": step, "wall_time": elapsed, **generated})
             saved_step = step
         if stop_after_steps is not None and step - start_step >= stop_after_steps:
             ckpt.wait()
@@ -166,14 +182,14 @@ def train_and_evaluate(
             return {"initial_eval_accuracy": acc0, "resumed_from": start_step, "stopped_at": step, "params": params}
     bar.close()
     if saved_step != step:  # the time budget ended the loop between checkpoints
-        ckpt.save(step, {"params": params, "state": state}, {"step": step, "wall_time": elapsed})
+        ckpt.save(step, {"params": params, "state": state}, {"step": step, "wall_time": elapsed, **generated})
     ckpt.wait()
     ckpt.close()
 
     # ---- final
     last = last_eval(metrics.records())
     if last is None or last["step"] != step:
-        metrics.write({"step": step, "wall_time": elapsed, **run_eval()})
+        metrics.write({"step": step, "wall_time": elapsed, **generated, **run_eval()})
     metrics.close()
     # The model in `model.dtype`, as it was loaded; every process joins the gather of a model split across hosts.
     final = parallel.to_host(to_compute(params)) if cfg.train.export else None

@@ -65,12 +65,14 @@ def test_area_under_curve_of_known_curves():
 # ---- configs
 
 
-@pytest.mark.parametrize("variant", ["default", "quick", "countdown", "gsm8k_qwen3_0.6b", "gsm8k_qwen3_8b"])
+@pytest.mark.parametrize(
+    "variant", ["default", "quick", "tuned", "tuned_quick", "es_fall", "countdown", "gsm8k_qwen3_0.6b", "gsm8k_qwen3_8b"]
+)
 def test_variants_build_valid_comparisons(variant):
     comp = comparison_from_dict(get_config(variant).to_dict())
     assert comp.reference == "looroll" and comp.reference in comp.configs
     for cfg in comp.configs.values():
-        assert cfg.train.time_budget_s == comp.time_budget_s and cfg.train.steps >= 3
+        assert cfg.train.time_budget_s == comp.time_budget_s and cfg.train.steps >= 2
 
 
 def test_methods_follow_their_training_configs_and_seeds_pair_them():
@@ -87,7 +89,13 @@ def test_methods_follow_their_training_configs_and_seeds_pair_them():
     assert comp.configs["grpo"].train.prompts_per_step == grpo.train.prompts_per_step
     assert comp.configs["eggroll"].method == "eggroll" and comp.configs["looroll_r8"].es.rank == 8
     runs = [comp.run_config(m, 2) for m in comp.configs]
-    assert {(c.seed, c.data.seed) for c in runs} == {(2, 2)}
+    # A seed moves the noise and the batch order, never the data or its held-out split.
+    assert {(c.seed, c.data.seed, c.data.batch_seed) for c in runs} == {(2, 0, 2)}
+    assert [comp.order(i) for i in range(3)] == [
+        ["looroll", "eggroll", "grpo", "looroll_r8"],
+        ["eggroll", "grpo", "looroll_r8", "looroll"],
+        ["grpo", "looroll_r8", "looroll", "eggroll"],
+    ]
     cd.methods = "looroll,sgd"
     with pytest.raises(ValueError, match="method 'sgd' has no entry"):
         comparison_from_dict(cd.to_dict())
@@ -99,6 +107,37 @@ def test_methods_follow_their_training_configs_and_seeds_pair_them():
         ({"reference": "eggroll", "methods": "looroll,grpo"}, "reference 'eggroll' is not one of the methods"),
         ({"time_budget_s": 0.0}, "need time_budget_s > 0"),
         ({"seeds": ()}, "at least one seed"),
+        ({"tuning": {"seeds": (1,), "runs": 2, "search": "random", "seed": 0, "time_budget_s": 0.0}}, "share \\[1\\]"),
+        (
+            {"tuning": {"seeds": (9,), "runs": 2, "search": "random", "seed": 0, "time_budget_s": 0.0, "space": {}}},
+            "no entry for method 'looroll'",
+        ),
+        (
+            {
+                "tuning": {
+                    "seeds": (9,),
+                    "runs": 3,
+                    "search": "grid",
+                    "seed": 0,
+                    "time_budget_s": 0.0,
+                    "space": {m: {"optimizer": {"lr": [1e-3]}} for m in ("looroll", "eggroll", "grpo")},
+                }
+            },
+            "1 grid points, fewer than tuning.runs - 1 = 2",
+        ),
+        (
+            {
+                "tuning": {
+                    "seeds": (9,),
+                    "runs": 2,
+                    "search": "random",
+                    "seed": 0,
+                    "time_budget_s": 0.0,
+                    "space": {m: {"optimizer": {"lr": "log:0:1"}} for m in ("looroll", "eggroll", "grpo")},
+                }
+            },
+            "tuning.space.looroll.optimizer.lr must be",
+        ),
     ],
 )
 def test_invalid_comparisons_are_refused(change, message):
@@ -170,7 +209,9 @@ def _auc_by_segments(times, accs, budget):
 
 @pytest.fixture(scope="module")
 def quick_comparison(tmp_path_factory):
-    cd = get_config("quick")
+    """The tuned protocol in seconds (configs/compare.py:tuned_quick): LOO-ROLL and GRPO, each tuned over 2
+    settings on one tuning seed, then run on 2 evaluation seeds."""
+    cd = get_config("tuned_quick")
     cd.experiment.model.path = SHIPPED_MODEL
     comp = comparison_from_dict(cd.to_dict())
     workdir = tmp_path_factory.mktemp("compare")
@@ -178,11 +219,49 @@ def quick_comparison(tmp_path_factory):
     return comp, workdir, statuses
 
 
+def test_tuning_chooses_on_validation_from_the_runs_on_disk_and_never_evaluates_on_a_tuning_seed(quick_comparison):
+    from esroll.compare import candidates, choose, tuning_dir
+    from esroll.data import make_splits
+
+    comp, workdir, _ = quick_comparison
+    tuning = comp.tuning
+    choice = json.loads((workdir / "tuning" / "choice.json").read_text())
+    assert choice == json.loads(json.dumps(choose(comp, workdir)))  # reproducible from the tuning runs on disk
+    for method in comp.configs:
+        means = []
+        for k, overrides in enumerate(candidates(tuning, method)):
+            aucs = []
+            for seed in tuning.seeds:
+                run = tuning_dir(workdir, method, k, seed)
+                cfg = json.loads((run / "config.json").read_text())
+                assert cfg["seed"] == seed and cfg["data"]["eval_split"] == "validation"
+                assert cfg["train"]["time_budget_s"] == tuning.time_budget_s
+                evals = [r for r in read_metrics(run / "metrics.jsonl") if "eval_accuracy" in r]
+                times, accs = [r["wall_time"] for r in evals], [r["eval_accuracy"] for r in evals]
+                aucs.append(_auc_by_segments(times, accs, tuning.time_budget_s))
+            means.append(np.mean(aucs))
+        best = int(np.argmax(means))  # the first of equal maxima
+        assert choice[method]["chosen"] == best
+        assert choice[method]["overrides"] == candidates(tuning, method)[best]
+        for seed in comp.seeds:  # the evaluation runs: the chosen setting, on the test split, never a tuning seed
+            cfg = json.loads((workdir / method / f"seed{seed}" / "config.json").read_text())
+            assert cfg["seed"] == seed and seed not in tuning.seeds and cfg["data"]["eval_split"] == "test"
+            expected = comp.run_config(method, seed, choice[method]["overrides"])
+            assert cfg["optimizer"]["lr"] == expected.optimizer.lr
+    base = comp.configs["looroll"]
+    validation = make_splits(dataclasses.replace(base.data, eval_split="validation"))[1]
+    test = make_splits(base.data)[1]
+    assert len(validation) == base.data.validation_size and len(test) == base.data.eval_size - len(validation)
+    assert not {e.prompt for e in validation} & {e.prompt for e in test}
+
+
 def test_quick_comparison_tables_match_the_runs(quick_comparison):
     comp, workdir, statuses = quick_comparison
-    assert statuses == [(m, s, "ran") for s in comp.seeds for m in comp.configs]
+    assert statuses == [(m, s, "ran") for i, s in enumerate(comp.seeds) for m in comp.order(i)]
     paths = write_report(workdir)
-    assert paths["figure"].stat().st_size > 0 and "Wilcoxon" in paths["results_md"].read_text()
+    md = paths["results_md"].read_text()
+    assert paths["figure"].stat().st_size > 0 and "Wilcoxon" in md
+    assert "Machine speed alongside" in md and "| looroll | **c" in md  # the speed probe, the chosen settings
 
     runs = {(r["method"], int(r["seed"])): r for r in _rows(paths["runs_csv"])}
     assert set(runs) == {(m, s) for m in comp.configs for s in comp.seeds}
@@ -190,7 +269,7 @@ def test_quick_comparison_tables_match_the_runs(quick_comparison):
     for (method, seed), row in runs.items():
         run = workdir / method / f"seed{seed}"
         cfg = json.loads((run / "config.json").read_text())
-        assert (cfg["method"], cfg["seed"], cfg["data"]["seed"]) == (method, seed, seed)
+        assert (cfg["method"], cfg["seed"], cfg["data"]["seed"], cfg["data"]["order_seed"]) == (method, seed, 0, seed)
         records = read_metrics(run / "metrics.jsonl")
         evals = [r for r in records if "eval_accuracy" in r]
         steps = records[-1]["step"]
@@ -202,20 +281,22 @@ def test_quick_comparison_tables_match_the_runs(quick_comparison):
         auc = _auc_by_segments([r["wall_time"] for r in evals], [r["eval_accuracy"] for r in evals], comp.time_budget_s)
         assert float(row["auc"]) == pytest.approx(auc, abs=1e-12)
         aucs[method, seed] = auc
-        assert int(row["evaluations"]) == cfg["es"]["population"] * steps
-        assert int(row["completions"]) == cfg["es"]["population"] * cfg["train"]["prompts_per_step"] * steps
+        per_step = cfg["train"]["prompts_per_step"] * (
+            cfg["grpo"]["group_size"] if method == "grpo" else cfg["es"]["population"]
+        )
+        assert int(row["completions"]) == per_step * steps == records[-1]["completions"]
     # Paired runs start from the same model on the same held-out set.
     for seed in comp.seeds:
-        assert runs["eggroll", seed]["initial_accuracy"] == runs["looroll", seed]["initial_accuracy"]
+        assert runs["grpo", seed]["initial_accuracy"] == runs["looroll", seed]["initial_accuracy"]
 
     results = {r["method"]: r for r in _rows(paths["results_csv"])}
-    diffs = [finals["eggroll", s] - finals["looroll", s] for s in comp.seeds]
+    diffs = [finals["grpo", s] - finals["looroll", s] for s in comp.seeds]
     for method in comp.configs:
         mine = [finals[method, s] for s in comp.seeds]
         assert float(results[method]["final_accuracy_mean"]) == pytest.approx(np.mean(mine))
         assert float(results[method]["final_accuracy_sd"]) == pytest.approx(np.std(mine, ddof=1))
         assert float(results[method]["auc_mean"]) == pytest.approx(np.mean([aucs[method, s] for s in comp.seeds]))
-    egg = results["eggroll"]
+    egg = results["grpo"]
     assert int(egg["n_pairs"]) == len(comp.seeds)
     assert float(egg["final_accuracy_diff_mean"]) == pytest.approx(np.mean(diffs))
     assert float(egg["final_accuracy_diff_sd"]) == pytest.approx(np.std(diffs, ddof=1))
@@ -230,7 +311,7 @@ def test_rerun_skips_finished_runs_and_resumes_an_interrupted_one(quick_comparis
     files = sorted(workdir.glob("*/seed*/metrics.jsonl"))
     before = {p: p.read_text() for p in files}
     statuses = run_comparison(comp, workdir, mesh_devices=1, progress=False)
-    assert statuses == [(m, s, "skipped") for s in comp.seeds for m in comp.configs]
+    assert statuses == [(m, s, "skipped") for i, s in enumerate(comp.seeds) for m in comp.order(i)]
     assert {p: p.read_text() for p in files} == before
 
     # Interrupt looroll seed 1 before its final evaluation was written: only that run runs again, and it resumes
@@ -253,7 +334,7 @@ def test_entry_script_writes_the_report(quick_comparison):
             "-m",
             "experiments.compare",
             "--config",
-            "configs/compare.py:quick",
+            "configs/compare.py:tuned_quick",
             "--workdir",
             str(workdir),
             "--report_only",

@@ -192,6 +192,25 @@ def test_update_equals_explicit_sum(method):
     np.testing.assert_array_equal(flat["embed"], 0)
 
 
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_sigma_schedule_is_the_constant_sigma_of_each_step(schedule):
+    """With a σ schedule, step t's members and estimate are exactly those of a constant σ = σ_t: the same σ_t
+    perturbs the members and divides the estimator (σ_t from its formula, held at sigma_final past the horizon)."""
+    cfg = dataclasses.replace(TOY, sigma_schedule=schedule, sigma_final=0.02, sigma_horizon=4)
+    params, f = toy_params(), jnp.asarray(np.random.default_rng(1).normal(size=8), jnp.float32)
+    key = jax.random.key(3)
+    for step in (2, 6):  # inside the horizon, and past it
+        t = min(step, 4) / 4
+        sigma = 0.1 + (0.02 - 0.1) * (t if schedule == "linear" else (1 - np.cos(np.pi * t)) / 2)
+        fixed = dataclasses.replace(TOY, sigma=float(sigma))
+        chex.assert_trees_all_close(
+            member_deltas(cfg, key, step, params), member_deltas(fixed, key, step, params), rtol=1e-6
+        )
+        chex.assert_trees_all_close(
+            estimate(cfg, key, step, params, f)[0], estimate(fixed, key, step, params, f)[0], rtol=1e-5
+        )
+
+
 def test_weights_use_the_shaped_fitness():
     """Shaping happens before the estimator: antithetic weights are differences of centered ranks."""
     f = jnp.array([3.0, 1.0, 0.0, 2.0])  # centered ranks [1/2, -1/6, -1/2, 1/6]

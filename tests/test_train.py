@@ -54,7 +54,19 @@ def test_quick_run_writes_everything(tmp_path):
 
 
 def test_resume_is_exact(tmp_path):
-    check_exact_resume(quick(steps=4, checkpoint_every=2, eval_every=2), tmp_path)
+    """With a learning-rate warm-up and cosine decay and a linear σ schedule: both continue exactly on resume."""
+    cfg = quick(steps=4, checkpoint_every=2, eval_every=2)
+    cfg = dataclasses.replace(
+        cfg,
+        optimizer=dataclasses.replace(cfg.optimizer, schedule="cosine", lr_final=1e-4, horizon=4, warmup_steps=1),
+        es=dataclasses.replace(cfg.es, sigma_schedule="linear", sigma_final=cfg.es.sigma / 2, sigma_horizon=3),
+    )
+    steps = check_exact_resume(cfg, tmp_path)
+    lr = cfg.optimizer.lr
+    cosine = [1e-4 + (lr - 1e-4) * (1 + np.cos(np.pi * k / 3)) / 2 for k in (1, 2)]  # after the warm-up step
+    np.testing.assert_allclose([r["lr"] for r in steps], [0.0, lr, *cosine], rtol=1e-6)
+    sigma = cfg.es.sigma
+    np.testing.assert_allclose([r["sigma"] for r in steps], [sigma, sigma * 5 / 6, sigma * 4 / 6, sigma / 2], rtol=1e-6)
 
 
 @pytest.mark.parametrize("model", [1, 2])
@@ -143,6 +155,15 @@ def test_config_errors(tmp_path):
     cd = get_config("quick")
     cd.es.sigmaa = 0.1
     with pytest.raises(InputError, match=r"unknown key 'es.sigmaa' \(did you mean 'es.sigma'\?\)"):
+        from_config_dict(cd.to_dict())
+    cd = get_config("quick")
+    cd.optimizer.schedule = "cosine"  # a schedule needs its horizon declared
+    with pytest.raises(InputError, match="invalid value for 'optimizer.horizon'"):
+        from_config_dict(cd.to_dict())
+    cd = get_config("quick")
+    cd.es.sigma_schedule = "linear"
+    cd.es.sigma_horizon = 10  # σ may not decay to 0: the estimator divides by it
+    with pytest.raises(InputError, match="invalid value for 'es.sigma_final'"):
         from_config_dict(cd.to_dict())
 
 

@@ -15,6 +15,18 @@ if TYPE_CHECKING:  # esroll.config imports the task names from here
 
 
 def make_splits(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
+    """(train, held-out): the held-out questions `cfg.eval_split` names (`held_out_splits`)."""
+    train, held_out = _splits(cfg)
+    validation, test = held_out_splits(held_out, cfg.validation_size)
+    return train, validation if cfg.eval_split == "validation" else test
+
+
+def held_out_splits(held_out: list[Example], validation_size: int) -> tuple[list[Example], list[Example]]:
+    """(validation, test): the first `validation_size` held-out questions, and the rest."""
+    return held_out[:validation_size], held_out[validation_size:]
+
+
+def _splits(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
     """Synthetic tasks are generated from `cfg.seed`; GSM8K is read from `cfg.path` (and `cfg.eval_path`).
 
     The held-out split never shares a prompt with the training split. GSM-Symbolic's never shares a template: its

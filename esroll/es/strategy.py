@@ -29,6 +29,7 @@ import optax
 from esroll import advantages
 from esroll.errors import ConfigError
 from esroll.es import estimators, noise
+from esroll.schedules import SCHEDULES, make_schedule
 
 Array = jax.Array
 
@@ -38,7 +39,9 @@ class ESSettings:
     """The ES settings a config file's `es` section holds (the estimator, `method`, is the experiment's top level).
 
     These defaults are the only ones: config files start from them (`configs/default.py`) and set what differs.
-    population: members M per step. rank: r of E = ABᵀ/√r. sigma: perturbation radius (member i is θ ± σ·E_i).
+    population: members M per step. rank: r of E = ABᵀ/√r. sigma: perturbation radius (member i is θ ± σ·E_i); it
+    follows `sigma_schedule` (`esroll.schedules`: constant | linear | cosine) to `sigma_final` over `sigma_horizon`
+    steps, the same σ_t in the members' perturbation and in the estimator's 1/σ.
     shaping: a name in `esroll.advantages`, applied to the fitness before the estimator (raw keeps it unbiased;
     zscore makes the update independent of the reward scale).
     Leaf selection by path regex (see `noise`): defaults freeze embed / lm_head and vectors, perturb other matrices.
@@ -50,6 +53,9 @@ class ESSettings:
     population: int = 64
     rank: int = 1
     sigma: float = 1e-3
+    sigma_schedule: str = "constant"
+    sigma_final: float = 0.0
+    sigma_horizon: int = 0
     shaping: str = "zscore"
     lowrank_patterns: tuple[str, ...] = (".*",)
     dense_patterns: tuple[str, ...] = ()
@@ -63,6 +69,13 @@ class ESSettings:
             ("population", self.population >= 2, ">= 2"),
             ("rank", self.rank >= 1, ">= 1"),
             ("sigma", self.sigma > 0 and math.isfinite(self.sigma), "a positive finite number"),
+            ("sigma_schedule", self.sigma_schedule in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
+            (
+                "sigma_final",
+                self.sigma_schedule == "constant" or (self.sigma_final > 0 and math.isfinite(self.sigma_final)),
+                "a positive finite number (the estimator divides by σ)",
+            ),
+            ("sigma_horizon", self.sigma_schedule == "constant" or self.sigma_horizon >= 1, ">= 1 with a schedule"),
             ("shaping", self.shaping in advantages.SHAPINGS, f"one of {', '.join(advantages.SHAPINGS)}"),
             ("chunk_size", self.chunk_size >= 0, ">= 0 (0: all directions at once)"),
             ("min_valid_fraction", 0 <= self.min_valid_fraction <= 1, "in [0, 1]"),
@@ -122,11 +135,17 @@ def step_factors(cfg: ESConfig, key: Array, step, params: dict, directions_E: Ar
     return noise.factors(key, step, params, leaf_kinds(cfg, params), cfg.rank, directions_E)
 
 
+def sigma_at(cfg: ESSettings, step) -> Array | float:
+    """σ at `step` (`sigma_schedule`)."""
+    sigma = make_schedule(cfg.sigma_schedule, cfg.sigma, cfg.sigma_final, cfg.sigma_horizon)
+    return sigma(step) if callable(sigma) else sigma
+
+
 def member_deltas(cfg: ESConfig, key: Array, step, params: dict) -> dict:
-    """Deltas of every member at `step`: member i is θ + sign_i·σ·E_{direction_i}."""
+    """Deltas of every member at `step`: member i is θ + sign_i·σ_t·E_{direction_i}."""
     direction_M, sign_M = estimators.member_directions(cfg.method, cfg.population)
     factors = step_factors(cfg, key, step, params, jnp.arange(cfg.num_directions))
-    return noise.member_deltas(factors, params, direction_M, cfg.sigma * sign_M, cfg.rank)
+    return noise.member_deltas(factors, params, direction_M, sigma_at(cfg, step) * sign_M, cfg.rank)
 
 
 def estimate(cfg: ESConfig, key: Array, step, params: dict, fitness_M: Array) -> tuple[dict, estimators.Weights]:
@@ -139,7 +158,8 @@ def estimate(cfg: ESConfig, key: Array, step, params: dict, fitness_M: Array) ->
 
 def _estimate_perturbed(cfg: ESConfig, key: Array, step, params: dict, fitness_M: Array):
     """ĝ on the perturbed leaves only ({path: float32 array}), and the estimator's weights."""
-    weights = estimators.direction_weights(cfg.method, fitness_M, cfg.sigma, cfg.shaping, cfg.min_valid_fraction)
+    sigma = sigma_at(cfg, step)
+    weights = estimators.direction_weights(cfg.method, fitness_M, sigma, cfg.shaping, cfg.min_valid_fraction)
     sums = estimators.weighted_sum(
         lambda dirs: step_factors(cfg, key, step, params, dirs), weights.w_E, cfg.rank, cfg.chunk_size or None
     )
@@ -196,13 +216,19 @@ def make_strategy(
         train = trainable(cfg, params)
         flat_train = noise.flatten(train)
         grad = constrain(noise.unflatten({path: sums[path].astype(x.dtype) for path, x in flat_train.items()}))
-        updates, opt_state = optimizer.update(jax.tree.map(jnp.negative, grad), state.opt_state, train)
-        new_train = noise.flatten(constrain(optax.apply_updates(train, updates)))
         skipped = weights.skipped
-        new_flat = {
-            path: jnp.where(skipped, x, new_train[path]) if path in new_train else x
-            for path, x in noise.flatten(params).items()
-        }
+
+        def apply(train, opt_state):
+            updates, opt_state = optimizer.update(jax.tree.map(jnp.negative, grad), opt_state, train)
+            return constrain(optax.apply_updates(train, updates)), opt_state, optax.tree.norm(updates)
+
+        def skip(train, opt_state):
+            return train, opt_state, jnp.zeros((), jnp.float32)
+
+        # A skipped step leaves parameters and moments exactly as they were: the update is not computed at all.
+        new_train, opt_state, update_norm = jax.lax.cond(skipped, skip, apply, train, state.opt_state)
+        new_train = noise.flatten(new_train)
+        new_flat = {path: new_train.get(path, x) for path, x in noise.flatten(params).items()}
         finite_M = jnp.where(jnp.isfinite(fitness_M), fitness_M, jnp.nan)
         metrics = {
             "fitness_mean": jnp.nanmean(finite_M),  # over finite members (NaN if there are none)
@@ -212,9 +238,9 @@ def make_strategy(
             "num_dropped": weights.num_dropped,
             "skipped": skipped,
             "grad_norm": optax.tree.norm(grad),
-            "update_norm": jnp.where(skipped, 0.0, optax.tree.norm(updates)),
+            "update_norm": update_norm,
+            "sigma": jnp.asarray(sigma_at(cfg, state.step), jnp.float32),
         }
-        opt_state = jax.tree.map(lambda n, o: jnp.where(skipped, o, n), opt_state, state.opt_state)
         return noise.unflatten(new_flat), ESState(state.step + 1, state.key, opt_state), metrics
 
     return Strategy(init, ask, tell)

@@ -1,0 +1,34 @@
+"""Schedules of the learning rate and of ES's σ: functions of the optimizer step with a declared horizon, never of
+wall time, so that a resumed run continues them exactly and a time-budgeted run follows the same curve step by step.
+
+    constant   the start value throughout
+    linear     start → final over `horizon` steps, then final
+    cosine     start → final along half a cosine over `horizon` steps, then final
+
+A warm-up (learning rate only) rises linearly from 0 to the start value over its steps, which count toward the
+horizon. Built on `optax` schedules.
+"""
+
+from __future__ import annotations
+
+import optax
+
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+def make_schedule(kind: str, start: float, final: float, horizon: int, warmup: int = 0) -> float | optax.Schedule:
+    """The schedule as optax takes it: a plain float when it is constant with no warm-up (the optimizer state is then
+    the same as without a schedule), else a function of the step (int, traced or not)."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown schedule {kind!r} (expected one of {', '.join(SCHEDULES)})")
+    if kind == "constant":
+        if not warmup:
+            return start
+        decay = optax.constant_schedule(start)
+    elif kind == "linear":
+        decay = optax.linear_schedule(start, final, horizon - warmup)
+    else:
+        decay = optax.cosine_decay_schedule(start, horizon - warmup, alpha=final / start)
+    if not warmup:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, start, warmup), decay], [warmup])
