@@ -6,8 +6,19 @@ from experiments.bench import main
 
 
 def test_bench_quick_writes_figures(tmp_path):
-    names = ["eggroll_vs_dense_speedup", "es_forward_vs_plain", "es_generate_vs_plain", "generate_vs_hf"]
+    names = [
+        "eggroll_vs_dense_speedup",
+        "es_forward_vs_plain",
+        "es_generate_vs_plain",
+        "generate_vs_hf",
+        "realshape_step",
+    ]
     main(["--quick", "--only", ",".join(names), "--json", str(tmp_path / "bench.json")])
     figures = json.loads((tmp_path / "bench.json").read_text())
     for name in names:
         assert figures[name][name] > 0, name
+    for phase in ("prefill", "decode", "update"):  # every phase of both methods against its bound
+        assert (
+            0 < figures["realshape_step"][f"es_{phase}_of_bound"]
+            and 0 < figures["realshape_step"][f"grpo_{phase}_of_bound"]
+        )

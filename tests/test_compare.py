@@ -66,7 +66,8 @@ def test_area_under_curve_of_known_curves():
 
 
 @pytest.mark.parametrize(
-    "variant", ["default", "quick", "tuned", "tuned_quick", "es_fall", "countdown", "gsm8k_qwen3_0.6b", "gsm8k_qwen3_8b"]
+    "variant",
+    ["default", "quick", "tuned", "tuned_quick", "es_fall", "countdown", "gsm8k_qwen3_0.6b", "gsm8k_qwen3_8b"],
 )
 def test_variants_build_valid_comparisons(variant):
     comp = comparison_from_dict(get_config(variant).to_dict())

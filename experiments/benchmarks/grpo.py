@@ -24,14 +24,49 @@ from experiments.benchmarks import _idtask
 from experiments.benchmarks._shapes import shape_name
 
 
+def trl_config(cfg, folder: str, steps: int):
+    """TRL's GRPOConfig with esroll's settings (`cfg`): the same batch, sampling, optimizer, clipping and loss."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=os.path.join(folder, "trl"),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        max_steps=steps,
+        per_device_train_batch_size=cfg.train.prompts_per_step * cfg.grpo.group_size,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=cfg.grpo.group_size,
+        max_completion_length=cfg.train.max_new_tokens,
+        temperature=cfg.grpo.temperature,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=cfg.optimizer.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=cfg.optimizer.weight_decay,
+        max_grad_norm=cfg.optimizer.max_grad_norm,
+        beta=cfg.grpo.beta,
+        epsilon=cfg.grpo.epsilon_low,
+        epsilon_high=cfg.grpo.epsilon_high,
+        num_iterations=cfg.grpo.inner_iterations,
+        loss_type="grpo",
+        scale_rewards="group",
+        shuffle_dataset=False,
+        seed=cfg.seed,
+    )
+
+
 def _trl_interleaved(cfg, folder: str, batches, steps: int, steppers: dict) -> dict[str, list]:
     """Train TRL for `steps` steps, alternating its thread count; after each, run every esroll stepper once."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
-    X, G = cfg.train.prompts_per_step, cfg.grpo.group_size
     dataset = Dataset.from_dict({"prompt": [p for batch in batches for p in batch]})
     cores = len(os.sched_getaffinity(0))
     log = {"trl_s": [], "trl_threads": [], "trl_tokens": []} | {
@@ -56,36 +91,7 @@ def _trl_interleaved(cfg, folder: str, batches, steps: int, steppers: dict) -> d
                 log[f"{side}_s"].append(seconds)
                 log[f"{side}_tokens"].append(tokens)
 
-    args = GRPOConfig(
-        output_dir=os.path.join(folder, "trl"),
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        max_steps=steps,
-        per_device_train_batch_size=X * G,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_generations=G,
-        max_completion_length=cfg.train.max_new_tokens,
-        temperature=cfg.grpo.temperature,
-        top_p=1.0,
-        top_k=0,
-        learning_rate=cfg.optimizer.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=cfg.optimizer.weight_decay,
-        max_grad_norm=cfg.optimizer.max_grad_norm,
-        beta=cfg.grpo.beta,
-        epsilon=cfg.grpo.epsilon_low,
-        epsilon_high=cfg.grpo.epsilon_high,
-        num_iterations=cfg.grpo.inner_iterations,
-        loss_type="grpo",
-        scale_rewards="group",
-        shuffle_dataset=False,
-        seed=cfg.seed,
-    )
+    args = trl_config(cfg, folder, steps)
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
         reward_funcs=reward,
