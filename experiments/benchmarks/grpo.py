@@ -63,11 +63,8 @@ def trl_config(cfg, folder: str, steps: int):
 def _trl_interleaved(cfg, folder: str, batches, steps: int, steppers: dict) -> dict[str, list]:
     """Train TRL for `steps` steps, alternating its thread count; after each, run every esroll stepper once."""
     import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
-    from trl import GRPOTrainer
+    from transformers import TrainerCallback
 
-    dataset = Dataset.from_dict({"prompt": [p for batch in batches for p in batch]})
     cores = len(os.sched_getaffinity(0))
     log = {"trl_s": [], "trl_threads": [], "trl_tokens": []} | {
         f"{k}_{v}": [] for k in steppers for v in ("s", "tokens")
@@ -91,18 +88,27 @@ def _trl_interleaved(cfg, folder: str, batches, steps: int, steppers: dict) -> d
                 log[f"{side}_s"].append(seconds)
                 log[f"{side}_tokens"].append(tokens)
 
-    args = trl_config(cfg, folder, steps)
+    train_trl(cfg, folder, batches, steps, Interleave(), reward)
+    return log
+
+
+def train_trl(cfg, folder: str, batches, steps: int, callback, reward=None) -> None:
+    """TRL's GRPOTrainer on the saved model, the prompt batches in order, for `steps` steps with `callback`."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
+    from trl import GRPOTrainer
+
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
-        reward_funcs=reward,
-        args=args,
-        train_dataset=dataset,
+        reward_funcs=reward or (lambda prompts, completions, **_: _idtask.reward_from_text(completions)),
+        args=trl_config(cfg, folder, steps),
+        train_dataset=Dataset.from_dict({"prompt": [p for batch in batches for p in batch]}),
         processing_class=AutoTokenizer.from_pretrained(folder),
-        callbacks=[Interleave()],
+        callbacks=[callback],
     )
     trainer.remove_callback(PrinterCallback)  # it prints every step's log dict when tqdm is disabled
     trainer.train()
-    return log
 
 
 def grpo_step_vs_trl(args) -> dict:

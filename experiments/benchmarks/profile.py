@@ -103,12 +103,10 @@ def _trl_profiled_step(cfg, folder: str, batches, warmup: int) -> dict:
     """TRL's GRPOTrainer for warmup + 1 steps; the last under torch.profiler. Returns op self times, the step's wall
     time, and TRL's own timing of its generation call."""
     import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
-    from trl import GRPOTrainer
+    from transformers import TrainerCallback
     from trl.extras import profiling
 
-    from experiments.benchmarks.grpo import trl_config
+    from experiments.benchmarks.grpo import train_trl
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     spans = collections.Counter()
@@ -137,16 +135,7 @@ def _trl_profiled_step(cfg, folder: str, batches, warmup: int) -> dict:
 
     profiling.ProfilingContext._log_metrics = log_metrics
     try:
-        trainer = GRPOTrainer(
-            model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
-            reward_funcs=lambda prompts, completions, **_: _idtask.reward_from_text(completions),
-            args=trl_config(cfg, folder, warmup + 1),
-            train_dataset=Dataset.from_dict({"prompt": [p for batch in batches for p in batch]}),
-            processing_class=AutoTokenizer.from_pretrained(folder),
-            callbacks=[Profile()],
-        )
-        trainer.remove_callback(PrinterCallback)
-        trainer.train()
+        train_trl(cfg, folder, batches, warmup + 1, Profile())
     finally:
         profiling.ProfilingContext._log_metrics = original
     return out
