@@ -5,8 +5,8 @@ device for esroll, TRL at one intra-op thread per core).
 grpo_profile: one step of each side after warm-up steps, traced. Each op's self time (its span minus the spans
 nested in it) is summed by op and by kind: `matmul` (dots, whether XLA fused them or oneDNN / XNNPACK ran them;
 aten mm / bmm / addmm / linear), `attention` (PyTorch's attention kernels; XLA fuses attention into dots and
-fusions), `fusion` (XLA's fused elementwise and reduction loops), `copy` (copies, transposes, concatenations,
-dynamic slices and updates), `other`. Phases: generation (esroll's `generate`, TRL's `transformers.generate`) and
+fusions), `fusion` (elementwise and reduction work: XLA's fused loops, PyTorch's other aten ops), `copy` (copies,
+transposes, concatenations, dynamic slices and updates), `other`. Phases: generation (esroll's `generate`, TRL's `transformers.generate`) and
 the rest (scoring and the update). The figure is esroll's step time over TRL's (above 1: TRL is faster).
 """
 
@@ -44,7 +44,7 @@ def torch_kind(name: str) -> str:
         return "attention"
     if any(k in n for k in ("::mm", "::bmm", "addmm", "::matmul", "::linear", "baddbmm")):
         return "matmul"
-    if any(k in n for k in ("copy", "cat", "transpose", "contiguous", "index", "slice", "clone", "to")):
+    if any(k in n for k in ("copy", "::cat", "transpose", "contiguous", "index", "slice", "clone", "::to")):
         return "copy"
     return "other" if "::" not in n else "fusion" if "backward" not in n else "other"
 
