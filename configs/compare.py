@@ -24,7 +24,10 @@ Variants:
   tuned                  The tuned protocol on the default task: looroll, eggroll, looroll_r8, grpo; 4 settings × 2
                          tuning seeds × 60 s, then 5 evaluation seeds × 120 s: ~1.6 h on 2 CPU cores (planned from
                          the step rates; not yet run to the end).
-  tuned_quick            The tuned protocol in seconds (looroll and grpo), for the test suite.
+  tuned_hard             The tuned protocol on the hard variant of the default task (2-digit sums with two carries,
+                         `data.min_difficulty = 2`; 75 held-out questions, never in the shipped model's training:
+                         validation 25, test 50): the same 4 methods; 2 settings × 1 tuning seed × 45 s, then 5
+                         evaluation seeds × 90 s: ~50 min on 2 CPU cores (planned from the step rates; not yet run).
   es_fall                Why untuned LOO-ROLL falls after its peak: lr 1e-3 (its default) vs 3e-4, vs cosine-decayed,
                          vs σ 0.0025; 3 seeds × 120 s (~30 min on 2 CPU cores).
   gsm8k_qwen3_<size>     GSM8K with Qwen3 <size> in 0.6b, 1.7b, 4b, 8b (configs/gsm8k_qwen3.py, whose docstring gives
@@ -44,6 +47,8 @@ VARIANTS = {
     "tuned": "the tuned protocol on the default task: 4 methods, 4 settings × 2 tuning seeds × 60 s each, then 5 "
     "evaluation seeds × 120 s (~1.6 h on 2 CPU cores)",
     "tuned_quick": "the tuned protocol in seconds, for the test suite (looroll and grpo)",
+    "tuned_hard": "the tuned protocol on 2-digit sums with two carries: 4 methods, 2 settings × 45 s, then 5 seeds × "
+    "90 s (~50 min on 2 CPU cores)",
     "gsm8k_qwen3_<size>": f"GSM8K with Qwen3 <size> in {', '.join(gsm8k_qwen3.SIZES)} (accelerators)",
     "countdown_qwen3_<size>": "Countdown with Qwen3 <size>; `countdown` = countdown_qwen3_0.6b",
 }
@@ -171,6 +176,15 @@ def get_config(arg: str | None = None) -> ConfigDict:
         return c
     if arg in ("tuned", "tuned_quick"):
         return _tuned(arg == "tuned_quick")
+    if arg == "tuned_hard":
+        c = _tuned(False)
+        c.experiment.data.min_difficulty = 2
+        c.experiment.data.validation_size = 25
+        c.time_budget_s = 90.0
+        c.tuning.seeds = (100,)
+        c.tuning.runs = 2
+        c.tuning.time_budget_s = 45.0
+        return c
     if arg == "es_fall":
         return _es_fall()
     if arg == "countdown":

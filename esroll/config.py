@@ -15,7 +15,8 @@ from typing import Any
 
 import optax
 
-from esroll.data.tasks import TASKS, TEMPLATES
+from esroll.advantages import LABEL_FREE_ONLY
+from esroll.data.tasks import NUMERIC_TASKS, TASKS, TEMPLATES
 from esroll.errors import ConfigError, InputError, unknown_key
 from esroll.es.estimators import METHODS as ES_METHODS
 from esroll.es.strategy import ESConfig, ESSettings
@@ -27,6 +28,7 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 DTYPES = ("float32", "bfloat16")
 DECODE_LAYERS = ("auto", "scan", "unrolled")
 EVAL_SPLITS = ("test", "validation")
+REWARDS = ("gold", "majority")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +73,10 @@ class DataConfig:
     `seed` fixes the data and the split; `order_seed` (-1: `seed`) only the order of the training batches, so a
     comparison can vary the order without moving any question between the splits. The first `validation_size`
     held-out questions are the validation split and the rest the test split; `eval_split` (test | validation) is
-    the one held-out evaluation scores (with validation_size 0, test is the whole held-out set)."""
+    the one held-out evaluation scores (with validation_size 0, test is the whole held-out set).
+    min_difficulty (-1: off) keeps only examples at least that hard in both splits (arithmetic sums: their carries).
+    reward: gold (the answer key) | majority (label-free, test-time RL: a completion is rewarded for agreeing with
+    the majority answer of the completions of its prompt; the gold answer is then used only for evaluation)."""
 
     task: str = "arithmetic"
     path: str = ""
@@ -87,6 +92,8 @@ class DataConfig:
     order_seed: int = -1
     validation_size: int = 0
     eval_split: str = "test"
+    min_difficulty: int = -1
+    reward: str = "gold"
     template: str = "plain"
     system: str = ""
 
@@ -177,6 +184,22 @@ class ExperimentConfig:
                 ">= 0 and below data.eval_size (the rest is the test split)",
             ),
             ("data.eval_split", self.data.eval_split in EVAL_SPLITS, f"one of {', '.join(EVAL_SPLITS)}"),
+            ("data.reward", self.data.reward in REWARDS, f"one of {', '.join(REWARDS)}"),
+            (
+                "data.reward",
+                self.data.reward == "gold" or self.data.task in NUMERIC_TASKS,
+                f"'gold' for data.task={self.data.task!r} (label-free rewards vote on numeric answers)",
+            ),
+            (
+                "grpo.group_size",
+                self.method != "grpo" or self.data.reward == "gold" or self.grpo.group_size >= 2,
+                ">= 2 with data.reward='majority' (a vote needs a group)",
+            ),
+            (
+                "grpo.advantage",
+                self.method != "grpo" or self.grpo.advantage not in LABEL_FREE_ONLY or self.data.reward == "majority",
+                "an estimator that reads gold rewards, or data.reward='majority' (ddrl is label-free only)",
+            ),
             (
                 "data.eval_split",
                 self.data.eval_split == "test" or self.data.validation_size > 0,
@@ -200,6 +223,11 @@ class ExperimentConfig:
             ("train.max_new_tokens", self.train.max_new_tokens >= 1, ">= 1"),
             ("train.temperature", self.train.temperature >= 0, ">= 0"),
             ("train.eval_every", self.train.eval_every >= 1, ">= 1"),
+            (
+                "es.samples",
+                self.method not in ES_METHODS or self.es.samples == 1 or self.train.temperature > 0,
+                "1 when train.temperature is 0 (greedy decoding gives K identical answers)",
+            ),
             ("train.checkpoint_every", self.train.checkpoint_every >= 1, ">= 1"),
             (
                 "grpo.minibatches",

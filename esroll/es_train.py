@@ -13,13 +13,14 @@ computing only its shard of the update.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from esroll import es, memory, parallel, sharding
+from esroll import advantages, es, memory, parallel, sharding
 from esroll.config import ExperimentConfig, OptimConfig, make_optimizer
 from esroll.data import Example
 from esroll.rollout import Sampling, rollout
@@ -90,21 +91,46 @@ def estimate_rows_per_device(cfg: ExperimentConfig, model_cfg, prompt_len: int, 
     )
 
 
+def member_fitness(
+    es_settings, reward_B: np.ndarray, answer_B: np.ndarray | None, M: int, X: int
+) -> tuple[np.ndarray, dict]:
+    """Each member's fitness from its rows' rewards (rows as `make_es_method` lays them out: member, prompt, sample),
+    and metrics. With `answer_B` (label-free), a row's reward is whether its answer is the majority answer of all
+    the rows (every member, every sample) answering its prompt, and the gold reward is kept as a diagnostic."""
+    K = es_settings.samples
+    gold_MxXxK = np.asarray(reward_B, np.float64).reshape(M, X, K)
+    rewards_MxXxK, extra = gold_MxXxK, {}
+    if answer_B is not None:
+        votes_XxMK = np.asarray(answer_B).reshape(M, X, K).transpose(1, 0, 2).reshape(X, M * K)
+        rewards_MxXxK = advantages.majority_rewards(votes_XxMK).reshape(X, M, K).transpose(1, 0, 2)
+        extra = {"gold_reward_mean": gold_MxXxK.mean(), "pseudo_label_agreement": np.mean(rewards_MxXxK == gold_MxXxK)}
+    reduce = np.max if es_settings.sample_reduce == "max" else np.mean
+    per_prompt_XxM = reduce(rewards_MxXxK, axis=2).T
+    shaped_XxM = np.asarray(advantages.get(es_settings.prompt_shaping)(per_prompt_XxM), np.float64)
+    return shaped_XxM.mean(axis=0).astype(np.float32), extra
+
+
 def make_es_method(cfg: ExperimentConfig, task: Task, mesh, rows_per_device: int | None = None) -> Method:
     """The ES method; `rows_per_device` (rows each device decodes at once) as `esroll.plan` chose it, else
     `parallel.rows_per_device` or the estimate from the shapes (`estimate_rows_per_device`)."""
     es_cfg = cfg.es_config
-    strategy = _strategy(es_cfg, cfg.optimizer, mesh)
+    # How rewards become fitness is host-side: runs that differ only there share one compiled strategy.
+    strategy = _strategy(
+        dataclasses.replace(es_cfg, samples=1, sample_reduce="mean", prompt_shaping="raw"), cfg.optimizer, mesh
+    )
     to_compute = sharding.caster(mesh, cfg.model.dtype)
-    M, X = cfg.es.population, cfg.train.prompts_per_step
-    example_B, member_B = np.tile(np.arange(X), M), np.repeat(np.arange(M, dtype=np.int32), X)
+    M, X, K = cfg.es.population, cfg.train.prompts_per_step, cfg.es.samples
+    # Rows member-major, then prompt, then sample: row (m·X + x)·K + k is member m's k-th answer to prompt x.
+    example_B = np.tile(np.repeat(np.arange(X), K), M)
+    member_B = np.repeat(np.arange(M, dtype=np.int32), X * K)
+    label_free = cfg.data.reward == "majority"
     sample_key = jax.random.key(cfg.seed + 1)
     sampling = None  # set by init, which sees the parameters' shapes
     chosen_rows = rows_per_device
 
     def init(params, key):
         nonlocal sampling
-        chunk = chosen_rows or estimate_rows_per_device(cfg, task.cfg, task.prompt_multiple, mesh, params, M * X)
+        chunk = chosen_rows or estimate_rows_per_device(cfg, task.cfg, task.prompt_multiple, mesh, params, M * X * K)
         sampling = Sampling.of(cfg.train.max_new_tokens, cfg.train.temperature, cfg.parallel, chunk)
         shardings = state_shardings(es_cfg, cfg.optimizer, mesh, params)
         return jax.jit(strategy.init, out_shardings=shardings)(params, parallel.put_replicated(mesh, key))
@@ -121,10 +147,11 @@ def make_es_method(cfg: ExperimentConfig, task: Task, mesh, rows_per_device: int
             sampling,
             deltas=strategy.ask(state, compute),
             member_B=member_B,
+            answers=label_free,
         )
         del compute  # the decoding copy is not needed by `tell`: free it first
-        fitness_M = out.reward_B.reshape(M, X).mean(axis=1)
+        fitness_M, extra = member_fitness(cfg.es, out.reward_B, out.answer_B, M, X)
         params, state, metrics = strategy.tell(state, params, parallel.put_replicated(mesh, fitness_M))
-        return params, state, metrics, int(out.length_B.sum())
+        return params, state, {**metrics, **extra}, int(out.length_B.sum())
 
     return Method(init, step)

@@ -41,7 +41,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import advantages, parallel, sharding
-from esroll.data import Example
+from esroll.data import Example, cluster_key
 from esroll.errors import ConfigError
 from esroll.models import STACKED
 from esroll.models.transformer import REMAT_POLICIES
@@ -60,9 +60,20 @@ AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "constant_length")
 class GRPOConfig:
     """GRPO settings (a config file's `grpo` section). Each step samples `group_size` completions per prompt at
     `temperature`, then takes `inner_iterations` (μ) passes of `minibatches` optimizer steps each; a minibatch's
-    gradient is summed over `microbatches` (a memory knob only). advantage: a name in `esroll.advantages`
-    ("grpo" is TRL's scale_rewards="group"); aggregation: see `token_weights`; beta: weight of the k3 KL to the initial
+    gradient is summed over `microbatches` (a memory knob only). advantage: an estimator of `esroll.advantages`
+    (`ESTIMATORS`: "grpo" is TRL's scale_rewards="group"; rloo, dr_grpo, agrae, bv_blend, gmae, maxpo, lampo, ntf,
+    ddrl, ...), with its options in `adv` (`esroll.advantages.AdvantageConfig`); group_size 1 only for the
+    single-rollout estimators (ntf). aggregation: see `token_weights`; beta: weight of the k3 KL to the initial
     policy (0 keeps no reference model).
+
+    Token-level methods (both off by default, and then the loss is bit-identical to plain GRPO's):
+    STARE (`esroll.advantages.stare_token_weights`): with stare_quantile q > 0, the completion tokens whose surprisal
+    −log π_old is above the batch's q-quantile get their advantage scaled by 1 + stare_alpha·sign(A) (entropy-raising
+    credit up, entropy-lowering credit down) while the gate is open; the gate opens when the previous step's measured
+    policy entropy is ≤ stare_entropy_low and closes when it is ≥ stare_entropy_high (`stare_gate`).
+    Progress advantage: with progress_coef η > 0, every token's advantage gets + η·(log π_θ − log π_ref) (no gradient
+    through it; π_ref the initial policy, kept as with β > 0): zero at the reference, so it adds to the advantage and
+    never scales it; its token mean is logged as `progress_mean` whenever the reference is kept.
 
     Memory knobs (the update is the same whatever their values, to float rounding): remat, what the backward pass
     keeps of each decoder layer ("none": everything, including every layer's float32 attention scores; "full": only
@@ -82,11 +93,33 @@ class GRPOConfig:
     temperature: float = 1.0
     remat: str = "full"
     logprob_chunk: int = 64
+    adv: advantages.AdvantageConfig = advantages.AdvantageConfig()
+    stare_quantile: float = 0.0
+    stare_alpha: float = 0.5
+    stare_entropy_low: float = 0.3
+    stare_entropy_high: float = 0.6
+    progress_coef: float = 0.0
 
     def __post_init__(self):
+        single = self.advantage in advantages.SINGLE_ROLLOUT
         checks = [
-            ("group_size", self.group_size >= 2, ">= 2"),
-            ("advantage", self.advantage in advantages.SHAPINGS, f"one of {', '.join(advantages.SHAPINGS)}"),
+            ("group_size", self.group_size >= (1 if single else 2), ">= 1" if single else ">= 2"),
+            ("advantage", self.advantage in advantages.ESTIMATORS, f"one of {', '.join(advantages.ESTIMATORS)}"),
+            (
+                "group_size",
+                self.advantage != "maxpo" or self.group_size > self.adv.maxpo_k,
+                f"> adv.maxpo_k = {self.adv.maxpo_k} (MaxPO's leave-two-out baseline)",
+            ),
+            (
+                "adv.horizon",
+                self.advantage != "agrae" or self.adv.horizon >= 1,
+                ">= 1 for agrae (its schedules' length)",
+            ),
+            ("stare_quantile", 0 <= self.stare_quantile < 1, "in [0, 1) (0: STARE off)"),
+            ("stare_alpha", 0 <= self.stare_alpha <= 1, "in [0, 1]"),
+            ("stare_entropy_low", self.stare_entropy_low >= 0, ">= 0"),
+            ("stare_entropy_high", self.stare_entropy_high > self.stare_entropy_low, "> stare_entropy_low"),
+            ("progress_coef", self.progress_coef >= 0, ">= 0"),
             ("aggregation", self.aggregation in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),
             ("temperature", self.temperature > 0, "> 0"),
             ("epsilon_low", 0 <= self.epsilon_low < 1, "in [0, 1)"),
@@ -110,7 +143,8 @@ class GRPOConfig:
         ]
         for field, ok, expected in checks:
             if not ok:
-                raise ConfigError(field, getattr(self, field), expected, where="GRPOConfig")
+                value = functools.reduce(getattr, field.split("."), self)
+                raise ConfigError(field, value, expected, where="GRPOConfig")
 
 
 # ---- the loss: a pure function of log-probabilities
@@ -146,6 +180,7 @@ def grpo_loss(
     beta: float,
     aggregation: str,
     weights_BxN: Array | None = None,
+    progress_coef: float = 0.0,
 ) -> tuple[Array, dict]:
     """Clipped surrogate −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) + β·(exp(d) − d − 1), d = log π_ref − log π_θ,
     aggregated by `aggregation` (or by explicit `weights_BxN`, see `token_weights`).
@@ -157,21 +192,28 @@ def grpo_loss(
         raise ValueError("grpo_loss: beta > 0 needs the reference log-probabilities")
     mask = jnp.asarray(mask_BxN, bool)
     w_BxN = token_weights(mask, aggregation) if weights_BxN is None else weights_BxN
-    adv_Bx1 = jnp.asarray(advantage_B, jnp.float32)[:, None]
+    adv_BxN = jnp.asarray(advantage_B, jnp.float32)[:, None]
+    if progress_coef:  # the progress advantage: + η·(log π_θ − log π_ref), no gradient through it
+        if logp_ref_BxN is None:
+            raise ValueError("grpo_loss: progress_coef > 0 needs the reference log-probabilities")
+        adv_BxN = adv_BxN + progress_coef * jax.lax.stop_gradient(logp_new_BxN - logp_ref_BxN)
     ratio_BxN = jnp.exp(logp_new_BxN - logp_old_BxN)
-    surrogate_BxN = jnp.minimum(ratio_BxN * adv_Bx1, jnp.clip(ratio_BxN, 1 - eps_low, 1 + eps_high) * adv_Bx1)
+    surrogate_BxN = jnp.minimum(ratio_BxN * adv_BxN, jnp.clip(ratio_BxN, 1 - eps_low, 1 + eps_high) * adv_BxN)
     loss_BxN = -surrogate_BxN
     kl_BxN = jnp.zeros_like(loss_BxN)
     if logp_ref_BxN is not None:
         d_BxN = logp_ref_BxN - logp_new_BxN
         kl_BxN = jnp.exp(d_BxN) - d_BxN - 1
         loss_BxN = loss_BxN + beta * kl_BxN
-    clipped_BxN = ((ratio_BxN < 1 - eps_low) & (adv_Bx1 < 0)) | ((ratio_BxN > 1 + eps_high) & (adv_Bx1 > 0))
+    clipped_BxN = ((ratio_BxN < 1 - eps_low) & (adv_BxN < 0)) | ((ratio_BxN > 1 + eps_high) & (adv_BxN > 0))
     n_tokens = jnp.maximum(mask.sum(), 1)
     metrics = {
         "kl": jnp.where(mask, kl_BxN, 0.0).sum() / n_tokens,
         "clip_fraction": (clipped_BxN & mask).sum() / n_tokens,
     }
+    if logp_ref_BxN is not None:  # where training has moved the policy, token by token (0 at the reference)
+        progress_BxN = jax.lax.stop_gradient(logp_new_BxN - logp_ref_BxN)
+        metrics["progress_mean"] = jnp.where(mask, progress_BxN, 0.0).sum() / n_tokens
     return jnp.where(mask, w_BxN * loss_BxN, 0.0).sum(), metrics
 
 
@@ -198,12 +240,30 @@ def _gather_layer(mesh: Mesh, layer: dict) -> dict:
 
 class GRPOState(NamedTuple):
     opt_state: Any
-    ref_params: dict | None  # the frozen initial policy; None when beta = 0 (no reference forward at all)
+    ref_params: dict | None  # the frozen initial policy; None unless `keeps_reference` (no reference forward at all)
+    adv: dict | None = None  # the host-side methods' running state (`host_state`), replicated
+
+
+def host_state(grpo: GRPOConfig) -> dict | None:
+    """The running state of the host-side methods: the advantage estimator's (`esroll.advantages.init_state`) and
+    STARE's gate ("stare_open", 0 or 1); None when there is none."""
+    state = dict(advantages.init_state(grpo.advantage, grpo.adv) or {})
+    if grpo.stare_quantile > 0:
+        state["stare_open"] = np.zeros((), np.float32)
+    return state or None
+
+
+def keeps_reference(grpo: GRPOConfig) -> bool:
+    """Whether the initial policy is kept: the KL term (β > 0) or the progress advantage (η > 0) reads it."""
+    return grpo.beta > 0 or grpo.progress_coef > 0
 
 
 def init_state(grpo: GRPOConfig, optimizer, params) -> GRPOState:
-    """The optimizer state, and the parameters as the frozen reference policy when the KL term needs one (β > 0)."""
-    return GRPOState(optimizer.init(params), params if grpo.beta > 0 else None)
+    """The optimizer state, the parameters as the frozen reference policy when the KL term or the progress advantage
+    needs one, and the host-side methods' running state when they keep one (`host_state`)."""
+    adv = host_state(grpo)
+    adv = None if adv is None else {k: jnp.asarray(v) for k, v in adv.items()}
+    return GRPOState(optimizer.init(params), params if keeps_reference(grpo) else None, adv)
 
 
 def state_shardings(grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, params) -> GRPOState:
@@ -214,7 +274,13 @@ def state_shardings(grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, params) ->
     optimizer = make_optimizer(optim)
     masters = sharding.master_shardings(mesh, params)
     abstract = jax.eval_shape(optimizer.init, params)
-    return GRPOState(sharding.state_shardings(mesh, optimizer, abstract, masters), masters if grpo.beta > 0 else None)
+    adv = host_state(grpo)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return GRPOState(
+        sharding.state_shardings(mesh, optimizer, abstract, masters),
+        masters if keeps_reference(grpo) else None,
+        None if adv is None else {k: replicated for k in adv},
+    )
 
 
 class Rollouts(NamedTuple):
@@ -266,7 +332,13 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
 
         # The policy's per-token entropy comes from the same forward (a metric: no gradient).
         logp_BxN, entropy_BxN = logprobs(params, True)
-        logp_ref_BxN = None if ref_params is None else jax.lax.stop_gradient(logprobs(ref_params, False))
+        # With the progress advantage, the reference is scored by the very same computation as the policy, so that
+        # log π_θ − log π_ref is exactly 0 at the reference parameters.
+        same_path = grpo.progress_coef > 0
+        logp_ref_BxN = None
+        if ref_params is not None:
+            ref = logprobs(ref_params, same_path)
+            logp_ref_BxN = jax.lax.stop_gradient(ref[0] if same_path else ref)
         logp_old_BxN = jnp.where(on_policy, jax.lax.stop_gradient(logp_BxN), micro.logp_old)
         loss, metrics = grpo_loss(
             logp_BxN,
@@ -279,6 +351,7 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
             beta=grpo.beta,
             aggregation=grpo.aggregation,
             weights_BxN=micro.weight,
+            progress_coef=grpo.progress_coef,
         )
         # Sums, so that the minibatch's entropy is a mean over its tokens whatever the microbatches hold (padding).
         metrics["entropy_sum"] = jnp.where(micro.completion_mask, jax.lax.stop_gradient(entropy_BxN), 0.0).sum()
@@ -311,6 +384,8 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
             "entropy": metrics_U["entropy_sum"].sum() / jnp.maximum(metrics_U["tokens"].sum(), 1.0),
             "grad_norm": optax.tree.norm(grads),
         }
+        if "progress_mean" in metrics_U:
+            metrics["progress_mean"] = metrics_U["progress_mean"].mean()
         return params, state._replace(opt_state=opt_state), metrics
 
     return update
@@ -338,7 +413,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     b = X * M // (n_mini * n_micro)  # rows per microbatch
     data = parallel.data_size(mesh)
     b_padded = -(-b // data) * data  # masked rows make each microbatch split evenly over the data axis
-    shape_advantages = advantages.get(g.advantage)
+    label_free = cfg.data.reward == "majority"  # rewards from the group's majority answer, not the gold one
     to_compute = sharding.caster(mesh, cfg.model.dtype)  # the decoding copy (model.dtype) of the masters
     micro_rows = NamedSharding(mesh, PartitionSpec(None, parallel.AXIS))
     sample_key = jax.random.key(cfg.seed + 1)
@@ -346,7 +421,11 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     sampling = Sampling.of(cfg.train.max_new_tokens, g.temperature, cfg.parallel, rows_per_device)
     from esroll.config import make_optimizer  # esroll.config imports this module
 
-    step_update = make_update(task.cfg, g, cfg.optimizer, mesh, cfg.model.dtype)
+    # The estimator acts on the host: runs that differ only in it share one compiled update.
+    update_cfg = dataclasses.replace(
+        g, advantage="grpo", adv=advantages.AdvantageConfig(), group_size=2, stare_quantile=0.0, stare_alpha=0.5
+    )
+    step_update = make_update(task.cfg, update_cfg, cfg.optimizer, mesh, cfg.model.dtype)
     optimizer = make_optimizer(cfg.optimizer)
 
     def init(params, key):
@@ -354,6 +433,9 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
 
         make = functools.partial(init_state, g, optimizer)
         return jax.jit(make, out_shardings=state_shardings(g, cfg.optimizer, mesh, params))(params)
+
+    def clusters(examples: list[Example]) -> np.ndarray:
+        return np.array([advantages.cluster_id(cluster_key(e, g.adv.cluster_key), g.adv.bv_clusters) for e in examples])
 
     def step(params, state: GRPOState, examples: list[Example], step_index: int):
         # M completions per prompt; rows are prompt-major (row x·M + j answers prompt x).
@@ -366,14 +448,45 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             jax.random.fold_in(sample_key, step_index),
             sampling,
             completions=True,
+            answers=label_free,
         )
-        completion_mask_BxN = np.arange(sampling.max_new_tokens)[None, :] < out.length_B[:, None]
-        rewards_XxM = out.reward_B.reshape(X, M)
-        advantage_B = np.asarray(shape_advantages(rewards_XxM)).reshape(-1)
+        N = sampling.max_new_tokens
+        completion_mask_BxN = np.arange(N)[None, :] < out.length_B[:, None]
+        gold_XxM = out.reward_B.reshape(X, M)
+        rewards_XxM = advantages.majority_rewards(out.answer_B.reshape(X, M)) if label_free else gold_XxM
+        lengths = np.maximum(out.length_B, 1)
+        group = advantages.Group(
+            rewards_XxM,
+            step=step_index,
+            seed=cfg.seed,
+            seq_logp=(np.where(completion_mask_BxN, out.logprobs_BxN, 0.0).sum(1) / lengths).reshape(X, M),
+            token_logp=out.logprobs_BxN.reshape(X, M, N),
+            token_mask=completion_mask_BxN.reshape(X, M, N),
+            cluster=clusters(examples) if g.advantage == "bv_blend" else None,
+            answers=out.answer_B.reshape(X, M) if label_free else None,
+        )
+        host = {} if state.adv is None else {k: np.asarray(v) for k, v in state.adv.items()}
+        own = {k: v for k, v in host.items() if not k.startswith("stare_")} or None  # the estimator's state
+        estimate = advantages.estimate(g.advantage, group, g.adv, own)
+        advantage_B = estimate.advantage.reshape(-1)
+        token_weight_BxN = None if estimate.token_weight is None else estimate.token_weight.reshape(X * M, N)
+        stare_metrics = {}
+        if g.stare_quantile > 0:
+            stare_open = bool(host["stare_open"])
+            if stare_open:
+                stare_w, selected = advantages.stare_token_weights(
+                    out.logprobs_BxN, completion_mask_BxN, advantage_B, g.stare_quantile, g.stare_alpha
+                )
+                token_weight_BxN = stare_w if token_weight_BxN is None else token_weight_BxN * stare_w
+                stare_metrics["stare_tokens"] = selected.sum() / max(completion_mask_BxN.sum(), 1)
+            stare_metrics["stare_open"] = float(stare_open)
 
         # Minibatch m is rows [m·B/n_mini, (m+1)·B/n_mini), whole prompt groups when n_mini divides X.
         def minibatch(m: int) -> Rollouts:
             rows = slice(m * n_micro * b, (m + 1) * n_micro * b)
+            weight = np.asarray(token_weights(completion_mask_BxN[rows], g.aggregation))
+            if token_weight_BxN is not None:  # the estimator's per-token factor (e.g. ntf's filtered tokens: 0)
+                weight = weight * token_weight_BxN[rows]
             fields = (  # token weights over the minibatch's real rows, before padding
                 out.prompt_BxP[rows],
                 out.prompt_mask_BxP[rows],
@@ -381,7 +494,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
                 completion_mask_BxN[rows],
                 out.logprobs_BxN[rows],
                 advantage_B[rows].astype(np.float32),
-                np.asarray(token_weights(completion_mask_BxN[rows], g.aggregation)),
+                weight.astype(np.float32),
             )
             return Rollouts(
                 *(parallel.put(micro_rows, pad_rows(x.reshape(n_micro, b, *x.shape[1:]), b_padded)) for x in fields)
@@ -393,12 +506,29 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             for m, batch in enumerate(minibatches):
                 params, state, metrics = step_update(params, state, batch, jnp.asarray(iteration == 0 and m == 0))
                 history.append(metrics)
+        new_host = dict(estimate.state or {})
+        if g.stare_quantile > 0:  # the gate reads this step's measured entropy; the next step uses it
+            gate = advantages.stare_gate(
+                bool(host["stare_open"]),
+                float(np.mean([float(m["entropy"]) for m in history])),
+                g.stare_entropy_low,
+                g.stare_entropy_high,
+            )
+            new_host["stare_open"] = np.float32(gate)
+        if new_host:
+            state = state._replace(adv=parallel.put_replicated(mesh, {k: jnp.asarray(v) for k, v in new_host.items()}))
         metrics = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *history)
         metrics.update(
             fitness_mean=rewards_XxM.mean(),
             fitness_std=rewards_XxM.std(),
-            frac_groups_all_equal=np.mean(np.all(rewards_XxM == rewards_XxM[:, :1], axis=1)),
+            advantage_abs=np.abs(advantage_B).mean(),
+            **estimate.metrics,
+            **stare_metrics,
         )
+        if M > 1:  # a group of one is trivially all-equal
+            metrics["frac_groups_all_equal"] = np.mean(np.all(rewards_XxM == rewards_XxM[:, :1], axis=1))
+        if label_free:  # how often the majority vote agrees with the gold answer's verdict (gold: diagnostics only)
+            metrics.update(gold_reward_mean=gold_XxM.mean(), pseudo_label_agreement=np.mean(rewards_XxM == gold_XxM))
         return params, state, metrics, int(out.length_B.sum())
 
     return Method(init, step)

@@ -282,7 +282,7 @@ def plan_es(
         _compile("ask", strategy.ask.lower(state, t.compute), masters_and_state)[0],
         _compile("tell", strategy.tell.lower(state, params, fitness), 0)[0],
     ]
-    rows = cfg.es.population * cfg.train.prompts_per_step
+    rows = cfg.es.population * cfg.train.prompts_per_step * cfg.es.samples
     per_device = es_train.estimate_rows_per_device(cfg, model_cfg, prompt_len, mesh, params, rows)
     gen, per_device = t.fit_rows("generate", per_device, cfg.train.temperature, masters_and_state, deltas)
     evaluation, eval_per_device = t.fit_rows(

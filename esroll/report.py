@@ -63,6 +63,7 @@ class RunResult:
     completions_per_step: int  # sequences generated per step
     complete: bool
     probe_s: float = math.nan  # the evaluation before training: greedy decoding of the held-out set (NaN: not timed)
+    all_equal_groups: float = math.nan  # GRPO: mean fraction of groups whose rewards are all equal (NaN: ES)
 
     @property
     def final_accuracy(self) -> float:
@@ -81,7 +82,7 @@ def evaluation_counts(cfg: dict) -> tuple[int, int]:
     if cfg["method"] == "grpo":
         completions = prompts * cfg["grpo"]["group_size"]
         return completions, completions
-    return cfg["es"]["population"], cfg["es"]["population"] * prompts
+    return cfg["es"]["population"], cfg["es"]["population"] * prompts * cfg["es"].get("samples", 1)
 
 
 def generated_counts(records: list[dict], completions_per_step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -115,6 +116,7 @@ def load_run(directory: Path, method: str, seed: int) -> RunResult | None:
     cfg = json.loads((directory / "config.json").read_text())
     per_eval, per_completion = evaluation_counts(cfg)
     completions, tokens = generated_counts(records, per_completion)
+    equal = [r["frac_groups_all_equal"] for r in records if "frac_groups_all_equal" in r]
     return RunResult(
         method=method,
         seed=seed,
@@ -128,6 +130,7 @@ def load_run(directory: Path, method: str, seed: int) -> RunResult | None:
         completions_per_step=per_completion,
         complete=run_ended(records, cfg["train"]),
         probe_s=float(evals[0].get("eval_s", math.nan)) if evals[0]["step"] == 0 else math.nan,
+        all_equal_groups=float(np.mean(equal)) if equal else math.nan,
     )
 
 
@@ -250,6 +253,7 @@ def per_run_rows(
             "completions": r.completions_per_step * r.steps,
             "final_completions": float(r.completions[-1]),
             "final_tokens": float(r.tokens[-1]),
+            "all_equal_groups": r.all_equal_groups,
         }
         for r in runs
     ]
@@ -282,7 +286,7 @@ def summarize(
         row["n_seeds_tokens"] = sum(math.isfinite(r["final_tokens"]) for r in mine.values())
         row["range_completions"], row["range_tokens"] = ranges["completions"], ranges["tokens"]
         keys = ("final_accuracy", "auc", "auc_completions", "auc_tokens", "steps", "evaluations", "completions")
-        for key in (*keys, "final_completions", "final_tokens"):
+        for key in (*keys, "final_completions", "final_tokens", "all_equal_groups"):
             values = [v for v in (r[key] for r in mine.values()) if not math.isnan(v)]
             row.update({f"{key}_{k}": v for k, v in _mean_sd(values).items()})
         if name != reference:
@@ -356,14 +360,16 @@ def markdown_table(summary: Sequence[dict], spec: dict) -> str:
             "accuracy in %; mean ± sd over seeds."
         ),
         "",
-        "| method | seeds | final accuracy | AUC (mean accuracy over the budget) | steps | evaluations | completions |",
-        "|---|---|---|---|---|---|---|",
+        "| method | seeds | final accuracy | AUC (mean accuracy over the budget) | steps | evaluations | completions "
+        "| all-equal groups |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in summary:
         lines.append(
             f"| {r['method']} | {r['n_seeds']} | {_pct(r['final_accuracy_mean'])} ± {_pct(r['final_accuracy_sd'])} "
             f"| {_pct(r['auc_mean'])} ± {_pct(r['auc_sd'])} | {_fmt(r['steps_mean'], spec='.0f')} "
-            f"| {_fmt(r['evaluations_mean'], spec='.0f')} | {_fmt(r['completions_mean'], spec='.0f')} |"
+            f"| {_fmt(r['evaluations_mean'], spec='.0f')} | {_fmt(r['completions_mean'], spec='.0f')} "
+            f"| {_pct(r['all_equal_groups_mean'])} |"
         )
     lines += ["", f"Paired differences against {ref} (method − {ref}, points of accuracy):", "", *_PAIRED_HEADER]
     lines += _paired_rows(summary, ref, (("final_accuracy", "final accuracy"), ("auc", "AUC")), {})

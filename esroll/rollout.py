@@ -65,6 +65,7 @@ class Rollout(NamedTuple):
     tokens_BxN: np.ndarray | None  # [B, N] int32 (with completions=True): pad_id after EOS
     logprobs_BxN: np.ndarray | None  # [B, N] float32 (with completions=True): log π at each sampled token, 0 after EOS
     scores: dict[str, np.ndarray] | None  # name -> [B] float32 (with scores=True): `esroll.data.eval_scores`
+    answer_B: np.ndarray | None = None  # [B] int64 (with answers=True): parsed-answer ids, -1 for none
 
 
 def rollout(
@@ -80,11 +81,13 @@ def rollout(
     member_B: np.ndarray | None = None,
     completions: bool = False,
     scores: bool = False,
+    answers: bool = False,
 ) -> Rollout:
     """Decode the rows, row b answering `examples[example_B[b]]` (with member `member_B[b]`'s perturbation when
     `deltas` are given), and score them with `task.rewards`. With `completions`, the tokens and their
     log-probabilities travel in the same exchange as the rewards; with `scores`, the evaluation scores of
-    `esroll.data.eval_scores` (the reward is their first, "accuracy").
+    `esroll.data.eval_scores` (the reward is their first, "accuracy"); with `answers`, each row's parsed answer as
+    an integer id (`Task.answer_ids`: what label-free rewards vote on).
 
     Every process must pass the same arguments. The sampling noise of row b is a function of (key, b, step), so the
     result does not depend on the mesh.
@@ -136,21 +139,28 @@ def rollout(
     names = eval_score_names(examples[0].task) if scores else ("accuracy",)
     local = np.zeros((len(idx), len(names)), np.float32)  # the reward first, then the other scores
     score_fn = task.eval_scores if scores else lambda *a: task.rewards(*a)[:, None]
+    answer_ids = np.full((len(idx), 1), -1.0)
     if real.any():  # a process whose devices hold only padding rows scores nothing (but still joins the exchange)
-        local[real] = score_fn([examples[e] for e in example_B[idx[real]]], tokens[real], lengths[real])
-    # One exchange: [reward, scores..., length, tokens..., log-probabilities...] per row, in float64 (exact for all).
-    columns = [local, lengths[:, None]]
+        rows_examples = [examples[e] for e in example_B[idx[real]]]
+        local[real] = score_fn(rows_examples, tokens[real], lengths[real])
+        if answers:
+            answer_ids[real, 0] = task.answer_ids(rows_examples, tokens[real], lengths[real])
+    # One exchange: [reward, scores..., length, (answer id), tokens..., log-probabilities...] per row, in float64
+    # (exact for all: answer ids are below 2^52).
+    columns = [local, lengths[:, None]] + ([answer_ids] if answers else [])
     if completions:
         columns += [tokens, logprobs]
     table = parallel.gather_to_all(np.concatenate(columns, 1, dtype=np.float64), idx, rows)[:B]
     S = len(names)
+    A = S + 1 + int(answers)  # where the tokens start
     return Rollout(
         example_B=example_B[:B],
         prompt_BxP=prompt_BxP[:B],
         prompt_mask_BxP=prompt_mask_BxP[:B],
         reward_B=table[:, 0].astype(np.float32),
         length_B=table[:, S].astype(np.int32),
-        tokens_BxN=table[:, S + 1 : S + 1 + N].astype(np.int32) if completions else None,
-        logprobs_BxN=table[:, S + 1 + N :].astype(np.float32) if completions else None,
+        tokens_BxN=table[:, A : A + N].astype(np.int32) if completions else None,
+        logprobs_BxN=table[:, A + N :].astype(np.float32) if completions else None,
         scores={name: table[:, i].astype(np.float32) for i, name in enumerate(names)} if scores else None,
+        answer_B=table[:, S + 1].astype(np.int64) if answers else None,
     )

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from esroll.data import Example, eval_scores, format_prompt, score
+from esroll.advantages import answer_id
+from esroll.data import Example, eval_scores, format_prompt, parse_answer, score
 from esroll.models import load_hf, param_shapes
 from esroll.models.hf import resolve
 
@@ -30,6 +31,12 @@ class Task(NamedTuple):
     def rewards(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Reward of each generated row; row j answers examples[j]."""
         return np.array([score(e, s) for e, s in zip(examples, self.texts(tokens, lengths))], np.float32)
+
+    def answer_ids(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """[rows] int64: each row's parsed answer (`esroll.data.parse_answer`) as `esroll.advantages.answer_id`
+        (-1: none), what label-free rewards vote on."""
+        texts = self.texts(tokens, lengths)
+        return np.array([answer_id(parse_answer(e, s)) for e, s in zip(examples, texts)], np.int64)
 
     def eval_scores(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """[rows, scores]: `esroll.data.eval_scores` of each generated row (accuracy, and strict / flexible)."""

@@ -147,7 +147,9 @@ def train_and_evaluate(
     # ---- loop
     budget = cfg.train.time_budget_s
     lr_at = _learning_rate(cfg)
-    rows = cfg.train.prompts_per_step * (cfg.grpo.group_size if cfg.method == "grpo" else cfg.es.population)
+    rows = cfg.train.prompts_per_step * (
+        cfg.grpo.group_size if cfg.method == "grpo" else cfg.es.population * cfg.es.samples
+    )
     bar = _progress_bar(cfg, start_step, elapsed, enabled=progress and lead)
     step, acc, saved_step = start_step, None, start_step
     while step < cfg.train.steps and not (budget and elapsed >= budget):

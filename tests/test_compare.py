@@ -67,7 +67,17 @@ def test_area_under_curve_of_known_curves():
 
 @pytest.mark.parametrize(
     "variant",
-    ["default", "quick", "tuned", "tuned_quick", "es_fall", "countdown", "gsm8k_qwen3_0.6b", "gsm8k_qwen3_8b"],
+    [
+        "default",
+        "quick",
+        "tuned",
+        "tuned_quick",
+        "tuned_hard",
+        "es_fall",
+        "countdown",
+        "gsm8k_qwen3_0.6b",
+        "gsm8k_qwen3_8b",
+    ],
 )
 def test_variants_build_valid_comparisons(variant):
     comp = comparison_from_dict(get_config(variant).to_dict())
@@ -347,3 +357,34 @@ def test_entry_script_writes_the_report(quick_comparison):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert (workdir / "results.md").read_text() in out.stdout
+
+
+def test_advantage_estimator_comparison_quick(tmp_path):
+    """configs/advantages.py:quick through the comparison: plain GRPO, BV-Blend (a running state), ntf (one
+    completion per prompt), DDRL (label-free: majority-vote rewards) and LOO-ROLL with per-prompt normalisation,
+    paired against GRPO, with the fraction of all-equal groups in the report; every variant builds."""
+    from configs import advantages
+
+    for variant in advantages.VARIANTS:
+        comp = comparison_from_dict(advantages.get_config(variant).to_dict())
+        assert comp.reference in comp.configs and len(comp.configs) >= 3
+    cd = advantages.get_config("quick")
+    cd.experiment.model.path = SHIPPED_MODEL
+    comp = comparison_from_dict(cd.to_dict())
+    run_comparison(comp, tmp_path, mesh_devices=1, progress=False)
+    assert json.loads((tmp_path / "bv_blend" / "seed0" / "config.json").read_text())["grpo"]["advantage"] == "bv_blend"
+    es_cfg = json.loads((tmp_path / "looroll_prompt_norm" / "seed1" / "config.json").read_text())
+    assert es_cfg["es"]["prompt_shaping"] == "grpo"
+    assert "bv_blend_weight" in read_metrics(tmp_path / "bv_blend" / "seed0" / "metrics.jsonl")[1]
+    ntf = read_metrics(tmp_path / "ntf" / "seed0" / "metrics.jsonl")[1]
+    assert "ntf_filtered_fraction" in ntf and ntf["completions"] == 16  # 16 prompts × 1, as GRPO's 4 × 4
+    ddrl = read_metrics(tmp_path / "ddrl" / "seed0" / "metrics.jsonl")
+    assert 0 <= ddrl[1]["pseudo_label_agreement"] <= 1 and "ddrl_kept_fraction" in ddrl[1]
+    assert "eval_accuracy" in ddrl[-1]  # the gold answer still scores evaluation
+    paths = write_report(tmp_path)
+    results = {r["method"]: r for r in _rows(paths["results_csv"])}
+    assert (
+        results["grpo"]["all_equal_groups_mean"] != "nan"
+        and results["looroll_prompt_norm"]["all_equal_groups_mean"] == "nan"
+    )
+    assert int(results["bv_blend"]["n_pairs"]) == 2 and "all-equal groups" in paths["results_md"].read_text()

@@ -188,8 +188,14 @@ def test_sharded_equals_unsharded(tmp_path):
 
 
 def test_resume_is_exact(tmp_path):
-    """On the 4 × 2 mesh of test_sharded_equals_unsharded (its compiled programs)."""
-    steps = check_exact_resume(strict_quick(EIGHT, 2, steps=4, checkpoint_every=2, eval_every=2), tmp_path)
+    """On the 4 × 2 mesh of test_sharded_equals_unsharded (its compiled programs), with an advantage estimator that
+    keeps a running state (BV-Blend's per-cluster history, checkpointed with the optimizer state) and STARE, whose
+    gate (state too) opens after the first step: its entropy thresholds sit above the policy's entropy."""
+    stare = dict(stare_quantile=0.8, stare_entropy_low=5.0, stare_entropy_high=6.0)
+    cfg = strict_quick({**EIGHT, "advantage": "bv_blend", **stare}, 2, steps=4, checkpoint_every=2, eval_every=2)
+    steps = check_exact_resume(cfg, tmp_path)
+    assert steps[0]["bv_blend_weight"] == 0 and steps[-1]["bv_blend_weight"] > 0  # history builds up and is used
+    assert [r["stare_open"] for r in steps] == [0, 1, 1, 1] and steps[-1]["stare_tokens"] > 0
     keys = {
         "fitness_mean",
         "fitness_std",
@@ -365,3 +371,63 @@ def test_float32_masters_keep_small_updates_of_a_bf16_model():
 
     assert changed_fraction("float32") >= 0.99  # 0.99987 measured
     assert changed_fraction("bfloat16") < 0.5  # 0.017 measured
+
+
+# ---- token-level methods: STARE's reweighting and gate, the progress advantage
+
+
+def test_stare_reweights_exactly_the_tokens_above_the_surprisal_quantile():
+    from esroll.advantages import stare_gate, stare_token_weights
+
+    # surprisals (−log π) of 3 completions; the third token of row 1 is padding (its value must not count)
+    surprisal = np.array([[0.1, 2.0, 0.5], [3.0, 0.2, 9.0], [1.0, 0.3, 4.0]])
+    mask = np.array([[1, 1, 1], [1, 1, 0], [1, 1, 1]], bool)
+    advantage = np.array([1.5, -0.5, 0.0])
+    weights, selected = stare_token_weights(-surprisal, mask, advantage, quantile=0.5, alpha=0.4)
+    # the 8 completion tokens' median surprisal is (0.5 + 1.0) / 2 = 0.75: above it are 2.0, 3.0, 1.0 and 4.0
+    np.testing.assert_array_equal(selected, [[0, 1, 0], [1, 0, 0], [1, 0, 1]])
+    np.testing.assert_allclose(weights, [[1, 1.4, 1], [0.6, 1, 1], [1, 1, 1]])  # sign(0) = 0: a zero advantage stays
+    off, _ = stare_token_weights(-surprisal, mask, advantage, quantile=0.5, alpha=0.0)
+    assert np.all(off == 1.0)
+    # the gate: opens at or below 0.3, closes at or above 0.6, keeps its state in between
+    assert stare_gate(False, 0.3, 0.3, 0.6) and not stare_gate(False, 0.45, 0.3, 0.6)
+    assert stare_gate(True, 0.45, 0.3, 0.6) and not stare_gate(True, 0.6, 0.3, 0.6)
+
+
+def test_stare_off_and_progress_off_leave_the_loss_bit_identical():
+    from esroll.advantages import stare_token_weights
+
+    logp_new, logp_old, logp_ref, advantage, mask = hand_built()
+    args = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA, aggregation="token_mean")
+    plain = grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, **args)[0]
+    w = np.asarray(token_weights(mask, "token_mean"))
+    ones, _ = stare_token_weights(logp_old, mask, advantage, quantile=0.5, alpha=0.0)
+    stare_off = grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, weights_BxN=w * ones, **args)[0]
+    progress_off = _grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, progress_coef=0.0, **args)[0]
+    assert float(plain) == float(stare_off) == float(jax.jit(lambda: progress_off)())
+
+
+@pytest.mark.parametrize("tiny", ["untied"], indirect=True)
+def test_progress_advantage_is_zero_at_the_reference_and_not_after_an_update(tiny):
+    """η·(log π_θ − log π_ref) on every token: exactly 0 while θ is the reference (the first update is plain GRPO),
+    non-zero once θ has moved; it adds to the advantage, so the first update's loss is plain GRPO's."""
+    cfg, params = tiny
+    U, b = 1, 6
+    prompt, prompt_mask, completion, completion_mask = scored_rows(cfg.vocab_size, rows=U * b)
+    logp_old = np.where(completion_mask, -1.0, 0.0).astype(np.float32)
+    advantage = np.random.default_rng(3).normal(size=U * b).astype(np.float32)
+    weight = np.asarray(token_weights(completion_mask, "seq_mean_token_mean"))
+    fields = (prompt, prompt_mask, completion, completion_mask, logp_old, advantage, weight)
+    batch = Rollouts(*(x.reshape(U, b, *x.shape[1:]) for x in fields))
+    optim = OptimConfig(name="sgd", lr=0.1)
+    mesh = parallel.make_mesh(1)
+    with_progress = GRPOConfig(group_size=2, progress_coef=0.5, remat="none", logprob_chunk=0)
+    update = make_update(cfg, with_progress, optim, mesh)
+    state = GRPOState(make_optimizer(optim).init(params), params)
+    moved, state, first = update(params, state, batch, jnp.asarray(True))
+    assert float(first["progress_mean"]) == 0.0
+    _, _, second = update(moved, state, batch, jnp.asarray(True))
+    assert abs(float(second["progress_mean"])) > 1e-6
+    plain = make_update(cfg, dataclasses.replace(with_progress, progress_coef=0.0, beta=1e-30), optim, mesh)
+    _, _, base = plain(params, GRPOState(make_optimizer(optim).init(params), params), batch, jnp.asarray(True))
+    np.testing.assert_allclose(float(first["loss"]), float(base["loss"]), rtol=1e-6)

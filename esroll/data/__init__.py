@@ -5,13 +5,26 @@ from esroll.data.build import make_splits
 from esroll.data.gsm8k import example_from_gsm8k, load_gsm8k, to_gsm8k_dict, write_jsonl
 from esroll.data.gsm_symbolic import gsm_symbolic_templates, make_gsm_symbolic, make_gsm_symbolic_splits
 from esroll.data.synthetic import make_arithmetic, make_countdown
-from esroll.data.tasks import PLAIN_TEMPLATE, TASKS, Example, eval_score_names, eval_scores, format_prompt, score
+from esroll.data.tasks import (
+    NUMERIC_TASKS,
+    PLAIN_TEMPLATE,
+    TASKS,
+    Example,
+    cluster_key,
+    eval_score_names,
+    eval_scores,
+    format_prompt,
+    parse_answer,
+    score,
+)
 
 __all__ = [
+    "NUMERIC_TASKS",
     "PLAIN_TEMPLATE",
     "TASKS",
     "Example",
     "batch_indices",
+    "cluster_key",
     "epoch_permutation",
     "eval_score_names",
     "eval_scores",
@@ -25,6 +38,7 @@ __all__ = [
     "make_gsm_symbolic",
     "make_gsm_symbolic_splits",
     "make_splits",
+    "parse_answer",
     "score",
     "split_examples",
     "to_gsm8k_dict",

@@ -33,6 +33,16 @@ def _eval_precedence(terms: list[int], ops: list[str]) -> int:
     return total + sign * product
 
 
+def carries(terms: list[int]) -> int:
+    """The carries of adding `terms` column by column (the difficulty bucket of a sum)."""
+    count, carry, column = 0, 0, 0
+    while any(t // 10**column for t in terms) or carry:
+        carry = (sum(t // 10**column % 10 for t in terms) + carry) // 10
+        count += carry > 0
+        column += 1
+    return count
+
+
 def _expression_row(terms: list[int], ops: list[str]) -> tuple[str, str, int]:
     expression = " ".join([str(terms[0])] + [f"{op} {t}" for op, t in zip(ops, terms[1:])])
     value = _eval_precedence(terms, ops)
@@ -91,6 +101,7 @@ def make_arithmetic(
                 answer=str(value),
                 solution=f"{work}\n#### {value}",
                 target_text=f" {value}",
+                meta={"difficulty": carries(terms)} if set(row_ops) == {"+"} else {},
             )
         )
     return examples

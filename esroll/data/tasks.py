@@ -69,6 +69,32 @@ def score(example: Example, completion: str) -> float:
     raise ValueError(f"unknown task {example.task!r}; expected one of {TASKS}")
 
 
+def parse_answer(example: Example, completion: str) -> str | None:
+    """The answer a completion gives, canonical (what label-free rewards vote on): the final number for numeric
+    tasks; None if there is none. Countdown has no label-free mode (its reward needs no gold answer)."""
+    if example.task in NUMERIC_TASKS:
+        return rewards.extract_answer(completion)
+    raise ValueError(f"task {example.task!r} has no parsed answer to vote on (label-free rewards: {NUMERIC_TASKS})")
+
+
+def cluster_key(example: Example, key: str) -> str:
+    """The cluster an example belongs to (BV-Blend's history, adaptive data schedules): `key` is "task", "difficulty"
+    (`meta["difficulty"]` when the generator sets one, e.g. the carries of a sum; else the number of steps of the
+    worked solution) or the name of a field of `example.meta`."""
+    if key == "task":
+        return example.task
+    if key == "difficulty":
+        if "difficulty" in example.meta:
+            return f"difficulty={example.meta['difficulty']}"
+        steps = [line for line in example.solution.split("####")[0].splitlines() if line.strip()]
+        return f"steps={len(steps)}"
+    if key not in example.meta:
+        raise ValueError(
+            f"cluster key {key!r}: the {example.task} examples have no such meta field ({sorted(example.meta)})"
+        )
+    return f"{key}={example.meta[key]}"
+
+
 def eval_score_names(task: str) -> tuple[str, ...]:
     """What held-out evaluation logs per completion of `task`: the reward ("accuracy") and, for numeric answers, the
     two scores GSM8K harnesses report: "strict" (the number after `####`) and "flexible" (the last number)."""

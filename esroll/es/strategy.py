@@ -44,6 +44,10 @@ class ESSettings:
     steps, the same σ_t in the members' perturbation and in the estimator's 1/σ.
     shaping: a name in `esroll.advantages`, applied to the fitness before the estimator (raw keeps it unbiased;
     zscore makes the update independent of the reward scale).
+    How rewards become a member's fitness: each member answers each of the step's prompts `samples` times (K; more
+    than 1 needs train.temperature > 0), `sample_reduce` folds the K rewards (mean, or max: max@K, pass@K on 0/1
+    rewards), `prompt_shaping` (a name in `esroll.advantages.SHAPINGS`, across the members, prompt by prompt:
+    GRPO's group-relative normalisation, with the population as the group; raw: none) and the mean over prompts.
     Leaf selection by path regex (see `noise`): defaults freeze embed / lm_head and vectors, perturb other matrices.
     chunk_size: directions per chunk when `tell` sums the update (0: all at once).
     min_valid_fraction: non-finite fitness is dropped (see `estimators`); a step keeping fewer members than this
@@ -57,6 +61,9 @@ class ESSettings:
     sigma_final: float = 0.0
     sigma_horizon: int = 0
     shaping: str = "zscore"
+    samples: int = 1
+    sample_reduce: str = "mean"
+    prompt_shaping: str = "raw"
     lowrank_patterns: tuple[str, ...] = (".*",)
     dense_patterns: tuple[str, ...] = ()
     frozen_patterns: tuple[str, ...] = ("embed", "lm_head")
@@ -77,6 +84,13 @@ class ESSettings:
             ),
             ("sigma_horizon", self.sigma_schedule == "constant" or self.sigma_horizon >= 1, ">= 1 with a schedule"),
             ("shaping", self.shaping in advantages.SHAPINGS, f"one of {', '.join(advantages.SHAPINGS)}"),
+            ("samples", self.samples >= 1, ">= 1"),
+            ("sample_reduce", self.sample_reduce in ("mean", "max"), "mean or max"),
+            (
+                "prompt_shaping",
+                self.prompt_shaping in advantages.SHAPINGS,
+                f"one of {', '.join(advantages.SHAPINGS)}",
+            ),
             ("chunk_size", self.chunk_size >= 0, ">= 0 (0: all directions at once)"),
             ("min_valid_fraction", 0 <= self.min_valid_fraction <= 1, "in [0, 1]"),
         ]

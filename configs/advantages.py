@@ -1,0 +1,109 @@
+"""The group-advantage estimators (`esroll.advantages.ESTIMATORS`) and their ES counterparts, compared with the
+fair-comparison protocol of `esroll.compare` (equal tuning budgets, settings chosen on validation, fresh evaluation
+seeds, paired differences against plain GRPO).
+
+    python -m experiments.compare --config configs/advantages.py[:variant] --workdir runs/advantages_<variant>
+
+Every arm is plain GRPO (configs/compare.py's, lr 1e-4, 8 completions per prompt) with one thing changed: its
+`grpo.advantage` (and that estimator's options, docs/advantages.md), or the reward (`data.reward = "majority"`,
+label-free). The single-rollout arm (ntf) samples 1 completion for each of 8× as many prompts, so every GRPO arm
+generates the same completions per step. The ES arms are LOO-ROLL with ES's counterparts of the estimators' ideas:
+per-prompt normalisation of the members' rewards (`es.prompt_shaping = "grpo"`), max@2 fitness over 2 samples per
+prompt, the label-free majority vote over the population's answers.
+
+Tuning: every arm gets the same budget (2 settings, one its own, on tuning seed 100, 30 s each), over the learning
+rate (GRPO arms: log-uniform 3e-5 to 3e-4; ES arms: 1e-4 to 2e-3 and σ 0.002 to 0.01), chosen by validation AUC; then
+5 evaluation seeds × 60 s on the test split. Sizes on 2 CPU cores (planned from the step rates of configs/compare.py,
+not measured end to end): `default` and `hard` ~1 h each (11 arms), `label_free` ~25 min (4 arms), so the two gold
+variants together fit ~2 hours.
+
+Variants:
+  default      The default task (2-digit sums, the shipped model; GRPO meets ~15-35% all-equal groups early).
+  hard         2-digit sums with two carries (`data.min_difficulty = 2`), train and held-out filtered from the default
+               splits, so no held-out question was in the shipped model's pretraining: GRPO starts at 21% held-out
+               accuracy, meets 28-50% all-equal groups over its first 5 steps and gains 43 points in 9 steps
+               (measured, one seed). 75 held-out questions: validation 25, test 50.
+  label_free   The hard task without labels: rewards are the majority vote of each prompt's completions (GRPO,
+               GMAE, DDRL) or of the population's answers (LOO-ROLL); gold answers score evaluation only.
+  quick        Seconds per run, for the test suite: GRPO, BV-Blend, single-rollout ntf, label-free DDRL and LOO-ROLL
+               with per-prompt normalisation; two seeds, no tuning (configs/compare.py:tuned_quick tests that).
+"""
+
+from ml_collections import ConfigDict
+
+from configs import compare
+
+GOLD_ARMS = ("grpo", "rloo", "agrae", "bv_blend", "gmae", "maxpo", "lampo", "ntf")
+ES_ARMS = ("looroll", "looroll_prompt_norm", "looroll_max2")
+LABEL_FREE_ARMS = ("grpo_majority", "gmae_majority", "ddrl", "looroll_majority")
+VARIANTS = {
+    "default": "every gold-reward estimator and the ES counterparts on the default task (~1 h on 2 CPU cores)",
+    "hard": "the same on 2-digit sums with two carries (~1 h on 2 CPU cores)",
+    "label_free": "majority-vote rewards on the hard task: GRPO, GMAE, DDRL, LOO-ROLL (~25 min on 2 CPU cores)",
+    "quick": "seconds per run, for the test suite",
+}
+GRPO_LR = {"optimizer": {"lr": "log:3e-5:3e-4"}}
+ES_TUNE = {"optimizer": {"lr": "log:1e-4:2e-3"}, "es": {"sigma": "log:0.002:0.01"}}
+
+
+def _arms(c: ConfigDict) -> dict[str, dict]:
+    """Every arm's overrides of the comparison's base experiment (LOO-ROLL's): GRPO's, plus what the arm changes."""
+    grpo, looroll = c.overrides["grpo"].to_dict(), c.overrides["looroll"].to_dict()
+
+    def g(**grpo_changes):
+        return {**grpo, "grpo": {**grpo.get("grpo", {}), **grpo_changes}}
+
+    prompts = grpo.get("train", {}).get("prompts_per_step", c.experiment.train.prompts_per_step)
+    group = grpo.get("grpo", {}).get("group_size", c.experiment.grpo.group_size)
+    ntf = g(advantage="ntf", group_size=1)
+    ntf["train"] = {**grpo.get("train", {}), "prompts_per_step": prompts * group}  # the same completions per step
+    majority = {"data": {"reward": "majority"}}
+    es_twice = {"es": {"samples": 2, "sample_reduce": "max"}, "train": {"temperature": 1.0}}
+    return {
+        "grpo": g(),
+        "rloo": g(advantage="rloo"),
+        "agrae": g(advantage="agrae", adv={"horizon": 100}),  # ~GRPO's steps in the 60-s budget
+        "bv_blend": g(advantage="bv_blend"),
+        "gmae": g(advantage="gmae"),
+        "maxpo": g(advantage="maxpo", adv={"maxpo_k": 2}),
+        "lampo": g(advantage="lampo"),
+        "ntf": ntf,
+        "looroll": looroll,
+        "looroll_prompt_norm": {**looroll, "es": {**looroll.get("es", {}), "prompt_shaping": "grpo"}},
+        "looroll_max2": {**looroll, **es_twice, "es": {**looroll.get("es", {}), **es_twice["es"]}},
+        "grpo_majority": {**g(), **majority},
+        "gmae_majority": {**g(advantage="gmae"), **majority},
+        "ddrl": {**g(advantage="ddrl"), **majority},
+        "looroll_majority": {**looroll, **majority},
+    }
+
+
+def get_config(arg: str | None = None) -> ConfigDict:
+    arg = arg or "default"
+    if arg not in VARIANTS:
+        raise ValueError(f"configs/advantages.py: unknown variant {arg!r} (expected one of {', '.join(VARIANTS)})")
+    c = compare.get_config("quick" if arg == "quick" else "default")
+    c.overrides = _arms(c)
+    c.seeds = (0, 1, 2, 3, 4)
+    c.time_budget_s = 60.0
+    c.experiment.data.validation_size = 128
+    if arg in ("hard", "label_free"):
+        c.experiment.data.min_difficulty = 2
+        c.experiment.data.validation_size = 25
+    names = {"label_free": LABEL_FREE_ARMS, "quick": ("grpo", "bv_blend", "ntf", "ddrl", "looroll_prompt_norm")}.get(
+        arg, GOLD_ARMS + ES_ARMS
+    )
+    c.methods = ",".join(names)
+    c.reference = names[0]  # plain GRPO (label_free: GRPO on the majority-vote reward)
+    c.tuning.seeds = (100,)
+    c.tuning.runs = 2
+    c.tuning.time_budget_s = 30.0
+    c.tuning.space = {m: ES_TUNE if m.startswith("looroll") else GRPO_LR for m in names}
+    if arg == "quick":
+        c.experiment.data.eval_size = 32
+        c.experiment.data.validation_size = 16
+        c.seeds = (0, 1)
+        c.time_budget_s = 1.0
+        c.max_steps = 2
+        c.tuning.seeds = ()  # the tuning protocol itself is exercised by configs/compare.py:tuned_quick
+    return c
