@@ -16,6 +16,7 @@ from typing import Any
 import optax
 
 from esroll.advantages import LABEL_FREE_ONLY
+from esroll.curriculum import CurriculumConfig
 from esroll.data.tasks import NUMERIC_TASKS, TASKS, TEMPLATES
 from esroll.errors import ConfigError, InputError, unknown_key
 from esroll.es.estimators import METHODS as ES_METHODS
@@ -140,7 +141,8 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """method: looroll | eggroll (ES, settings in `es`) or grpo (settings in `grpo`). seed: the method's randomness
-    (noise, sampling); `data.seed` fixes the data. parallel: the device layout (mesh model axis, rollout chunks).
+    (noise, sampling); `data.seed` fixes the data. curriculum: what each step trains on (`esroll.curriculum`: adaptive
+    data scheduling, AdaPrefix), for every method. parallel: the device layout (mesh model axis, rollout chunks).
     distributed: start `jax.distributed` (multi-host; one process per host, see the README)."""
 
     method: str = "looroll"
@@ -149,6 +151,7 @@ class ExperimentConfig:
     data: DataConfig = DataConfig()
     es: ESSettings = ESSettings()
     grpo: GRPOConfig = GRPOConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
     optimizer: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()

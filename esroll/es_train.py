@@ -104,6 +104,7 @@ def member_fitness(
         votes_XxMK = np.asarray(answer_B).reshape(M, X, K).transpose(1, 0, 2).reshape(X, M * K)
         rewards_MxXxK = advantages.majority_rewards(votes_XxMK).reshape(X, M, K).transpose(1, 0, 2)
         extra = {"gold_reward_mean": gold_MxXxK.mean(), "pseudo_label_agreement": np.mean(rewards_MxXxK == gold_MxXxK)}
+    extra["prompt_reward"] = rewards_MxXxK.mean(axis=(0, 2))  # [X]: read by the training loop's curriculum
     reduce = np.max if es_settings.sample_reduce == "max" else np.mean
     per_prompt_XxM = reduce(rewards_MxXxK, axis=2).T
     shaped_XxM = np.asarray(advantages.get(es_settings.prompt_shaping)(per_prompt_XxM), np.float64)

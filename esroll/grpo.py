@@ -74,6 +74,10 @@ class GRPOConfig:
     Progress advantage: with progress_coef η > 0, every token's advantage gets + η·(log π_θ − log π_ref) (no gradient
     through it; π_ref the initial policy, kept as with β > 0): zero at the reference, so it adds to the advantage and
     never scales it; its token mean is logged as `progress_mean` whenever the reference is kept.
+    ACPO (`acpo_bounds`): with acpo, the clip range of each token is 1 ± ε_k of its group k (tokens grouped by
+    π_old at acpo_edges), ε_k = clip(acpo_scale·std_k(ρ), acpo_min, acpo_max), the ratios' spread in that group of the
+    microbatch; epsilon_low / epsilon_high are then unused. Ratios leave 1 only off-policy (μ ≥ 2 or several
+    minibatches), so on-policy every ε_k is acpo_min and nothing changes. The bounds are logged (acpo_eps_<k>).
 
     Memory knobs (the update is the same whatever their values, to float rounding): remat, what the backward pass
     keeps of each decoder layer ("none": everything, including every layer's float32 attention scores; "full": only
@@ -99,6 +103,11 @@ class GRPOConfig:
     stare_entropy_low: float = 0.3
     stare_entropy_high: float = 0.6
     progress_coef: float = 0.0
+    acpo: bool = False
+    acpo_edges: tuple[float, ...] = (0.1, 0.5, 0.9)
+    acpo_scale: float = 2.0
+    acpo_min: float = 0.1
+    acpo_max: float = 0.4
 
     def __post_init__(self):
         single = self.advantage in advantages.SINGLE_ROLLOUT
@@ -120,6 +129,14 @@ class GRPOConfig:
             ("stare_entropy_low", self.stare_entropy_low >= 0, ">= 0"),
             ("stare_entropy_high", self.stare_entropy_high > self.stare_entropy_low, "> stare_entropy_low"),
             ("progress_coef", self.progress_coef >= 0, ">= 0"),
+            (
+                "acpo_edges",
+                all(0 < e < 1 for e in self.acpo_edges) and list(self.acpo_edges) == sorted(set(self.acpo_edges)),
+                "increasing probabilities in (0, 1)",
+            ),
+            ("acpo_scale", self.acpo_scale > 0, "> 0"),
+            ("acpo_min", 0 < self.acpo_min <= self.acpo_max, "in (0, acpo_max]"),
+            ("acpo_max", self.acpo_max < 1, "< 1 (the lower bound 1 − ε must stay positive)"),
             ("aggregation", self.aggregation in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),
             ("temperature", self.temperature > 0, "> 0"),
             ("epsilon_low", 0 <= self.epsilon_low < 1, "in [0, 1)"),
@@ -181,6 +198,7 @@ def grpo_loss(
     aggregation: str,
     weights_BxN: Array | None = None,
     progress_coef: float = 0.0,
+    eps_BxN: Array | None = None,
 ) -> tuple[Array, dict]:
     """Clipped surrogate −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) + β·(exp(d) − d − 1), d = log π_ref − log π_θ,
     aggregated by `aggregation` (or by explicit `weights_BxN`, see `token_weights`).
@@ -198,6 +216,8 @@ def grpo_loss(
             raise ValueError("grpo_loss: progress_coef > 0 needs the reference log-probabilities")
         adv_BxN = adv_BxN + progress_coef * jax.lax.stop_gradient(logp_new_BxN - logp_ref_BxN)
     ratio_BxN = jnp.exp(logp_new_BxN - logp_old_BxN)
+    if eps_BxN is not None:  # per-token clip ranges (ACPO)
+        eps_low, eps_high = eps_BxN, eps_BxN
     surrogate_BxN = jnp.minimum(ratio_BxN * adv_BxN, jnp.clip(ratio_BxN, 1 - eps_low, 1 + eps_high) * adv_BxN)
     loss_BxN = -surrogate_BxN
     kl_BxN = jnp.zeros_like(loss_BxN)
@@ -215,6 +235,33 @@ def grpo_loss(
         progress_BxN = jax.lax.stop_gradient(logp_new_BxN - logp_ref_BxN)
         metrics["progress_mean"] = jnp.where(mask, progress_BxN, 0.0).sum() / n_tokens
     return jnp.where(mask, w_BxN * loss_BxN, 0.0).sum(), metrics
+
+
+def acpo_bounds(
+    ratio_BxN: Array,
+    logp_old_BxN: Array,
+    mask_BxN: Array,
+    edges: tuple[float, ...],
+    scale: float,
+    low: float,
+    high: float,
+) -> tuple[Array, Array]:
+    """ACPO's clip half-widths: (ε per token [B, N], ε per group [K]). Tokens are grouped by their old probability
+    π_old at `edges` (K = len(edges) + 1 groups, lowest probabilities first); a group's ε_k is scale × the sample std
+    of its tokens' ratios, clipped to [low, high] (a group with fewer than 2 tokens gets `low`). No gradient flows
+    through the bounds."""
+    ratio = jax.lax.stop_gradient(ratio_BxN)
+    mask = jnp.asarray(mask_BxN, bool)
+    group_BxN = jnp.searchsorted(jnp.asarray(edges, jnp.float32), jnp.exp(logp_old_BxN), side="right")
+    K = len(edges) + 1
+    member_KxBxN = (group_BxN[None] == jnp.arange(K)[:, None, None]) & mask[None]
+    n_K = member_KxBxN.sum((1, 2))
+    mean_K = jnp.where(member_KxBxN, ratio[None], 0.0).sum((1, 2)) / jnp.maximum(n_K, 1)
+    var_K = jnp.where(member_KxBxN, (ratio[None] - mean_K[:, None, None]) ** 2, 0.0).sum((1, 2)) / jnp.maximum(
+        n_K - 1, 1
+    )
+    eps_K = jnp.where(n_K >= 2, jnp.clip(scale * jnp.sqrt(var_K), low, high), low)
+    return eps_K[group_BxN], eps_K
 
 
 # ---- sharding: the ES layout (`esroll.sharding`), one layer gathered at a time
@@ -340,6 +387,18 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
             ref = logprobs(ref_params, same_path)
             logp_ref_BxN = jax.lax.stop_gradient(ref[0] if same_path else ref)
         logp_old_BxN = jnp.where(on_policy, jax.lax.stop_gradient(logp_BxN), micro.logp_old)
+        eps_BxN, acpo_metrics = None, {}
+        if grpo.acpo:
+            eps_BxN, eps_K = acpo_bounds(
+                jnp.exp(logp_BxN - logp_old_BxN),
+                micro.logp_old,
+                micro.completion_mask,
+                grpo.acpo_edges,
+                grpo.acpo_scale,
+                grpo.acpo_min,
+                grpo.acpo_max,
+            )
+            acpo_metrics = {f"acpo_eps_{k}": eps_K[k] for k in range(len(grpo.acpo_edges) + 1)}
         loss, metrics = grpo_loss(
             logp_BxN,
             logp_old_BxN,
@@ -352,7 +411,9 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
             aggregation=grpo.aggregation,
             weights_BxN=micro.weight,
             progress_coef=grpo.progress_coef,
+            eps_BxN=eps_BxN,
         )
+        metrics.update(acpo_metrics)
         # Sums, so that the minibatch's entropy is a mean over its tokens whatever the microbatches hold (padding).
         metrics["entropy_sum"] = jnp.where(micro.completion_mask, jax.lax.stop_gradient(entropy_BxN), 0.0).sum()
         metrics["tokens"] = jnp.asarray(micro.completion_mask, jnp.float32).sum()
@@ -384,8 +445,9 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
             "entropy": metrics_U["entropy_sum"].sum() / jnp.maximum(metrics_U["tokens"].sum(), 1.0),
             "grad_norm": optax.tree.norm(grads),
         }
-        if "progress_mean" in metrics_U:
-            metrics["progress_mean"] = metrics_U["progress_mean"].mean()
+        for key in metrics_U:
+            if key == "progress_mean" or key.startswith("acpo_eps_"):
+                metrics[key] = metrics_U[key].mean()
         return params, state._replace(opt_state=opt_state), metrics
 
     return update
@@ -522,6 +584,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             fitness_mean=rewards_XxM.mean(),
             fitness_std=rewards_XxM.std(),
             advantage_abs=np.abs(advantage_B).mean(),
+            prompt_reward=rewards_XxM.mean(1),  # [X]: read (and removed) by the training loop's curriculum
             **estimate.metrics,
             **stare_metrics,
         )

@@ -29,22 +29,27 @@ class Task(NamedTuple):
     prompt_multiple: int
 
     def rewards(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Reward of each generated row; row j answers examples[j]."""
-        return np.array([score(e, s) for e, s in zip(examples, self.texts(tokens, lengths))], np.float32)
+        """Reward of each generated row; row j answers examples[j] (an example's prefix and the completion are scored
+        as one answer)."""
+        return np.array([score(e, s) for e, s in zip(examples, self.answers(examples, tokens, lengths))], np.float32)
 
     def answer_ids(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """[rows] int64: each row's parsed answer (`esroll.data.parse_answer`) as `esroll.advantages.answer_id`
         (-1: none), what label-free rewards vote on."""
-        texts = self.texts(tokens, lengths)
+        texts = self.answers(examples, tokens, lengths)
         return np.array([answer_id(parse_answer(e, s)) for e, s in zip(examples, texts)], np.int64)
 
     def eval_scores(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """[rows, scores]: `esroll.data.eval_scores` of each generated row (accuracy, and strict / flexible)."""
-        texts = self.texts(tokens, lengths)
+        texts = self.answers(examples, tokens, lengths)
         return np.array([eval_scores(e, s) for e, s in zip(examples, texts)], np.float32).reshape(len(examples), -1)
 
     def texts(self, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
         return self.tokenizer.batch_decode([t[:n] for t, n in zip(tokens, lengths)], skip_special_tokens=True)
+
+    def answers(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
+        """Each row's whole answer: its example's prefix (if any) followed by the generated text."""
+        return [e.prefix + s for e, s in zip(examples, self.texts(tokens, lengths))]
 
 
 class Method(NamedTuple):
@@ -83,7 +88,8 @@ def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Exampl
             if e.prompt not in cache:
                 text = format_prompt(e.prompt, tokenizer, cfg.data.template, system)
                 cache[e.prompt] = tokenizer.encode(text, add_special_tokens=False)
-            out.append(cache[e.prompt])
+            prefix = tokenizer.encode(e.prefix, add_special_tokens=False) if e.prefix else []
+            out.append(cache[e.prompt] + prefix)  # a prefix is the forced start of the answer (AdaPrefix)
         return out
 
     eos = {tokenizer.eos_token_id, *_config_eos(model_cfg)}

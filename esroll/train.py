@@ -19,10 +19,10 @@ import numpy as np
 from etils import epath
 from tqdm.auto import tqdm
 
-from esroll import memory, parallel, sharding
+from esroll import curriculum, memory, parallel, sharding
 from esroll.checkpoint import Checkpointer, check_workdir, claim_workdir, workdir_path
 from esroll.config import ExperimentConfig
-from esroll.data import Example, get_batch, make_splits
+from esroll.data import Example, batch_indices, cluster_key, make_splits
 from esroll.errors import InputError, reading
 from esroll.metrics import MetricsWriter, first_eval, last_eval, plot_eval_curve, read_metrics
 from esroll.models import save_hf
@@ -48,6 +48,70 @@ def evaluate(
         for name, score_B in out.scores.items():
             totals[name] = totals.get(name, 0.0) + float(score_B.sum(dtype=np.float64))
     return {f"eval_{name}": total / len(examples) for name, total in totals.items()}
+
+
+class Curriculum:
+    """The training batch of each step and the state of the curriculum methods (`esroll.curriculum`): without them,
+    `get_batch`'s fixed order; with ADS, the scheduler's choice; with AdaPrefix, each example's assisted prefix. Its
+    state is saved in the checkpoint beside the parameters (key "curriculum")."""
+
+    def __init__(self, cfg: ExperimentConfig, train: list, tokenizer):
+        self.cfg, self.c, self.train, self.tokenizer = cfg, cfg.curriculum, train, tokenizer
+        self.state: dict[str, np.ndarray] = {}
+        self.idx = np.zeros(0, int)
+        self.given = np.zeros(0, int)
+        if self.c.ads:
+            keys = [cluster_key(e, self.c.ads_cluster_key) for e in train]
+            self.names = sorted(set(keys))
+            self.cluster_of = np.array([self.names.index(k) for k in keys])
+            self.state.update(curriculum.ads_init(self.cluster_of))
+        if self.c.prefix:
+            self.source_ids = [self._source_ids(e) for e in train]
+            self.lengths = np.array([len(ids) for ids in self.source_ids])
+            self.state["prefix_k"] = curriculum.prefix_init(self.lengths, self.c.prefix_init)
+
+    def _source_ids(self, e) -> list[int]:
+        text = e.solution if self.c.prefix_source == "solution" else e.target_text
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def saved(self) -> dict:
+        return {"curriculum": self.state} if self.state else {}
+
+    def restore(self, restored: dict) -> None:
+        if self.state:
+            self.state = {k: np.asarray(v) for k, v in restored["curriculum"].items()}
+
+    def batch(self, step: int) -> list:
+        X, seed = self.cfg.train.prompts_per_step, self.cfg.data.batch_seed
+        if self.c.ads:
+            self.idx = curriculum.ads_select(self.state, self.cluster_of, X, self.c, seed, step)
+        else:
+            self.idx = batch_indices(len(self.train), X, seed, step)
+        examples = [self.train[i] for i in self.idx]
+        if self.c.prefix:
+            self.given = curriculum.prefix_tokens(self.state["prefix_k"][self.idx], step, self.c.prefix_horizon)
+            examples = [
+                dataclasses.replace(e, prefix=self.tokenizer.decode(self.source_ids[i][:n]) if n else "")
+                for e, i, n in zip(examples, self.idx, self.given)
+            ]
+        return examples
+
+    def update(self, step: int, success: np.ndarray) -> dict[str, float]:
+        """Take in the step's per-prompt success; the metrics of what the methods act on."""
+        out: dict[str, float] = {}
+        if self.c.ads:
+            updated = curriculum.ads_update(self.state, self.cluster_of, self.idx, success, self.c.ads_decay)
+            self.state.update(updated)
+            out.update(curriculum.ads_metrics(self.state, self.idx, self.names, self.c.ads_temperature))
+        if self.c.prefix:
+            k = curriculum.prefix_update(
+                self.state["prefix_k"], self.idx, success, self.lengths, self.c.prefix_target, self.c.prefix_gain
+            )
+            self.state["prefix_k"] = k
+            out["prefix_tokens"] = float(self.given.mean())
+            out["prefix_assistance"] = curriculum.assistance(step, self.c.prefix_horizon)
+            out["prefix_k_mean"] = float(k.mean())
+        return out
 
 
 def _learning_rate(cfg: ExperimentConfig):
@@ -111,6 +175,7 @@ def train_and_evaluate(
 
         method = make_es_method(cfg, task, mesh, rows_per_device=plan.rows_per_device if plan else None)
     state = method.init(params, jax.random.key(cfg.seed))
+    batches = Curriculum(cfg, train, task.tokenizer)  # what each step trains on (ADS, AdaPrefix)
 
     # ---- claim the workdir (the run can start), then restore if it holds this run
     if lead:
@@ -118,8 +183,9 @@ def train_and_evaluate(
     ckpt = Checkpointer(workdir)
     start_step, elapsed, generated = 0, 0.0, {"completions": 0, "tokens": 0}  # cumulative, as the records log them
     if ckpt_step is not None:
-        restored, meta = ckpt.restore({"params": params, "state": state})  # into the template's shardings
+        restored, meta = ckpt.restore({"params": params, "state": state, **batches.saved()})  # the shardings
         params, state = restored["params"], restored["state"]
+        batches.restore(restored)
         start_step, elapsed = int(meta["step"]), float(meta["wall_time"])
         generated = {k: int(meta.get(k, 0)) for k in generated}
     metrics = MetricsWriter(workdir, keep_through=ckpt_step, enabled=lead)
@@ -154,8 +220,9 @@ def train_and_evaluate(
     step, acc, saved_step = start_step, None, start_step
     while step < cfg.train.steps and not (budget and elapsed >= budget):
         t0 = time.perf_counter()
-        examples = get_batch(train, cfg.train.prompts_per_step, cfg.data.batch_seed, step)
+        examples = batches.batch(step)
         params, state, m, n_tokens = method.step(params, state, examples, step)
+        m.update(batches.update(step, np.asarray(m.pop("prompt_reward"))))
         m = {k: float(v) for k, v in m.items()}  # the host needs rewards anyway; one sync per step
         dt = time.perf_counter() - t0
         elapsed += dt
@@ -175,7 +242,8 @@ def train_and_evaluate(
             tok_s=f"{n_tokens / dt:.0f}",
         )
         if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-            ckpt.save(step, {"params": params, "state": state}, {"step": step, "wall_time": elapsed, **generated})
+            saved = {"params": params, "state": state, **batches.saved()}
+            ckpt.save(step, saved, {"step": step, "wall_time": elapsed, **generated})
             saved_step = step
         if stop_after_steps is not None and step - start_step >= stop_after_steps:
             ckpt.wait()
@@ -184,7 +252,8 @@ def train_and_evaluate(
             return {"initial_eval_accuracy": acc0, "resumed_from": start_step, "stopped_at": step, "params": params}
     bar.close()
     if saved_step != step:  # the time budget ended the loop between checkpoints
-        ckpt.save(step, {"params": params, "state": state}, {"step": step, "wall_time": elapsed, **generated})
+        saved = {"params": params, "state": state, **batches.saved()}
+        ckpt.save(step, saved, {"step": step, "wall_time": elapsed, **generated})
     ckpt.wait()
     ckpt.close()
 

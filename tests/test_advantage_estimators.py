@@ -362,6 +362,7 @@ def test_es_member_fitness_counterparts():
     voted, extra = member_fitness(ESSettings(samples=K), reward, answers, M, X)
     np.testing.assert_allclose(voted, [0.5, 1.0, 0.5])
     assert 0 <= extra["pseudo_label_agreement"] <= 1 and extra["gold_reward_mean"] == pytest.approx(reward.mean())
+    np.testing.assert_allclose(extra["prompt_reward"], [2 / 3, 2 / 3])  # per prompt, over members and samples
 
 
 def test_es_label_free_with_two_samples_per_prompt_trains(tmp_path):

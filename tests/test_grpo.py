@@ -431,3 +431,57 @@ def test_progress_advantage_is_zero_at_the_reference_and_not_after_an_update(tin
     plain = make_update(cfg, dataclasses.replace(with_progress, progress_coef=0.0, beta=1e-30), optim, mesh)
     _, _, base = plain(params, GRPOState(make_optimizer(optim).init(params), params), batch, jnp.asarray(True))
     np.testing.assert_allclose(float(first["loss"]), float(base["loss"]), rtol=1e-6)
+
+
+def test_acpo_bounds_follow_the_ratio_spread_of_each_probability_group():
+    from esroll.grpo import acpo_bounds
+
+    # old probabilities 0.05 (group 0: below 0.1), 0.3 (group 1), 0.95 (group 3); none in [0.5, 0.9) (group 2)
+    p_old = np.array([[0.05, 0.05, 0.3, 0.3, 0.95], [0.05, 0.3, 0.3, 0.95, 0.95]])
+    ratio = np.array([[0.7, 1.3, 1.0, 1.02, 1.0], [1.0, 0.98, 5.0, 1.0, 1.0]])
+    mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]], bool)  # the last token's 5.0-free slot is padding
+    eps_BxN, eps_K = acpo_bounds(ratio, np.log(p_old), mask, (0.1, 0.5, 0.9), 2.0, 0.1, 0.4)
+
+    def expected(values):
+        return float(np.clip(2.0 * np.std(values, ddof=1), 0.1, 0.4)) if len(values) >= 2 else 0.1
+
+    groups = [[0.7, 1.3, 1.0], [1.0, 1.02, 0.98, 5.0], [], [1.0, 1.0]]
+    np.testing.assert_allclose(np.asarray(eps_K), [expected(g) for g in groups], rtol=1e-6)
+    assert float(eps_K[1]) == pytest.approx(0.4) and float(eps_K[3]) == pytest.approx(0.1)  # clipped both ways
+    np.testing.assert_allclose(np.asarray(eps_BxN)[0], np.asarray(eps_K)[[0, 0, 1, 1, 3]], rtol=1e-6)
+    # on-policy every ratio is 1: every group at the minimum
+    _, on_policy = acpo_bounds(np.ones_like(ratio), np.log(p_old), mask, (0.1, 0.5, 0.9), 2.0, 0.1, 0.4)
+    np.testing.assert_allclose(np.asarray(on_policy), 0.1)
+
+
+def test_acpo_off_is_plain_grpo_and_on_clips_per_token():
+    logp_new, logp_old, logp_ref, advantage, mask = hand_built()
+    args = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA, aggregation="token_mean")
+    plain, _ = grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, **args)
+    same, _ = _grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, eps_BxN=None, **args)
+    assert float(plain) == float(same)
+    # with every token's ε equal to ε_low = ε_high, per-token bounds are the scalar ones
+    sym = dict(args, eps_low=0.25, eps_high=0.25)
+    scalar, _ = _grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, **sym)
+    tokenwise, _ = _grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, eps_BxN=np.full(mask.shape, 0.25), **sym)
+    assert float(scalar) == float(tokenwise)
+
+
+@pytest.mark.parametrize("tiny", ["untied"], indirect=True)
+def test_acpo_in_an_off_policy_update_logs_its_bounds(tiny):
+    """An off-policy update (π_old from elsewhere, as on a second pass of μ ≥ 2): the bounds of the groups holding
+    tokens come from their ratios' spread, inside [acpo_min, acpo_max], and are logged."""
+    cfg, params = tiny
+    prompt, prompt_mask, completion, completion_mask = scored_rows(cfg.vocab_size, rows=6)
+    rng = np.random.default_rng(4)
+    logp_old = np.where(completion_mask, np.log(rng.uniform(0.01, 0.99, completion_mask.shape)), 0.0)
+    advantage = rng.normal(size=6).astype(np.float32)
+    weight = np.asarray(token_weights(completion_mask, "seq_mean_token_mean"))
+    fields = (prompt, prompt_mask, completion, completion_mask, logp_old.astype(np.float32), advantage, weight)
+    batch = Rollouts(*(x.reshape(1, 6, *x.shape[1:]) for x in fields))
+    optim = OptimConfig(name="sgd", lr=0.1)
+    grpo = GRPOConfig(group_size=2, acpo=True, remat="none", logprob_chunk=0)
+    update = make_update(cfg, grpo, optim, parallel.make_mesh(1))
+    _, _, metrics = update(params, GRPOState(make_optimizer(optim).init(params), None), batch, jnp.asarray(False))
+    eps = [float(metrics[f"acpo_eps_{k}"]) for k in range(4)]
+    assert all(0.1 <= e <= 0.4 for e in eps) and max(eps) > 0.1  # random π_old: the ratios spread

@@ -24,7 +24,9 @@ class Example:
     solution: a worked solution in GSM8K form ending in "#### <answer>" (Countdown: the constructing expression).
     target_text: the supervised completion after the template, e.g. " 47" (the trainer appends EOS).
     meta: task data the reward needs; Countdown stores `numbers` (a tuple) and `target` (an int). GSM-Symbolic stores
-        the `template` id (an int) and its `draw`.
+        the `template` id (an int) and its `draw`; sums store their `difficulty` (carries).
+    prefix: a forced start of the answer, placed after the prompt (AdaPrefix, `esroll.curriculum`); the reward scores
+        prefix + completion. Empty for every example a data loader makes.
     """
 
     task: str
@@ -33,6 +35,7 @@ class Example:
     solution: str
     target_text: str
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    prefix: str = ""
 
 
 def format_prompt(

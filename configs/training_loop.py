@@ -1,0 +1,83 @@
+"""The training-loop methods (docs/training_loop.md) against plain GRPO and LOO-ROLL on the hard task, with the
+fair-comparison protocol of `esroll.compare` (equal tuning budgets, settings chosen on validation, fresh seeds).
+
+    python -m experiments.compare --config configs/training_loop.py[:variant] --workdir runs/training_loop
+
+The task is configs/advantages.py's `hard` variant: 2-digit sums with two carries, train and held-out filtered from
+the default splits (75 held-out questions: validation 25, test 50). Every arm is plain GRPO (configs/compare.py's)
+or LOO-ROLL (the default experiment's) with one method switched on:
+
+    grpo, looroll                   the references (paired differences are against grpo; looroll is an arm)
+    grpo_adaprefix, looroll_adaprefix
+                                    AdaPrefix: the direct answer's first tokens as a forced start, per-example
+                                    controller at 50% success, withdrawn by the horizon (GRPO 40 steps, ES 150 steps:
+                                    about half of each one's steps in the 90-s budget)
+    grpo_ads, looroll_ads           adaptive data scheduling; every example of the hard task has two carries, so
+                                    its difficulty clusters are one and ADS acts by boundary selection only
+    grpo_stare                      STARE: top 20% surprisal tokens, α 0.5, gate thresholds 0.9 / 1.1 around the
+                                    tiny model's starting entropy (~0.95 measured in a quick GRPO run)
+    grpo_mu2, grpo_acpo             two passes per step (μ = 2), without and with ACPO's per-group clip ranges
+    grpo_progress                   the progress advantage, η = 0.1
+
+Tuning: 2 settings per arm (its own and one draw of the learning rate) on tuning seed 100, 30 s each; then 5
+evaluation seeds × 90 s. Planned on 2 CPU cores from the step rates: ~1 h 40 min for the 11 arms (not yet run).
+
+Variants:
+  default   the comparison above
+  quick     seconds per run (3 arms), to check that it builds and runs
+"""
+
+from ml_collections import ConfigDict
+
+from configs import advantages
+
+ARMS = (
+    "grpo",
+    "looroll",
+    "grpo_adaprefix",
+    "looroll_adaprefix",
+    "grpo_ads",
+    "looroll_ads",
+    "grpo_stare",
+    "grpo_mu2",
+    "grpo_acpo",
+    "grpo_progress",
+)
+VARIANTS = {
+    "default": "the training-loop methods vs GRPO and LOO-ROLL on the hard task (~1 h 40 min on 2 CPU cores)",
+    "quick": "seconds per run, 3 arms",
+}
+
+
+def _with(base: dict, **sections) -> dict:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section, values in sections.items():
+        out[section] = {**out.get(section, {}), **values}
+    return out
+
+
+def get_config(arg: str | None = None) -> ConfigDict:
+    arg = arg or "default"
+    if arg not in VARIANTS:
+        raise ValueError(f"configs/training_loop.py: unknown variant {arg!r} (expected one of {', '.join(VARIANTS)})")
+    c = advantages.get_config("quick" if arg == "quick" else "hard")
+    grpo, looroll = c.overrides["grpo"].to_dict(), c.overrides["looroll"].to_dict()
+    prefix = {"prefix": True, "prefix_source": "target", "prefix_init": 0.34}
+    c.overrides = {
+        "grpo": grpo,
+        "looroll": looroll,
+        "grpo_adaprefix": _with(grpo, curriculum={**prefix, "prefix_horizon": 40}),
+        "looroll_adaprefix": _with(looroll, curriculum={**prefix, "prefix_horizon": 150}),
+        "grpo_ads": _with(grpo, curriculum={"ads": True}),
+        "looroll_ads": _with(looroll, curriculum={"ads": True}),
+        "grpo_stare": _with(grpo, grpo={"stare_quantile": 0.8, "stare_entropy_low": 0.9, "stare_entropy_high": 1.1}),
+        "grpo_mu2": _with(grpo, grpo={"inner_iterations": 2}),
+        "grpo_acpo": _with(grpo, grpo={"inner_iterations": 2, "acpo": True}),
+        "grpo_progress": _with(grpo, grpo={"progress_coef": 0.1}),
+    }
+    names = ("grpo", "grpo_adaprefix", "looroll_ads") if arg == "quick" else ARMS
+    c.methods = ",".join(names)
+    c.reference = "grpo"
+    c.time_budget_s = 90.0 if arg != "quick" else c.time_budget_s
+    c.tuning.space = {m: advantages.ES_TUNE if m.startswith("looroll") else advantages.GRPO_LR for m in names}
+    return c

@@ -1,0 +1,164 @@
+"""Training-loop methods that choose what each step trains on, for ES and GRPO alike: adaptive data scheduling (ADS)
+and AdaPrefix's assisted prompts. Pure numpy functions of a small state that the trainer checkpoints with the
+parameters, so a resumed run takes exactly the steps of an uninterrupted one; every random draw comes from
+(seed, step). What they read back from a step is each prompt's success (its mean reward over the step's
+completions: GRPO's group, or every ES member's answer).
+
+ADS (adaptive data scheduling). Examples are grouped into clusters (`esroll.data.cluster_key`). Each cluster keeps an
+EMA of its success s_c (0.5 before it is seen) and each example its own (unknown before it is seen). A step draws
+`ads_candidates` × X candidates: a cluster with probability ∝ exp(β·4·s_c(1 − s_c)) (1 at s = ½, 0 at s ∈ {0, 1}:
+clusters at the policy's boundary are drawn more), then an example of it uniformly; of the candidates it keeps the X
+nearest the boundary by their own success (s_e(1 − s_e), unknown counted as ½), ties in a seeded random order.
+
+AdaPrefix. Every training example holds a prefix length k_e (in tokens of its reference solution: `solution`, or
+`target_text` for tasks whose answers are direct). Its prompt is then followed by the first round(k_e·(1 − t))
+tokens of that solution as the forced start of the answer, t = min(step / horizon, 1), so assistance is withdrawn by
+the horizon (evaluation never gets a prefix). After each step a feedback controller sets
+k_e ← clip(k_e + gain·(target − success_e), 0, length_e) for the step's examples: more help where an example fails,
+less where it succeeds. The reward scores prefix + completion as one answer; in GRPO the prefix is part
+of the prompt, so its tokens are outside the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from esroll.errors import ConfigError
+
+PREFIX_SOURCES = ("solution", "target")
+
+
+@dataclasses.dataclass(frozen=True)
+class CurriculumConfig:
+    """A config file's `curriculum` section (both methods off by default).
+
+    ads: adaptive data scheduling; ads_cluster_key: the clusters (`esroll.data.cluster_key`: difficulty, task or a
+    meta field); ads_temperature: β of the cluster weights; ads_decay: EMA decay of the success estimates;
+    ads_candidates: candidates drawn per prompt kept (boundary selection; 1: none).
+    prefix: AdaPrefix; prefix_source: solution (the worked solution) or target (the direct answer, `target_text`);
+    prefix_target: the success rate the controller holds; prefix_gain: tokens of prefix per unit of success error;
+    prefix_init: the starting k as a fraction of each solution's length; prefix_horizon: the step from which no
+    prefix is given (linear withdrawal from step 0).
+    """
+
+    ads: bool = False
+    ads_cluster_key: str = "difficulty"
+    ads_temperature: float = 2.0
+    ads_decay: float = 0.8
+    ads_candidates: int = 2
+    prefix: bool = False
+    prefix_source: str = "solution"
+    prefix_target: float = 0.5
+    prefix_gain: float = 2.0
+    prefix_init: float = 0.0
+    prefix_horizon: int = 100
+
+    def __post_init__(self):
+        checks = [
+            ("ads_temperature", self.ads_temperature >= 0, ">= 0"),
+            ("ads_decay", 0 <= self.ads_decay < 1, "in [0, 1)"),
+            ("ads_candidates", self.ads_candidates >= 1, ">= 1"),
+            ("prefix_source", self.prefix_source in PREFIX_SOURCES, f"one of {', '.join(PREFIX_SOURCES)}"),
+            ("prefix_target", 0 < self.prefix_target < 1, "in (0, 1)"),
+            ("prefix_gain", self.prefix_gain > 0, "> 0"),
+            ("prefix_init", 0 <= self.prefix_init <= 1, "in [0, 1]"),
+            ("prefix_horizon", self.prefix_horizon >= 1, ">= 1"),
+        ]
+        for field, ok, expected in checks:
+            if not ok:
+                raise ConfigError(field, getattr(self, field), expected, where="CurriculumConfig")
+
+    @property
+    def active(self) -> bool:
+        return self.ads or self.prefix
+
+
+# ---- ADS
+
+
+def ads_init(cluster_of: np.ndarray) -> dict:
+    """ADS's state for examples whose cluster indices are `cluster_of` [n] (0 .. C−1)."""
+    C = int(np.max(cluster_of)) + 1
+    return {
+        "cluster_success": np.full(C, 0.5, np.float32),
+        "example_success": np.full(len(cluster_of), np.nan, np.float32),
+    }
+
+
+def ads_weights(state: dict, temperature: float) -> np.ndarray:
+    """The probability of drawing each cluster: ∝ exp(β·4·s_c(1 − s_c))."""
+    s = np.asarray(state["cluster_success"], np.float64)
+    logits = temperature * 4.0 * s * (1.0 - s)
+    w = np.exp(logits - logits.max())
+    return w / w.sum()
+
+
+def ads_select(
+    state: dict, cluster_of: np.ndarray, size: int, cfg: CurriculumConfig, seed: int, step: int
+) -> np.ndarray:
+    """The `size` training examples of step `step`: clusters by `ads_weights`, candidates uniformly within them,
+    the ones nearest the boundary kept (see the module docstring). Deterministic in (seed, step, state)."""
+    rng = np.random.default_rng([seed, step, 31])
+    clusters = np.arange(len(state["cluster_success"]))
+    members = [np.flatnonzero(cluster_of == c) for c in clusters]
+    present = np.array([len(m) > 0 for m in members])
+    w = ads_weights(state, cfg.ads_temperature) * present
+    w = w / w.sum()
+    drawn = rng.choice(clusters, size * cfg.ads_candidates, p=w)
+    candidates = np.array([members[c][rng.integers(len(members[c]))] for c in drawn])
+    s = np.asarray(state["example_success"], np.float64)[candidates]
+    closeness = np.where(np.isnan(s), 0.25, s * (1 - s))
+    order = np.lexsort((rng.random(len(candidates)), -closeness))  # nearest the boundary first, ties at random
+    return candidates[order[:size]]
+
+
+def ads_update(state: dict, cluster_of: np.ndarray, idx: np.ndarray, success: np.ndarray, decay: float) -> dict:
+    """The state after a step on examples `idx` with success rates `success`: EMAs per example and per cluster
+    (an example's first success is taken as it is)."""
+    state = {k: np.array(v, np.float64) for k, v in state.items()}
+    for i, s in zip(np.asarray(idx), np.asarray(success, np.float64)):
+        old = state["example_success"][i]
+        state["example_success"][i] = s if np.isnan(old) else decay * old + (1 - decay) * s
+        c = cluster_of[i]
+        state["cluster_success"][c] = decay * state["cluster_success"][c] + (1 - decay) * s
+    return {k: v.astype(np.float32) for k, v in state.items()}
+
+
+def ads_metrics(state: dict, idx: np.ndarray, names: list[str], temperature: float) -> dict[str, float]:
+    """What ADS acts on: each cluster's weight (`ads_weight[<cluster>]`) and the fraction of the step's examples
+    whose own success was known and strictly between 0 and 1 (`ads_boundary`)."""
+    w = ads_weights(state, temperature)
+    s = np.asarray(state["example_success"], np.float64)[np.asarray(idx)]
+    out = {f"ads_weight[{name}]": float(w[c]) for c, name in enumerate(names)}
+    out["ads_boundary"] = float(np.mean((s > 0) & (s < 1)))
+    return out
+
+
+# ---- AdaPrefix
+
+
+def prefix_init(lengths: np.ndarray, fraction: float) -> np.ndarray:
+    """Every example's starting prefix length k: `fraction` of its solution's length (in tokens)."""
+    return (np.asarray(lengths, np.float64) * fraction).astype(np.float32)
+
+
+def assistance(step: int, horizon: int) -> float:
+    """1 − t: the share of each k given at `step`, withdrawn linearly to 0 at the horizon."""
+    return max(0.0, 1.0 - step / horizon)
+
+
+def prefix_tokens(k: np.ndarray, step: int, horizon: int) -> np.ndarray:
+    """The prefix lengths given at `step`: round(k·(1 − t))."""
+    return np.rint(np.asarray(k, np.float64) * assistance(step, horizon)).astype(int)
+
+
+def prefix_update(
+    k: np.ndarray, idx: np.ndarray, success: np.ndarray, lengths: np.ndarray, target: float, gain: float
+) -> np.ndarray:
+    """The controller: k_e ← clip(k_e + gain·(target − success_e), 0, length_e) for the step's examples."""
+    k = np.array(k, np.float64)
+    idx = np.asarray(idx)
+    k[idx] = np.clip(k[idx] + gain * (target - np.asarray(success, np.float64)), 0.0, np.asarray(lengths)[idx])
+    return k.astype(np.float32)
