@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from esroll.errors import ConfigError
+from esroll.errors import check_fields
 
 Array = jax.Array
 Shaping = Callable[..., Array]
@@ -229,9 +229,7 @@ class AdvantageConfig:
             ("ddrl_low", 0 <= self.ddrl_low < self.ddrl_high, "in [0, ddrl_high)"),
             ("ddrl_value", self.ddrl_value > 0, "> 0"),
         ]
-        for field, ok, expected in checks:
-            if not ok:
-                raise ConfigError(field, getattr(self, field), expected, where="AdvantageConfig")
+        check_fields(self, checks, "AdvantageConfig")
 
 
 class Group(NamedTuple):

@@ -25,7 +25,7 @@ import dataclasses
 
 import numpy as np
 
-from esroll.errors import ConfigError
+from esroll.errors import check_fields
 
 PREFIX_SOURCES = ("solution", "target")
 
@@ -66,9 +66,7 @@ class CurriculumConfig:
             ("prefix_init", 0 <= self.prefix_init <= 1, "in [0, 1]"),
             ("prefix_horizon", self.prefix_horizon >= 1, ">= 1"),
         ]
-        for field, ok, expected in checks:
-            if not ok:
-                raise ConfigError(field, getattr(self, field), expected, where="CurriculumConfig")
+        check_fields(self, checks, "CurriculumConfig")
 
     @property
     def active(self) -> bool:

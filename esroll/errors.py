@@ -29,6 +29,17 @@ class ConfigError(InputError):
         return ConfigError(prefix + self.key, self.value, self.expected)
 
 
+def check_fields(obj, checks: Iterable[tuple[str, bool, str]], where: str) -> None:
+    """Raise the ConfigError of the first failed (field, ok, expected) check of `obj` (a dotted field names a nested
+    value, e.g. "adv.horizon")."""
+    for field, ok, expected in checks:
+        if not ok:
+            value = obj
+            for part in field.split("."):
+                value = getattr(value, part)
+            raise ConfigError(field, value, expected, where=where)
+
+
 @contextlib.contextmanager
 def reading(what: str = "") -> Iterator[None]:
     """Errors raised while reading user input become InputErrors (prefixed with `what` when given)."""

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import advantages, parallel, sharding
 from esroll.data import Example, cluster_key
-from esroll.errors import ConfigError
+from esroll.errors import check_fields
 from esroll.models import STACKED
 from esroll.models.transformer import REMAT_POLICIES
 from esroll.rollout import Sampling, rollout
@@ -158,10 +158,7 @@ class GRPOConfig:
                 "an integer >= 0 (0 = all positions at once)",
             ),
         ]
-        for field, ok, expected in checks:
-            if not ok:
-                value = functools.reduce(getattr, field.split("."), self)
-                raise ConfigError(field, value, expected, where="GRPOConfig")
+        check_fields(self, checks, "GRPOConfig")
 
 
 # ---- the loss: a pure function of log-probabilities

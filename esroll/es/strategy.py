@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from esroll import advantages
-from esroll.errors import ConfigError
+from esroll.errors import ConfigError, check_fields
 from esroll.es import estimators, noise
 from esroll.schedules import SCHEDULES, make_schedule
 
@@ -98,9 +98,7 @@ class ESSettings:
             patterns = getattr(self, field)
             ok = isinstance(patterns, tuple) and all(isinstance(p, str) and _compiles(p) for p in patterns)
             checks.append((field, ok, "a tuple of valid regular expressions"))
-        for field, ok, expected in checks:
-            if not ok:
-                raise ConfigError(field, getattr(self, field), expected, where=where)
+        check_fields(self, checks, where)
 
 
 @dataclasses.dataclass(frozen=True)
