@@ -194,6 +194,13 @@ class ExperimentConfig:
                 f"'gold' for data.task={self.data.task!r} (label-free rewards vote on numeric answers)",
             ),
             (
+                "method",
+                self.method == "grpo"
+                or not (self.grpo.stare_quantile > 0 or self.grpo.acpo or self.grpo.progress_coef > 0),
+                "grpo for grpo.stare_quantile, grpo.acpo and grpo.progress_coef (token-level methods: ES has no "
+                "per-token log-probabilities)",
+            ),
+            (
                 "grpo.group_size",
                 self.method != "grpo" or self.data.reward == "gold" or self.grpo.group_size >= 2,
                 ">= 2 with data.reward='majority' (a vote needs a group)",

@@ -7,8 +7,10 @@ completions: GRPO's group, or every ES member's answer).
 ADS (adaptive data scheduling). Examples are grouped into clusters (`esroll.data.cluster_key`). Each cluster keeps an
 EMA of its success s_c (0.5 before it is seen) and each example its own (unknown before it is seen). A step draws
 `ads_candidates` × X candidates: a cluster with probability ∝ exp(β·4·s_c(1 − s_c)) (1 at s = ½, 0 at s ∈ {0, 1}:
-clusters at the policy's boundary are drawn more), then an example of it uniformly; of the candidates it keeps the X
-nearest the boundary by their own success (s_e(1 − s_e), unknown counted as ½), ties in a seeded random order.
+clusters at the policy's boundary are drawn more), then an example of it uniformly; of the distinct candidates it
+keeps the X nearest the boundary by their own success (s_e(1 − s_e), unknown counted as ½), ties in a seeded random
+order (topped up uniformly if fewer than X are distinct). After the step each cluster present takes one EMA step
+toward its examples' mean success.
 
 AdaPrefix. Every training example holds a prefix length k_e (in tokens of its reference solution: `solution`, or
 `target_text` for tasks whose answers are direct). Its prompt is then followed by the first round(k_e·(1 − t))
@@ -109,18 +111,24 @@ def ads_select(
     s = np.asarray(state["example_success"], np.float64)[candidates]
     closeness = np.where(np.isnan(s), 0.25, s * (1 - s))
     order = np.lexsort((rng.random(len(candidates)), -closeness))  # nearest the boundary first, ties at random
-    return candidates[order[:size]]
+    chosen = list(dict.fromkeys(candidates[order].tolist()))[:size]  # each example at most once
+    if len(chosen) < size:  # too few distinct candidates: the rest uniformly from the examples not chosen
+        rest = np.setdiff1d(np.arange(len(cluster_of)), chosen)
+        chosen += rng.choice(rest, size - len(chosen), replace=False).tolist()
+    return np.array(chosen)
 
 
 def ads_update(state: dict, cluster_of: np.ndarray, idx: np.ndarray, success: np.ndarray, decay: float) -> dict:
-    """The state after a step on examples `idx` with success rates `success`: EMAs per example and per cluster
-    (an example's first success is taken as it is)."""
+    """The state after a step on examples `idx` (distinct) with success rates `success`: one EMA step per example
+    (its first success taken as it is) and one per cluster present, towards the mean success of its examples in the
+    step."""
     state = {k: np.array(v, np.float64) for k, v in state.items()}
-    for i, s in zip(np.asarray(idx), np.asarray(success, np.float64)):
-        old = state["example_success"][i]
-        state["example_success"][i] = s if np.isnan(old) else decay * old + (1 - decay) * s
-        c = cluster_of[i]
-        state["cluster_success"][c] = decay * state["cluster_success"][c] + (1 - decay) * s
+    idx, success = np.asarray(idx), np.asarray(success, np.float64)
+    old = state["example_success"][idx]
+    state["example_success"][idx] = np.where(np.isnan(old), success, decay * old + (1 - decay) * success)
+    for c in np.unique(cluster_of[idx]):
+        mean = success[cluster_of[idx] == c].mean()
+        state["cluster_success"][c] = decay * state["cluster_success"][c] + (1 - decay) * mean
     return {k: v.astype(np.float32) for k, v in state.items()}
 
 

@@ -69,7 +69,8 @@ class GRPOConfig:
     Token-level methods (both off by default, and then the loss is bit-identical to plain GRPO's):
     STARE (`esroll.advantages.stare_token_weights`): with stare_quantile q > 0, the completion tokens whose surprisal
     −log π_old is above the batch's q-quantile get their advantage scaled by 1 + stare_alpha·sign(A) (entropy-raising
-    credit up, entropy-lowering credit down) while the gate is open; the gate opens when the previous step's measured
+    credit up, entropy-lowering credit down; as a token weight, so with β > 0 it scales their KL term too) while the
+    gate is open (it starts closed); the gate opens when the previous step's measured
     policy entropy is ≤ stare_entropy_low and closes when it is ≥ stare_entropy_high (`stare_gate`).
     Progress advantage: with progress_coef η > 0, every token's advantage gets + η·(log π_θ − log π_ref) (no gradient
     through it; π_ref the initial policy, kept as with β > 0): zero at the reference, so it adds to the advantage and
