@@ -9,7 +9,8 @@ Every arm is plain GRPO (configs/compare.py's, lr 1e-4, 8 completions per prompt
 label-free). The single-rollout arm (ntf) samples 1 completion for each of 8× as many prompts, so every GRPO arm
 generates the same completions per step. The ES arms are LOO-ROLL with ES's counterparts of the estimators' ideas:
 per-prompt normalisation of the members' rewards (`es.prompt_shaping = "grpo"`), max@2 fitness over 2 samples per
-prompt, the label-free majority vote over the population's answers.
+prompt (which needs sampling: it also moves the members' decoding from greedy to temperature 1, a second change),
+the label-free majority vote over the population's answers.
 
 Tuning: every arm gets the same budget (2 settings, one its own, on tuning seed 100, 30 s each), over the learning
 rate (GRPO arms: log-uniform 3e-5 to 3e-4; ES arms: 1e-4 to 2e-3 and σ 0.002 to 0.01), chosen by validation AUC; then

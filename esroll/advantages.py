@@ -250,7 +250,7 @@ class Estimate(NamedTuple):
     advantage: np.ndarray  # [X, M] float32; 0 on invalid entries
     token_weight: np.ndarray | None = None  # [X, M, N]: multiplies the loss's token weights (None: all 1)
     state: dict | None = None  # the running state after this step (None: the estimator has none)
-    metrics: dict = {}
+    metrics: dict | None = None  # logged (None: nothing)
 
 
 def _valid(g: Group) -> tuple[np.ndarray, np.ndarray]:

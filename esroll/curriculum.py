@@ -114,7 +114,8 @@ def ads_select(
     chosen = list(dict.fromkeys(candidates[order].tolist()))[:size]  # each example at most once
     if len(chosen) < size:  # too few distinct candidates: the rest uniformly from the examples not chosen
         rest = np.setdiff1d(np.arange(len(cluster_of)), chosen)
-        chosen += rng.choice(rest, size - len(chosen), replace=False).tolist()
+        need = size - len(chosen)
+        chosen += rng.choice(rest, need, replace=len(rest) < need).tolist()
     return np.array(chosen)
 
 

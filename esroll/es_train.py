@@ -91,14 +91,23 @@ def estimate_rows_per_device(cfg: ExperimentConfig, model_cfg, prompt_len: int, 
     )
 
 
+def strategy_config(es_cfg: es.ESConfig) -> es.ESConfig:
+    """`es_cfg` without how rewards become fitness (host-side): runs that differ only there share one compiled
+    strategy, and the planner compiles the trainer's program."""
+    return dataclasses.replace(es_cfg, samples=1, sample_reduce="mean", prompt_shaping="raw")
+
+
 def member_fitness(
     es_settings, reward_B: np.ndarray, answer_B: np.ndarray | None, M: int, X: int
 ) -> tuple[np.ndarray, dict]:
     """Each member's fitness from its rows' rewards (rows as `make_es_method` lays them out: member, prompt, sample),
     and metrics. With `answer_B` (label-free), a row's reward is whether its answer is the majority answer of all
-    the rows (every member, every sample) answering its prompt, and the gold reward is kept as a diagnostic."""
+    the rows (every member, every sample) answering its prompt, and the gold reward is kept as a diagnostic. A member
+    with a non-finite reward gets a non-finite fitness (the strategy's non-finite policy drops it); `reward_mean` is
+    the mean reward before any shaping."""
     K = es_settings.samples
     gold_MxXxK = np.asarray(reward_B, np.float64).reshape(M, X, K)
+    broken_M = ~np.isfinite(gold_MxXxK).all(axis=(1, 2))
     rewards_MxXxK, extra = gold_MxXxK, {}
     if answer_B is not None:
         votes_XxMK = np.asarray(answer_B).reshape(M, X, K).transpose(1, 0, 2).reshape(X, M * K)
@@ -108,17 +117,16 @@ def member_fitness(
     reduce = np.max if es_settings.sample_reduce == "max" else np.mean
     per_prompt_XxM = reduce(rewards_MxXxK, axis=2).T
     shaped_XxM = np.asarray(advantages.get(es_settings.prompt_shaping)(per_prompt_XxM), np.float64)
-    return shaped_XxM.mean(axis=0).astype(np.float32), extra
+    extra["reward_mean"] = np.nanmean(np.where(np.isfinite(rewards_MxXxK), rewards_MxXxK, np.nan))
+    fitness_M = np.where(broken_M, np.nan, shaped_XxM.mean(axis=0))
+    return fitness_M.astype(np.float32), extra
 
 
 def make_es_method(cfg: ExperimentConfig, task: Task, mesh, rows_per_device: int | None = None) -> Method:
     """The ES method; `rows_per_device` (rows each device decodes at once) as `esroll.plan` chose it, else
     `parallel.rows_per_device` or the estimate from the shapes (`estimate_rows_per_device`)."""
     es_cfg = cfg.es_config
-    # How rewards become fitness is host-side: runs that differ only there share one compiled strategy.
-    strategy = _strategy(
-        dataclasses.replace(es_cfg, samples=1, sample_reduce="mean", prompt_shaping="raw"), cfg.optimizer, mesh
-    )
+    strategy = _strategy(strategy_config(es_cfg), cfg.optimizer, mesh)
     to_compute = sharding.caster(mesh, cfg.model.dtype)
     M, X, K = cfg.es.population, cfg.train.prompts_per_step, cfg.es.samples
     # Rows member-major, then prompt, then sample: row (m·X + x)·K + k is member m's k-th answer to prompt x.

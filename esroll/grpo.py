@@ -60,7 +60,7 @@ AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "constant_length")
 class GRPOConfig:
     """GRPO settings (a config file's `grpo` section). Each step samples `group_size` completions per prompt at
     `temperature`, then takes `inner_iterations` (μ) passes of `minibatches` optimizer steps each; a minibatch's
-    gradient is summed over `microbatches` (a memory knob only). advantage: an estimator of `esroll.advantages`
+    gradient is summed over `microbatches` (a memory knob only, except under ACPO, whose bounds are per microbatch). advantage: an estimator of `esroll.advantages`
     (`ESTIMATORS`: "grpo" is TRL's scale_rewards="group"; rloo, dr_grpo, agrae, bv_blend, gmae, maxpo, lampo, ntf,
     ddrl, ...), with its options in `adv` (`esroll.advantages.AdvantageConfig`); group_size 1 only for the
     single-rollout estimators (ntf). aggregation: see `token_weights`; beta: weight of the k3 KL to the initial
@@ -462,6 +462,14 @@ def pad_rows(x_Uxb: np.ndarray, rows: int) -> np.ndarray:
     return np.pad(x_Uxb, widths)
 
 
+def update_config(g: GRPOConfig) -> GRPOConfig:
+    """`g` without what acts only on the host (the estimator, STARE, the group size): runs that differ only there
+    share one compiled update, and the planner compiles the trainer's program."""
+    return dataclasses.replace(
+        g, advantage="grpo", adv=advantages.AdvantageConfig(), group_size=2, stare_quantile=0.0, stare_alpha=0.5
+    )
+
+
 def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_device: int | None = None) -> Method:
     """The GRPO method; sampling decodes `rows_per_device` rows per device at once (as `esroll.plan` chose them),
     else `parallel.rows_per_device` (0: all of a device's share). `step` expects the masters as `esroll.task.load_task`
@@ -481,11 +489,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     sampling = Sampling.of(cfg.train.max_new_tokens, g.temperature, cfg.parallel, rows_per_device)
     from esroll.config import make_optimizer  # esroll.config imports this module
 
-    # The estimator acts on the host: runs that differ only in it share one compiled update.
-    update_cfg = dataclasses.replace(
-        g, advantage="grpo", adv=advantages.AdvantageConfig(), group_size=2, stare_quantile=0.0, stare_alpha=0.5
-    )
-    step_update = make_update(task.cfg, update_cfg, cfg.optimizer, mesh, cfg.model.dtype)
+    step_update = make_update(task.cfg, update_config(g), cfg.optimizer, mesh, cfg.model.dtype)
     optimizer = make_optimizer(cfg.optimizer)
 
     def init(params, key):
@@ -583,7 +587,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             fitness_std=rewards_XxM.std(),
             advantage_abs=np.abs(advantage_B).mean(),
             prompt_reward=rewards_XxM.mean(1),  # [X]: read (and removed) by the training loop's curriculum
-            **estimate.metrics,
+            **(estimate.metrics or {}),
             **stare_metrics,
         )
         if M > 1:  # a group of one is trivially all-equal

@@ -268,7 +268,7 @@ def plan_es(
     t = _Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
     es_cfg = cfg.es_config
     params = _abstract(t.shapes, cfg.model.master_dtype, sharding.master_shardings(mesh, t.shapes))
-    strategy = es_train._strategy(es_cfg, cfg.optimizer, mesh)
+    strategy = es_train._strategy(es_train.strategy_config(es_cfg), cfg.optimizer, mesh)
     state = _with_shardings(
         jax.eval_shape(strategy.init, params, t.key), es_train.state_shardings(es_cfg, cfg.optimizer, mesh, params)
     )
@@ -335,7 +335,7 @@ def plan_grpo(
         weight=field((N,), jnp.float32),
     )
     on_policy = jax.ShapeDtypeStruct((), bool, sharding=parallel.replicated(mesh))
-    update = grpo.make_update(model_cfg, g, cfg.optimizer, mesh, cfg.model.dtype)
+    update = grpo.make_update(model_cfg, grpo.update_config(g), cfg.optimizer, mesh, cfg.model.dtype)
     programs = [
         _compile("cast", sharding.caster(mesh, cfg.model.dtype).lower(params), resident["optimizer state"])[0],
         _compile("update", update.lower(params, state, batch, on_policy), 0)[0],

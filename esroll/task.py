@@ -94,6 +94,9 @@ def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Exampl
 
     eos = {tokenizer.eos_token_id, *_config_eos(model_cfg)}
     longest = max(len(p) for p in prompt_ids(train[:2000] + held_out))
+    if cfg.curriculum.prefix:  # AdaPrefix appends up to a whole solution to a training prompt: one bucket still
+        source = (lambda e: e.solution) if cfg.curriculum.prefix_source == "solution" else (lambda e: e.target_text)
+        longest += max(len(tokenizer.encode(source(e), add_special_tokens=False)) for e in train)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     multiple = 8 * -(-longest // 8)  # one bucket for the whole dataset: a training run compiles generate once
     return Task(model_cfg, tokenizer, prompt_ids, tuple(sorted(e for e in eos if e is not None)), pad, multiple), params

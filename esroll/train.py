@@ -55,8 +55,8 @@ class Curriculum:
     `get_batch`'s fixed order; with ADS, the scheduler's choice; with AdaPrefix, each example's assisted prefix. Its
     state is saved in the checkpoint beside the parameters (key "curriculum")."""
 
-    def __init__(self, cfg: ExperimentConfig, train: list, tokenizer):
-        self.cfg, self.c, self.train, self.tokenizer = cfg, cfg.curriculum, train, tokenizer
+    def __init__(self, cfg: ExperimentConfig, train: list, tokenizer, mesh):
+        self.cfg, self.c, self.train, self.tokenizer, self.mesh = cfg, cfg.curriculum, train, tokenizer, mesh
         self.state: dict[str, np.ndarray] = {}
         self.idx = np.zeros(0, int)
         self.given = np.zeros(0, int)
@@ -75,11 +75,14 @@ class Curriculum:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def saved(self) -> dict:
-        return {"curriculum": self.state} if self.state else {}
+        """What the checkpoint holds of the curriculum: its state, replicated on the mesh (every process has it)."""
+        if not self.state:
+            return {}
+        return {"curriculum": parallel.put_replicated(self.mesh, {k: jnp.asarray(v) for k, v in self.state.items()})}
 
     def restore(self, restored: dict) -> None:
         if self.state:
-            self.state = {k: np.asarray(v) for k, v in restored["curriculum"].items()}
+            self.state = {k: np.asarray(v) for k, v in parallel.to_host(restored["curriculum"]).items()}
 
     def batch(self, step: int) -> list:
         X, seed = self.cfg.train.prompts_per_step, self.cfg.data.batch_seed
@@ -175,7 +178,7 @@ def train_and_evaluate(
 
         method = make_es_method(cfg, task, mesh, rows_per_device=plan.rows_per_device if plan else None)
     state = method.init(params, jax.random.key(cfg.seed))
-    batches = Curriculum(cfg, train, task.tokenizer)  # what each step trains on (ADS, AdaPrefix)
+    batches = Curriculum(cfg, train, task.tokenizer, mesh)  # what each step trains on (ADS, AdaPrefix)
 
     # ---- claim the workdir (the run can start), then restore if it holds this run
     if lead:

@@ -363,6 +363,12 @@ def test_es_member_fitness_counterparts():
     np.testing.assert_allclose(voted, [0.5, 1.0, 0.5])
     assert 0 <= extra["pseudo_label_agreement"] <= 1 and extra["gold_reward_mean"] == pytest.approx(reward.mean())
     np.testing.assert_allclose(extra["prompt_reward"], [2 / 3, 2 / 3])  # per prompt, over members and samples
+    # a non-finite reward makes its member's fitness non-finite (the strategy drops it), whatever the shaping
+    broken = reward.copy()
+    broken[5] = np.nan  # member 1, prompt 0, sample 1
+    for shaping in ("raw", "grpo"):
+        fitness, extra = member_fitness(ESSettings(samples=K, prompt_shaping=shaping), broken, None, M, X)
+        assert np.isnan(fitness[1]) and np.isfinite(fitness[[0, 2]]).all() and np.isfinite(extra["reward_mean"])
 
 
 def test_es_label_free_with_two_samples_per_prompt_trains(tmp_path):

@@ -11,7 +11,7 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-@pytest.mark.parametrize("name", ["variance_analysis.ipynb"])
+@pytest.mark.parametrize("name", ["variance_analysis.ipynb", "training_dynamics.ipynb"])
 def test_notebook_runs(name, monkeypatch):
     monkeypatch.setenv("ESROLL_NOTEBOOK_FAST", "1")
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # one CPU device, as a reader would have
