@@ -26,8 +26,8 @@ Variants:
                (measured, one seed). 75 held-out questions: validation 25, test 50.
   label_free   The hard task without labels: rewards are the majority vote of each prompt's completions (GRPO,
                GMAE, DDRL) or of the population's answers (LOO-ROLL); gold answers score evaluation only.
-  quick        Seconds per run, for the test suite: GRPO, BV-Blend, single-rollout ntf, label-free DDRL and LOO-ROLL
-               with per-prompt normalisation; two seeds, no tuning (configs/compare.py:tuned_quick tests that).
+  quick        Seconds per run, for the test suite: GRPO, single-rollout ntf and label-free DDRL (one compiled update
+               for all three); two seeds, no tuning (configs/compare.py:tuned_quick tests that).
 """
 
 from ml_collections import ConfigDict
@@ -91,7 +91,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     if arg in ("hard", "label_free"):
         c.experiment.data.min_difficulty = 2
         c.experiment.data.validation_size = 25
-    names = {"label_free": LABEL_FREE_ARMS, "quick": ("grpo", "bv_blend", "ntf", "ddrl", "looroll_prompt_norm")}.get(
+    names = {"label_free": LABEL_FREE_ARMS, "quick": ("grpo", "ntf", "ddrl")}.get(
         arg, GOLD_ARMS + ES_ARMS
     )
     c.methods = ",".join(names)
