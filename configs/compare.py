@@ -22,8 +22,8 @@ Variants:
                          minutes with evaluation and warm-up (measured). Measured results: docs/compare_results.md.
   quick                  Seconds per run, for the test suite (looroll and eggroll, 2 seeds).
   tuned                  The tuned protocol on the default task: looroll, eggroll, looroll_r8, grpo; 4 settings × 2
-                         tuning seeds × 60 s, then 5 evaluation seeds × 120 s: ~1.6 h on 2 CPU cores (planned from
-                         the step rates; not yet run to the end).
+                         tuning seeds × 60 s, then 5 evaluation seeds × 120 s: 1 h 17 min on 2 CPU cores (measured
+                         2026-12-01; results in docs/tuned/).
   tuned_hard             The tuned protocol on the hard variant of the default task (2-digit sums with two carries,
                          `data.min_difficulty = 2`; 75 held-out questions, never in the shipped model's training:
                          validation 25, test 50): the same 4 methods; 2 settings × 1 tuning seed × 45 s, then 5
@@ -45,7 +45,7 @@ VARIANTS = {
     "default": "the shipped tiny model on 2-digit addition: 3 methods × 3 seeds × 150 s on 2 CPU cores",
     "quick": "seconds per run, for the test suite (looroll and eggroll, 2 seeds)",
     "tuned": "the tuned protocol on the default task: 4 methods, 4 settings × 2 tuning seeds × 60 s each, then 5 "
-    "evaluation seeds × 120 s (~1.6 h on 2 CPU cores)",
+    "evaluation seeds × 120 s (1 h 17 min on 2 CPU cores, measured)",
     "tuned_quick": "the tuned protocol in seconds, for the test suite (looroll and grpo)",
     "tuned_hard": "the tuned protocol on 2-digit sums with two carries: 4 methods, 2 settings × 45 s, then 5 seeds × "
     "90 s (~50 min on 2 CPU cores)",
@@ -90,19 +90,24 @@ def _comparison(experiments: dict[str, ConfigDict]) -> ConfigDict:
     c.tuning.seed = 0  # of the search
     c.tuning.time_budget_s = 0.0  # per tuning run (0: time_budget_s)
     c.tuning.space = ConfigDict()  # method -> nested config keys -> list of values, or "log:LOW:HIGH" / "uniform:..."
+    # Methods with the same space get the same draws (False in `tuned`, measured before this existed: its ES methods
+    # drew different learning rates, and the draws rather than the estimators decided their ranking).
+    c.tuning.shared_draws = False
     return c
 
 
 # The search spaces of the tuned variants: what a fair comparison tunes for each method (declared ranges, the same
-# number of draws for every method). The schedules' horizons are in steps (resume stays exact): about the steps each
-# method takes in the 120-s evaluation budget on 2 cores (ES ~0.45 s a step, measured 2026-12-01; GRPO's from its
-# earlier rate, 90 steps in 150 s).
+# number of draws for every method). The schedules' horizons are in steps (resume stays exact): about 0.85 of the
+# steps each method takes in the 120-s evaluation budget on 2 cores, as the first tuned run measured them
+# (2026-12-01): LOO-ROLL and EGGROLL 289-332 steps, LOO-ROLL rank 8 168-180, GRPO (group 4) 820-890. GRPO's
+# horizon was first 100, sized from an older rate (90 steps in 150 s): its chosen cosine schedule then reached lr 0
+# at step 100 (~14 s), so the GRPO arm was rerun with 700.
 ES_SPACE = {
     "optimizer": {"lr": "log:1e-4:2e-3", "schedule": ["constant", "cosine"], "horizon": [250]},
     "es": {"sigma": "log:0.002:0.01"},
 }
 GRPO_SPACE = {
-    "optimizer": {"lr": "log:3e-5:3e-4", "schedule": ["constant", "cosine"], "horizon": [100]},
+    "optimizer": {"lr": "log:3e-5:3e-4", "schedule": ["constant", "cosine"], "horizon": [700]},
     "grpo": {"group_size": [4, 8]},
 }
 
@@ -184,6 +189,11 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.tuning.seeds = (100,)
         c.tuning.runs = 2
         c.tuning.time_budget_s = 45.0
+        c.tuning.shared_draws = True
+        # Horizons for 90-s runs: 3/4 of the 120-s ones (about 0.85 of the steps, as above).
+        es_space = {**ES_SPACE, "optimizer": {**ES_SPACE["optimizer"], "horizon": [190]}}
+        grpo_space = {**GRPO_SPACE, "optimizer": {**GRPO_SPACE["optimizer"], "horizon": [525]}}
+        c.tuning.space = {m: es_space for m in ("looroll", "eggroll", "looroll_r8")} | {"grpo": grpo_space}
         return c
     if arg == "es_fall":
         return _es_fall()

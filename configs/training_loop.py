@@ -10,7 +10,7 @@ or LOO-ROLL (the default experiment's) with one method switched on:
     grpo, looroll                   the references (paired differences are against grpo; looroll is an arm)
     grpo_adaprefix, looroll_adaprefix
                                     AdaPrefix: the direct answer's first tokens as a forced start, per-example
-                                    controller at 50% success, withdrawn by the horizon (GRPO 40 steps, ES 150 steps:
+                                    controller at 50% success, withdrawn by the horizon (GRPO 200 steps, ES 150 steps:
                                     about half of each one's steps in the 90-s budget)
     grpo_ads, looroll_ads           adaptive data scheduling; every example of the hard task has two carries, so
                                     its difficulty clusters are one and ADS acts by boundary selection only
@@ -68,7 +68,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     c.overrides = {
         "grpo": grpo,
         "looroll": looroll,
-        "grpo_adaprefix": _with(grpo, curriculum={**prefix, "prefix_horizon": 40}),
+        "grpo_adaprefix": _with(grpo, curriculum={**prefix, "prefix_horizon": 200}),
         "looroll_adaprefix": _with(looroll, curriculum={**prefix, "prefix_horizon": 150}),
         "grpo_ads": _with(grpo, curriculum={"ads": True}),
         "looroll_ads": _with(looroll, curriculum={"ads": True}),

@@ -48,7 +48,8 @@ class Tuning:
     `spaces`: method -> {dotted config key: values}, where values is a list (the choices; a grid's axis) or a string
     "log:LOW:HIGH" / "uniform:LOW:HIGH" (random search only). `search` grid draws `runs` − 1 distinct points of the
     grid in a seeded order; random draws each key independently. With `runs` > 1 every method needs a space: all
-    are tuned alike."""
+    are tuned alike. `shared_draws`: methods with the same space get the same candidates (seeded by the space, not
+    the method's name), so that their comparison is not one of luckier draws."""
 
     seeds: tuple[int, ...]
     runs: int
@@ -56,6 +57,7 @@ class Tuning:
     spaces: dict[str, dict[str, Any]]
     time_budget_s: float
     seed: int = 0
+    shared_draws: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,9 +153,10 @@ def _range(values: Any, where: str) -> tuple[str, float, float]:
 
 def candidates(tuning: Tuning, method: str) -> list[dict]:
     """The settings `method` is tuned over, as nested overrides: [{}] (its own setting) and `runs` − 1 more, the
-    same on every call (seeded by the tuning seed and the method's name)."""
+    same on every call (seeded by the tuning seed and the method's name, or with `shared_draws` its space)."""
     space = _flat(tuning.spaces.get(method, {}))
-    rng = np.random.default_rng([tuning.seed, zlib.crc32(method.encode())])
+    key = json.dumps(space, sort_keys=True) if tuning.shared_draws else method
+    rng = np.random.default_rng([tuning.seed, zlib.crc32(key.encode())])
     if tuning.search == "grid":
         for key, values in space.items():
             if not isinstance(values, (list, tuple)):
@@ -185,7 +188,15 @@ def _tuning_from_dict(d: dict, methods: tuple[str, ...], eval_seeds: tuple[int, 
     untuned = [m for m in methods if not spaces.get(m) and d["runs"] > 1]
     if untuned:
         raise ValueError(f"config: tuning.space has no entry for method {untuned[0]!r}: every method is tuned alike")
-    tuning = Tuning(seeds, int(d["runs"]), d["search"], spaces, float(d["time_budget_s"] or budget), int(d["seed"]))
+    tuning = Tuning(
+        seeds,
+        int(d["runs"]),
+        d["search"],
+        spaces,
+        float(d["time_budget_s"] or budget),
+        int(d["seed"]),
+        bool(d.get("shared_draws", False)),
+    )
     for m in methods:
         candidates(tuning, m)  # refuses a malformed space now, not after hours of runs
     return tuning

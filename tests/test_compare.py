@@ -383,3 +383,15 @@ def test_advantage_estimator_comparison_quick(tmp_path):
     results = {r["method"]: r for r in _rows(paths["results_csv"])}
     assert results["grpo"]["all_equal_groups_mean"] != "nan" and results["ntf"]["all_equal_groups_mean"] == "nan"
     assert int(results["ddrl"]["n_pairs"]) == 2 and "all-equal groups" in paths["results_md"].read_text()
+
+
+def test_shared_draws_give_methods_with_one_space_the_same_candidates():
+    from configs.compare import ES_SPACE
+    from esroll.compare import Tuning, candidates
+
+    spaces = {"looroll": ES_SPACE, "eggroll": ES_SPACE}
+    own = Tuning((100,), 4, "random", spaces, 60.0)
+    shared = dataclasses.replace(own, shared_draws=True)
+    assert candidates(shared, "looroll") == candidates(shared, "eggroll")
+    assert candidates(own, "looroll") != candidates(own, "eggroll")  # each method's own draws (the measured `tuned`)
+    assert comparison_from_dict(get_config("tuned_hard").to_dict()).tuning.shared_draws

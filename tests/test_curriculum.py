@@ -1,6 +1,7 @@
 """esroll.curriculum: AdaPrefix's controller holds a simulated problem at its target success rate and its schedule
 withdraws the prefix; ADS's weights move toward the clusters at the policy's boundary on a simulated success table
-and its choice is deterministic in (seed, step, state); a run with both resumes bit-identically."""
+and its choice is deterministic in (seed, step, state). (A run with both resumes bit-identically:
+test_grpo.py::test_resume_is_exact.)"""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ import pytest
 
 from esroll import curriculum as C
 from esroll.errors import ConfigError
-
-from conftest import check_exact_resume, quick_config
 
 
 def test_prefix_controller_converges_to_the_target_success_rate():
@@ -68,19 +67,6 @@ def test_options_are_checked():
         C.CurriculumConfig(prefix_source="answer")
     with pytest.raises(ConfigError, match="ads_decay"):
         C.CurriculumConfig(ads_decay=1.0)
-
-
-def test_resume_with_curriculum_state_is_exact(tmp_path):
-    """GRPO with ADS and AdaPrefix (prefix of the direct answer, withdrawn over 6 steps) on the default task: 2 steps,
-    then a resumed 2, bit-identical to 4 straight; prefixes were given and the scheduler logged its cluster weights.
-    (ES reads the same per-prompt success: `es_train.member_fitness`, tested in test_advantage_estimators.)"""
-    import dataclasses
-
-    cfg = quick_config("grpo_quick", steps=4, checkpoint_every=2, eval_every=2, export=False)
-    cur = C.CurriculumConfig(ads=True, prefix=True, prefix_source="target", prefix_init=0.5, prefix_horizon=6)
-    steps = check_exact_resume(dataclasses.replace(cfg, curriculum=cur), tmp_path)
-    assert steps[0]["prefix_tokens"] > 0 and steps[0]["prefix_assistance"] == 1.0
-    assert any(key.startswith("ads_weight[difficulty=") for key in steps[-1])
 
 
 def test_training_loop_comparison_variants_build():

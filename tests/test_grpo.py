@@ -189,11 +189,18 @@ def test_sharded_equals_unsharded(tmp_path):
 
 def test_resume_is_exact(tmp_path):
     """On the 4 × 2 mesh of test_sharded_equals_unsharded (its compiled programs), with an advantage estimator that
-    keeps a running state (BV-Blend's per-cluster history, checkpointed with the optimizer state) and STARE, whose
-    gate (state too) opens after the first step: its entropy thresholds sit above the policy's entropy."""
+    keeps a running state (BV-Blend's per-cluster history, checkpointed with the optimizer state), STARE, whose
+    gate (state too) opens after the first step: its entropy thresholds sit above the policy's entropy, and the
+    curriculum (ADS and AdaPrefix with the direct answer's tokens, withdrawn over 6 steps; its state replicated on
+    the mesh in the checkpoint)."""
+    from esroll.curriculum import CurriculumConfig
+
     stare = dict(stare_quantile=0.8, stare_entropy_low=5.0, stare_entropy_high=6.0)
     cfg = strict_quick({**EIGHT, "advantage": "bv_blend", **stare}, 2, steps=4, checkpoint_every=2, eval_every=2)
-    steps = check_exact_resume(cfg, tmp_path)
+    cur = CurriculumConfig(ads=True, prefix=True, prefix_source="target", prefix_init=0.5, prefix_horizon=6)
+    steps = check_exact_resume(dataclasses.replace(cfg, curriculum=cur), tmp_path)
+    assert steps[0]["prefix_tokens"] > 0 and steps[0]["prefix_assistance"] == 1.0
+    assert any(key.startswith("ads_weight[difficulty=") for key in steps[-1])
     assert steps[0]["bv_blend_weight"] == 0 and steps[-1]["bv_blend_weight"] > 0  # history builds up and is used
     assert [r["stare_open"] for r in steps] == [0, 1, 1, 1] and steps[-1]["stare_tokens"] > 0
     keys = {

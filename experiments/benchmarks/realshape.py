@@ -259,7 +259,7 @@ def realshape_step(args) -> dict:
     if name not in SHAPES:
         raise ValueError(f"unknown --model {name!r}; known: {', '.join(SHAPES)}")
     cfg = model_config(name)
-    rows, prompt, new, reps = (8, 16, 8, 2) if args.quick else (ROWS, PROMPT, NEW, 1)  # 1 round: ~12 min on 2 cores
+    rows, prompt, new, reps = (8, 16, 8, 1) if args.quick else (ROWS, PROMPT, NEW, 1)  # 1 round: ~12 min on 2 cores
     mesh = parallel.make_mesh(1)  # one device: the roofline is one device's
     line = roofline(cfg, rows, prompt, (64 if args.quick else 1024) * 2**20, 1024 if args.quick else 4096)
     out = {"model": name, "rows": rows, "prompt_len": prompt, "new_tokens": new, "reps": reps}
