@@ -420,34 +420,14 @@ def test_progress_advantage_adds_to_each_tokens_advantage():
     (β = 0: the surrogate alone; ratios inside and outside the clip range)."""
     logp_new, logp_old, logp_ref, advantage, mask = hand_built()
     eta = 0.7
-    loss, _ = _grpo_loss(
-        logp_new,
-        logp_old,
-        logp_ref,
-        advantage,
-        mask,
-        eps_low=EPS_LOW,
-        eps_high=EPS_HIGH,
-        beta=0.0,
-        aggregation="token_mean",
-        progress_coef=eta,
-    )
+    args = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=0.0, aggregation="token_mean")
+    loss, _ = _grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, progress_coef=eta, **args)
     a = advantage[:, None] + eta * (logp_new - logp_ref)
     ratio = np.exp(logp_new - logp_old)
     surrogate = np.minimum(ratio * a, np.clip(ratio, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
     expected = -(surrogate * mask).sum() / mask.sum()
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
-    plain, _ = _grpo_loss(
-        logp_new,
-        logp_old,
-        logp_ref,
-        advantage,
-        mask,
-        eps_low=EPS_LOW,
-        eps_high=EPS_HIGH,
-        beta=0.0,
-        aggregation="token_mean",
-    )
+    plain, _ = _grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, **args)
     assert abs(float(loss) - float(plain)) > 1e-3  # the term matters here
 
 
