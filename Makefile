@@ -18,7 +18,7 @@ run: $(STAMP)
 	$(BIN)/python -m experiments.train --config configs/default.py --workdir runs/default
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile tests
 
 bench: $(STAMP)
 	$(BIN)/python -m experiments.bench --quick --json runs/bench.json

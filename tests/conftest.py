@@ -11,6 +11,18 @@ os.environ.setdefault(
     "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the test session, inherited by the pytest-xdist workers and by the processes
+# the tests start (the entry-script, SIGKILL, notebook and two-process tests compile the same programs in each new
+# process); removed when the session ends. A cached program is the same executable, so no result depends on it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _CACHE = tempfile.mkdtemp(prefix="esroll-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 from pathlib import Path  # noqa: E402
 
@@ -23,6 +35,14 @@ jax.config.update("jax_default_matmul_precision", "highest")
 FAMILIES = ("qwen3", "qwen2", "llama")
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_MODEL = str(REPO / "assets/tiny-qwen3-arith")
+
+
+def xla_flags(devices: int | None) -> str:
+    """The session's XLA flags (its cheaper passes) with `devices` fake CPU devices (None: the platform's one)."""
+    import re
+
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
+    return flags if devices is None else f"{flags} --xla_force_host_platform_device_count={devices}"
 
 
 def quick_config(variant: str = "quick", *, grpo: dict | None = None, **train_overrides):

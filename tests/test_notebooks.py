@@ -8,13 +8,16 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from conftest import xla_flags
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 @pytest.mark.parametrize("name", ["variance_analysis.ipynb", "training_dynamics.ipynb"])
 def test_notebook_runs(name, monkeypatch):
     monkeypatch.setenv("ESROLL_NOTEBOOK_FAST", "1")
-    monkeypatch.delenv("XLA_FLAGS", raising=False)  # one CPU device, as a reader would have
+    # One CPU device, as a reader would have; conftest's cheaper XLA passes (compilation dominates these runs).
+    monkeypatch.setenv("XLA_FLAGS", xla_flags(None))
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]

@@ -20,7 +20,7 @@ from esroll.errors import InputError
 from esroll.metrics import read_metrics
 from esroll.train import train_and_evaluate
 
-from conftest import REPO, check_exact_resume, quick_config
+from conftest import REPO, check_exact_resume, quick_config, xla_flags
 
 
 def quick(**train_overrides):
@@ -103,7 +103,7 @@ def test_two_processes_equal_one(tmp_path):
     port = _free_port()
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": xla_flags(2),
         "JAX_PLATFORMS": "cpu",
         "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
         "JAX_NUM_PROCESSES": "2",
