@@ -131,7 +131,7 @@ def kill_when(workdir: Path, step: int, checkpoint: int | None = None) -> int:
 def test_sigkill_before_and_after_first_checkpoint_then_resume(tmp_path):
     """Killed after step 2 (before the first checkpoint, at 4) and after step 5 (once it is saved), then run to the end: every
     step is logged once in metrics.jsonl and TensorBoard, and the exported model is bit-identical to an uninterrupted
-    run's. The uninterrupted run goes on beside the killed ones (the suite is serial: it takes the other core)."""
+    run's. The uninterrupted run goes on beside the killed ones."""
     log = tmp_path / "straight.err"
     with log.open("w") as err:
         straight = subprocess.Popen(

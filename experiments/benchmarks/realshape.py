@@ -143,10 +143,11 @@ def phase_work(cfg, rows: int, prompt: int, new: int, perturbed_io: int, es_upda
 
 
 def _generate_phases(cfg, params, prompt_BxP, key, new: int, reps: int, **kwargs) -> tuple[float, float]:
-    """(prefill = `generate` of 1 token, decode = `generate` of `new` tokens minus that), each program's fastest of
-    `reps` interleaved rounds: the minimum is the estimate least disturbed by other work on a shared machine, and the
-    difference of two minima cannot go negative from one slow round of the short program. Both programs are compiled
-    ahead of time (which fills `generate`'s compilation cache): no warm-up call."""
+    """prefill = the fastest of `reps` interleaved rounds of `generate` with 1 new token; decode = the fastest round
+    of `generate` with `new` tokens minus that. With several rounds the minimum is the estimate least disturbed by
+    other work on a shared machine, and one slow round of the short program no longer drives decode negative (at full
+    size there is one round). Both programs are compiled ahead of time (which fills `generate`'s compilation cache):
+    no warm-up call."""
     run_1, run_n = (
         functools.partial(generate, cfg, params, prompt_BxP, key, max_new_tokens=n, **kwargs) for n in (1, new)
     )
@@ -164,7 +165,7 @@ def _generate_phases(cfg, params, prompt_BxP, key, new: int, reps: int, **kwargs
     if decode <= 0:
         raise RuntimeError(
             f"decode time not measurable: generating {new} tokens took {min(many):.3g} s, 1 token {prefill:.3g} s "
-            f"(fastest of {reps} rounds); raise the round count or the token count"
+            f"(fastest of {reps} rounds); raise the rounds or NEW tokens in realshape_step"
         )
     return prefill, decode
 
@@ -299,9 +300,9 @@ def realshape_step(args) -> dict:
         "bandwidth_skinny_matmul_gbs": line["bandwidth_skinny_matmul"] / 1e9,
         "matmul_gflops": {k: v / 1e9 for k, v in line["matmul_flops"].items()},
         "backend": jax.default_backend(),
-        "timing": "over rounds (one at full size): prefill and decode interleaved, each the fastest round, after an "
-        "ahead-of-time compile; the updates the median round; "
-        "the ES update after a warm-up call; the GRPO update after an ahead-of-time compile",
+        "timing": "prefill: the fastest of the interleaved rounds of generate(1 token); decode: the fastest "
+        "generate(new tokens) minus that; both after an ahead-of-time compile; updates: the median round (ES after a "
+        "warm-up call, GRPO after an ahead-of-time compile); one round at full size",
     }
 
 
