@@ -17,16 +17,16 @@ rate (GRPO arms: log-uniform 3e-5 to 3e-4; ES arms: 1e-4 to 2e-3 and σ 0.002 to
 5 evaluation seeds × 30 s on the test split. 30 s, because on the hard task plain GRPO reaches the 50-question test
 split's ceiling in 19-26 s (configs/compare.py:tuned_hard, measured): a longer budget would score every estimator at
 100% and leave only the AUC to tell them apart. The default task has no such ceiling (GRPO 88% at 120 s); it gets the
-same 30 s so that both gold variants fit the ~2-hour budget, and its results describe early training. Sizes on 2 CPU cores (planned: 11 arms × 190 s of training, plus
-compilation and evaluation, ~1.5× from the tuned_hard run): `default` and `hard` ~50 min each, `label_free` ~20 min
-(4 arms), so the two gold variants together fit ~2 hours.
+same 30 s so that both gold variants fit the ~2-hour budget, and its results describe early training. Sizes on
+2 CPU cores, measured 2026-12-01: `hard` 39 min (11 arms × 190 s of training, plus compilation and evaluation),
+`label_free` 15 min (4 arms); `default` has the same arms as `hard`.
 
 Variants:
   default      The default task (2-digit sums, the shipped model; GRPO meets ~15-35% all-equal groups early).
   hard         2-digit sums with two carries (`data.min_difficulty = 2`), train and held-out filtered from the default
-               splits, so no held-out question was in the shipped model's pretraining: GRPO starts at 21% held-out
-               accuracy, meets 28-50% all-equal groups over its first 5 steps and gains 43 points in 9 steps
-               (measured, one seed). 75 held-out questions: validation 25, test 50.
+               splits, so no held-out question was in the shipped model's pretraining: plain GRPO starts at 20% on
+               the test split, meets 33% all-equal groups over its first 5 steps (28-36% by seed) and ends at 95% after
+               30 s (measured, 5 seeds). 75 held-out questions: validation 25, test 50.
   label_free   The hard task without labels: rewards are the majority vote of each prompt's completions (GRPO,
                GMAE, DDRL) or of the population's answers (LOO-ROLL); gold answers score evaluation only.
   quick        Seconds per run, for the test suite: GRPO, single-rollout ntf and label-free DDRL (one compiled update
@@ -41,9 +41,9 @@ GOLD_ARMS = ("grpo", "rloo", "agrae", "bv_blend", "gmae", "maxpo", "lampo", "ntf
 ES_ARMS = ("looroll", "looroll_prompt_norm", "looroll_max2")
 LABEL_FREE_ARMS = ("grpo_majority", "gmae_majority", "ddrl", "looroll_majority")
 VARIANTS = {
-    "default": "every gold-reward estimator and the ES counterparts on the default task (~50 min on 2 CPU cores)",
-    "hard": "the same on 2-digit sums with two carries (~50 min on 2 CPU cores)",
-    "label_free": "majority-vote rewards on the hard task: GRPO, GMAE, DDRL, LOO-ROLL (~20 min on 2 CPU cores)",
+    "default": "every gold-reward estimator and the ES counterparts on the default task (~45 min on 2 CPU cores)",
+    "hard": "the same on 2-digit sums with two carries (39 min on 2 CPU cores, measured)",
+    "label_free": "majority-vote rewards on the hard task: GRPO, GMAE, DDRL, LOO-ROLL (15 min on 2 CPU cores, measured)",
     "quick": "seconds per run, for the test suite",
 }
 GRPO_LR = {"optimizer": {"lr": "log:3e-5:3e-4"}}
