@@ -235,6 +235,22 @@ def grpo_loss(
     return jnp.where(mask, w_BxN * loss_BxN, 0.0).sum(), metrics
 
 
+PROGRESS_BUCKETS = 8
+
+
+def progress_by_position(sum_N: Array, tokens_N: Array, buckets: int = PROGRESS_BUCKETS) -> dict[str, Array]:
+    """Where training has moved the policy along the completion: `progress_pos_k` is the mean of log π_θ − log π_ref
+    over the completion tokens at positions [k·N/K, (k+1)·N/K) (K = min(buckets, N) equal spans of the N completion
+    positions; NaN where no completion reached). From per-position sums and token counts over a step's rows."""
+    N = sum_N.shape[0]
+    edges = np.linspace(0, N, min(buckets, N) + 1).round().astype(int)
+    out = {}
+    for k, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        n = tokens_N[lo:hi].sum()
+        out[f"progress_pos_{k}"] = jnp.where(n > 0, sum_N[lo:hi].sum() / jnp.maximum(n, 1.0), jnp.nan)
+    return out
+
+
 def acpo_bounds(
     ratio_BxN: Array,
     logp_old_BxN: Array,
@@ -412,6 +428,10 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
             eps_BxN=eps_BxN,
         )
         metrics.update(acpo_metrics)
+        if logp_ref_BxN is not None:  # the progress signal by completion position: sums here, means in `update`
+            progress_BxN = jnp.where(micro.completion_mask, jax.lax.stop_gradient(logp_BxN) - logp_ref_BxN, 0.0)
+            metrics["progress_pos_sum"] = progress_BxN.sum(0)
+            metrics["progress_pos_tokens"] = jnp.asarray(micro.completion_mask, jnp.float32).sum(0)
         # Sums, so that the minibatch's entropy is a mean over its tokens whatever the microbatches hold (padding).
         metrics["entropy_sum"] = jnp.where(micro.completion_mask, jax.lax.stop_gradient(entropy_BxN), 0.0).sum()
         metrics["tokens"] = jnp.asarray(micro.completion_mask, jnp.float32).sum()
@@ -446,6 +466,10 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
         for key in metrics_U:
             if key == "progress_mean" or key.startswith("acpo_eps_"):
                 metrics[key] = metrics_U[key].mean()
+        if "progress_pos_sum" in metrics_U:
+            metrics.update(
+                progress_by_position(metrics_U["progress_pos_sum"].sum(0), metrics_U["progress_pos_tokens"].sum(0))
+            )
         return params, state._replace(opt_state=opt_state), metrics
 
     return update

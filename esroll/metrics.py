@@ -152,13 +152,12 @@ def last_eval(records: list[dict]) -> dict | None:
 
 def plot_eval_curve(metrics_path: str | os.PathLike, out: str | os.PathLike, title: str = "") -> None:
     """Held-out accuracy against training wall time, as a PNG at `out` (a local path or a URL)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A bare Figure, not pyplot: the process's backend (a notebook's inline one) is left as it is.
+    from matplotlib.figure import Figure
 
     evals = [r for r in read_metrics(metrics_path) if "eval_accuracy" in r]
-    fig, ax = plt.subplots(figsize=(5, 3.5), dpi=120)
+    fig = Figure(figsize=(5, 3.5), dpi=120)
+    ax = fig.subplots()
     ax.plot([r["wall_time"] for r in evals], [r["eval_accuracy"] for r in evals], marker="o")
     ax.set_xlabel("training wall time (s)")
     ax.set_ylabel("held-out accuracy")
@@ -172,4 +171,3 @@ def plot_eval_curve(metrics_path: str | os.PathLike, out: str | os.PathLike, tit
         buf = io.BytesIO()
         fig.savefig(buf, format=out.suffix.lstrip(".") or "png")
         out.write_bytes(buf.getvalue())
-    plt.close(fig)

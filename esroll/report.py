@@ -552,10 +552,7 @@ def plot_views(axes, runs: Sequence[RunResult], methods: Sequence[str], ranges: 
 def write_report(workdir: str | Path) -> dict[str, Path]:
     """Tables (runs.csv, results.csv, results.md) and figures (accuracy_vs_time.png; views.png: accuracy against
     wall time, completions and tokens generated) of the runs in `workdir`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: the process's backend is left as it is
 
     workdir = Path(workdir)
     spec, runs = load_comparison(workdir)
@@ -573,18 +570,18 @@ def write_report(workdir: str | Path) -> dict[str, Path]:
     write_csv(per_run_rows(runs, budget, ranges), paths["runs_csv"])
     write_csv(summary, paths["results_csv"])
     paths["results_md"].write_text(markdown_table(summary, spec) + protocol_notes(workdir, runs))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4), dpi=120, gridspec_kw={"width_ratios": [3, 3, 2]})
+    fig = Figure(figsize=(15, 4), dpi=120)
+    axes = fig.subplots(1, 3, gridspec_kw={"width_ratios": [3, 3, 2]})
     plot_curves(axes[0], finished, methods, budget)
     plot_differences(axes[1], finished, methods, reference, budget)
     plot_paired(axes[2], finished, methods)
     axes[0].set_title(f"matched wall time: {budget:g} s per run, {len(spec['seeds'])} seeds")
     fig.tight_layout()
     fig.savefig(paths["figure"])
-    plt.close(fig)
-    fig, axes = plt.subplots(1, len(VIEWS), figsize=(15, 4), dpi=120)
+    fig = Figure(figsize=(15, 4), dpi=120)
+    axes = fig.subplots(1, len(VIEWS))
     plot_views(axes, finished, methods, ranges)
     fig.suptitle(f"held-out accuracy: {budget:g} s of training per run, {len(spec['seeds'])} seeds", fontsize=10)
     fig.tight_layout()
     fig.savefig(paths["views"])
-    plt.close(fig)
     return paths

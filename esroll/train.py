@@ -114,6 +114,8 @@ class Curriculum:
             out["prefix_tokens"] = float(self.given.mean())
             out["prefix_assistance"] = curriculum.assistance(step, self.c.prefix_horizon)
             out["prefix_k_mean"] = float(k.mean())
+            # the spread of the per-example controller states (tokens, before the withdrawal's scaling)
+            out.update({f"prefix_k_q{q}": float(v) for q, v in zip((10, 50, 90), np.percentile(k, (10, 50, 90)))})
         return out
 
 

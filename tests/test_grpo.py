@@ -21,11 +21,13 @@ from esroll.data import get_batch, make_splits
 from esroll.grpo import (
     AGGREGATIONS,
     GRPOConfig,
+    PROGRESS_BUCKETS,
     GRPOState,
     Rollouts,
     make_grpo_method,
     make_update,
     pad_rows,
+    progress_by_position,
     token_weights,
 )
 from esroll.grpo import grpo_loss as _grpo_loss
@@ -452,6 +454,17 @@ def test_acpo_bounds_follow_the_ratio_spread_of_each_probability_group():
     np.testing.assert_allclose(np.asarray(on_policy), 0.1)
 
 
+def test_progress_by_position_buckets_hand_built_sums():
+    sum_N = jnp.asarray([1.0, 2.0, 3.0, 0.0, 0.0])
+    tokens_N = jnp.asarray([2.0, 2.0, 1.0, 0.0, 0.0])  # no completion reached the last two positions
+    out = {k: float(v) for k, v in progress_by_position(sum_N, tokens_N, buckets=3).items()}
+    # 5 positions in 3 spans: [0, 2), [2, 3), [3, 5)
+    assert list(out) == ["progress_pos_0", "progress_pos_1", "progress_pos_2"]
+    assert out["progress_pos_0"] == pytest.approx(3.0 / 4.0) and out["progress_pos_1"] == 3.0
+    assert np.isnan(out["progress_pos_2"])
+    assert len(progress_by_position(sum_N, tokens_N, buckets=8)) == 5  # never more spans than positions
+
+
 def test_acpo_off_is_plain_grpo_and_on_clips_per_token():
     logp_new, logp_old, logp_ref, advantage, mask = hand_built()
     args = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA, aggregation="token_mean")
@@ -484,8 +497,17 @@ def test_progress_advantage_and_acpo_in_updates(tiny):
     state = GRPOState(make_optimizer(optim).init(params), params)
     moved, state, first = update(params, state, batch, jnp.asarray(True))
     assert float(first["progress_mean"]) == 0.0
+    positions = [k for k in range(PROGRESS_BUCKETS) if f"progress_pos_{k}" in first]
+    assert positions == list(range(min(PROGRESS_BUCKETS, completion_mask.shape[1])))
+    edges = np.linspace(0, completion_mask.shape[1], len(positions) + 1).round().astype(int)
+    tokens_K = [completion_mask[:, lo:hi].sum() for lo, hi in zip(edges[:-1], edges[1:])]
+    assert min(tokens_K) > 0  # every span holds completion tokens: no NaN below
+    assert all(float(first[f"progress_pos_{k}"]) == 0.0 for k in positions)
     assert all(float(first[f"acpo_eps_{k}"]) == pytest.approx(0.1) for k in range(4))
     _, _, second = update(moved, state, batch, jnp.asarray(False))
     assert abs(float(second["progress_mean"])) > 1e-6
+    # the per-position means recombine, weighted by their tokens, into the token mean (one microbatch)
+    recombined = sum(float(second[f"progress_pos_{k}"]) * n for k, n in zip(positions, tokens_K)) / sum(tokens_K)
+    assert recombined == pytest.approx(float(second["progress_mean"]), rel=1e-5)
     eps = [float(second[f"acpo_eps_{k}"]) for k in range(4)]
     assert all(0.1 - 1e-6 <= e <= 0.4 + 1e-6 for e in eps) and max(eps) > 0.1 + 1e-3  # random π_old: ratios spread

@@ -134,7 +134,15 @@ def test_metrics_in_a_relative_local_workdir(tmp_path, monkeypatch):
     metrics.close()
     assert read_metrics(tmp_path / "run" / "metrics.jsonl") == [{"step": 0, "wall_time": 0.0, "eval_accuracy": 0.5}]
     assert len(list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))) == 1
-    plot_eval_curve("run/metrics.jsonl", "run/eval_accuracy.png")
+    import matplotlib
+
+    backend = matplotlib.get_backend()
+    matplotlib.use("svg")  # stands for a notebook's inline backend, which the plot must leave in place
+    try:
+        plot_eval_curve("run/metrics.jsonl", "run/eval_accuracy.png")
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(backend)
     assert (tmp_path / "run" / "eval_accuracy.png").read_bytes().startswith(b"\x89PNG")
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["eval_accuracy.png", "metrics.jsonl", "tb"]
 

@@ -54,14 +54,20 @@ def test_quick_run_writes_everything(tmp_path):
 
 
 def test_resume_is_exact(tmp_path):
-    """With a learning-rate warm-up and cosine decay and a linear σ schedule: both continue exactly on resume."""
+    """With a learning-rate warm-up and cosine decay and a linear σ schedule: both continue exactly on resume. So does
+    the training-loop curriculum's state (ADS and AdaPrefix, whose controller ES drives from the shared prompts)."""
+    from esroll.curriculum import CurriculumConfig
+
     cfg = quick(steps=4, checkpoint_every=2, eval_every=2)
     cfg = dataclasses.replace(
         cfg,
         optimizer=dataclasses.replace(cfg.optimizer, schedule="cosine", lr_final=1e-4, horizon=4, warmup_steps=1),
         es=dataclasses.replace(cfg.es, sigma_schedule="linear", sigma_final=cfg.es.sigma / 2, sigma_horizon=3),
+        curriculum=CurriculumConfig(ads=True, prefix=True, prefix_source="target", prefix_init=0.5, prefix_horizon=6),
     )
     steps = check_exact_resume(cfg, tmp_path)
+    assert steps[0]["prefix_tokens"] > 0 and steps[0]["prefix_assistance"] == 1.0
+    assert any(key.startswith("ads_weight[difficulty=") for key in steps[-1])
     lr = cfg.optimizer.lr
     cosine = [1e-4 + (lr - 1e-4) * (1 + np.cos(np.pi * k / 3)) / 2 for k in (1, 2)]  # after the warm-up step
     np.testing.assert_allclose([r["lr"] for r in steps], [0.0, lr, *cosine], rtol=1e-6)
