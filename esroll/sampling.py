@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll.models import STACKED, KVCache, ModelConfig, Perturbation, forward, init_cache, unstack_layers
-from esroll.models.layers import fuse_matmuls
+from esroll.models.layers import fuse_matmuls, group_lowrank
 
 Array = jax.Array
 
@@ -87,18 +87,25 @@ def generate(
     phases: int = 4,
     row_offset: int | Array = 0,
     platform: str | None = None,
+    upcast: bool | None = None,
 ) -> Generation:
     """Sample up to `max_new_tokens` per row after left-padded prompts (`prompt_mask` False on pads).
 
     temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. A row finishes at its first token in
     `eos_ids`; the loop exits when all rows have. Rows whose prompt is all padding count as finished from the start.
-    The KV cache is kept in `cache_dtype` (default: the embedding's dtype).
+    The KV cache is kept in `cache_dtype` (default: the embedding's dtype, float32 when upcasting).
+
+    `upcast` decodes from a float32 copy of bfloat16 / float16 weights, made once per call: XLA's CPU dots in bfloat16
+    run at a fraction of their float32 rate at decode's row counts (31 against 190 GFLOP/s for 64 × 1024 × 3072 on the
+    2-core machine of the README's benchmarks), so on a CPU the copy pays for itself many times over. It costs the
+    weights' size again in memory. None (default) picks True on the CPU and False elsewhere. The tokens are those of
+    the weights as stored, computed at higher precision (so they can differ from bfloat16 compute by rounding).
 
     `fuse` chooses how the decode loop runs its matmuls: True prepares fused weights once per call
-    (`esroll.models.layers.fuse_matmuls`: projections that share an input side by side, small populations' low-rank
-    factors folded in), which pays on a CPU, where per-GEMM overhead dominates a decode step of a small model; False
-    runs every weight as it is stored, with per-row low-rank terms (no extra copies of the weights, the accelerator
-    path). None (default) picks True on the CPU and False elsewhere. Both give the same tokens up to float rounding.
+    (`esroll.models.layers.fuse_matmuls`: projections that share an input side by side), which pays on a CPU, where
+    per-GEMM overhead dominates a decode step of a small model; False runs every weight as it is stored (no extra
+    copies of the weights, the accelerator path). Either way low-rank perturbations are per-row terms. None (default)
+    picks True on the CPU and False elsewhere. Both give the same tokens up to float rounding.
 
     `layers` chooses how the layers run with the KV cache (`esroll.models.KVCache`): "unrolled" (per-layer cache
     buffers and a Python loop over the layers, unrolled into the prefill and into each decode phase; the fastest
@@ -145,6 +152,7 @@ def generate(
         phases=phases,
         row_offset=row_offset,
         platform=platform,
+        upcast=upcast,
     )
     return _generate(*args, **kwargs)
 
@@ -199,10 +207,14 @@ def _arguments(
     phases,
     row_offset,
     platform,
+    upcast,
 ) -> tuple[tuple, dict]:
     """`_generate`'s arguments (traced ones positional, static ones by keyword) from `generate`'s."""
     B, P = prompt_BxP.shape
-    fuse, layers = decode_settings(platform or jax.default_backend(), fuse, layers)
+    platform = platform or jax.default_backend()
+    fuse, layers = decode_settings(platform, fuse, layers)
+    upcast = platform == "cpu" if upcast is None else bool(upcast)
+    upcast = upcast and any(jnp.dtype(x.dtype) in _LOW_PRECISION for x in jax.tree.leaves(params))
     mesh, axis = _row_split(prompt_BxP)
     model_mesh = _model_split(prompt_BxP)
     if model_mesh is not None:  # GSPMD: `axis` is where the rows are (if anywhere), for the cache's constraints
@@ -229,8 +241,9 @@ def _arguments(
         "temperature": float(temperature),
         "top_p": float(top_p),
         "top_k": int(top_k),
-        "cache_dtype": jnp.dtype(cache_dtype or params["embed"].dtype),
+        "cache_dtype": jnp.dtype(cache_dtype or (jnp.float32 if upcast else params["embed"].dtype)),
         "fuse": fuse,
+        "upcast": upcast,
         "layers": layers,
         "phases": int(phases),
         "mesh": mesh,
@@ -238,6 +251,14 @@ def _arguments(
         "tensor_parallel": model_mesh is not None,
     }
     return args, kwargs
+
+
+_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _upcast(tree):
+    """bfloat16 / float16 leaves of `tree` in float32; others as they are."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype in _LOW_PRECISION else x, tree)
 
 
 def _traced(x, dtype):
@@ -277,6 +298,7 @@ _STATIC = (
     "top_k",
     "cache_dtype",
     "fuse",
+    "upcast",
     "layers",
     "phases",
     "mesh",
@@ -303,6 +325,7 @@ def _generate(
     top_k,
     cache_dtype,
     fuse,
+    upcast,
     layers,
     phases,
     mesh,
@@ -325,6 +348,7 @@ def _generate(
         top_k=top_k,
         cache_dtype=cache_dtype,
         fuse=fuse,
+        upcast=upcast,
         layers=layers,
         phases=phases,
         axis=None if tensor_parallel else axis,
@@ -382,6 +406,7 @@ def _decode(
     top_k,
     cache_dtype,
     fuse,
+    upcast,
     layers,
     phases,
     axis,
@@ -390,6 +415,8 @@ def _decode(
     """Prefill and decode loop over the rows at hand: all of them, or (under `shard_map` over `axis`) one device's
     share, which is the `axis_index`-th block of B rows. `constrain` (or None) places each new cache (GSPMD)."""
     B, P = prompt_BxP.shape
+    if upcast:  # each device its own float32 copy, made once per call (see `generate`)
+        params = _upcast(params)
     N = max_new_tokens
     constrain = constrain or (lambda cache: cache)
     # Global row indices, which key each row's sampling noise: the split hands device i rows [i·B, (i+1)·B) of the
@@ -400,12 +427,14 @@ def _decode(
         # Per-layer weights and factors, sliced (and fused) once here rather than in every decode step.
         deltas = {} if perturb is None else perturb.deltas
         layer_deltas = deltas.get(STACKED) or {}
-        per_layer = zip(unstack_layers(params[STACKED], cfg.num_layers), unstack_layers(layer_deltas, cfg.num_layers))
-        prepare = fuse_matmuls if fuse else lambda p, d: (p, d)
-        per_layer, layer_deltas = zip(*(prepare(p, d) for p, d in per_layer))
-        params, deltas = prepare({**params, STACKED: list(per_layer)}, {**deltas, STACKED: list(layer_deltas)})
-        if perturb is not None:
-            perturb = perturb._replace(deltas=deltas)
+        per_layer = unstack_layers(params[STACKED], cfg.num_layers)
+        params = {**params, STACKED: [fuse_matmuls(p) if fuse else p for p in per_layer]}
+        deltas = {**deltas, STACKED: list(unstack_layers(layer_deltas, cfg.num_layers))}
+        if perturb is not None:  # each row's factors gathered here once, not in every decode step
+            perturb = perturb._replace(deltas=deltas).per_row()
+            if fuse:
+                layers_d = [group_lowrank(d) for d in perturb.deltas[STACKED]]
+                perturb = perturb._replace(deltas={**perturb.deltas, STACKED: layers_d})
     cache = constrain(init_cache(cfg, B, P - 1, cache_dtype, stacked=stacked))
     # Prefill all but the last prompt token; its logits go unused, so XLA drops the [B, P, V] head. The last prompt
     # token is the first decode step's input (left padding makes it real in every non-empty row).

@@ -1,12 +1,15 @@
 """GRPO: the loss against a loop-by-loop reference, exact microbatch accumulation, ρ = 1 on the first update, KL = 0
 at the reference, FSDP on 8 devices == 1 device, exact resumption; the memory knobs (per-layer remat, chunked
-completion log-probabilities) leave loss and gradient unchanged, and masked padding rows leave the update unchanged."""
+completion log-probabilities) leave loss and gradient unchanged, and masked padding rows leave the update unchanged;
+STARE and ACPO, switched off by their config keys (STARE with its gate closed, ACPO on-policy), leave the step
+bit-identical to plain GRPO."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,15 +70,17 @@ def hand_built(seed=0):
     return logp_new, logp_old, logp_ref, advantage, mask
 
 
-def reference(logp_new, logp_old, logp_ref, advantage, mask, aggregation):
-    """Loss and d loss / d logp_new, token by token in float64, with the aggregation written out per mode."""
+def reference(logp_new, logp_old, logp_ref, advantage, mask, aggregation, eps_low=EPS_LOW, eps_high=EPS_HIGH):
+    """Loss and d loss / d logp_new, token by token in float64, with the aggregation written out per mode; the clip
+    range 1 − ε_low .. 1 + ε_high is a scalar or one per token ([B, N]: ACPO's)."""
     B, N = mask.shape
+    eps_low, eps_high = np.broadcast_to(eps_low, (B, N)), np.broadcast_to(eps_high, (B, N))
     loss_t, grad_t = np.zeros((B, N)), np.zeros((B, N))
     for i in range(B):
         a = advantage[i]
         for t in range(N):
             ratio = np.exp(logp_new[i, t] - logp_old[i, t])
-            clipped = min(max(ratio, 1 - EPS_LOW), 1 + EPS_HIGH)
+            clipped = min(max(ratio, 1 - eps_low[i, t]), 1 + eps_high[i, t])
             unclipped_active = ratio * a <= clipped * a
             d = logp_ref[i, t] - logp_new[i, t]
             loss_t[i, t] = -min(ratio * a, clipped * a) + BETA * (np.exp(d) - d - 1)
@@ -404,6 +409,7 @@ def test_stare_reweights_exactly_the_tokens_above_the_surprisal_quantile():
 
 
 def test_stare_off_and_progress_off_leave_the_loss_bit_identical():
+    """At the loss: α = 0 STARE weights and η = 0 change nothing (the config switch: test_stare_switch_in_the_step)."""
     from esroll.advantages import stare_token_weights
 
     logp_new, logp_old, logp_ref, advantage, mask = hand_built()
@@ -415,6 +421,44 @@ def test_stare_off_and_progress_off_leave_the_loss_bit_identical():
     progress_off = _grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, progress_coef=0.0, **args)[0]
     np.testing.assert_allclose(float(progress_off), float(plain), rtol=1e-6)  # eager against jitted: same value
     assert float(plain) == float(stare_off)
+
+
+def test_stare_switch_in_the_step():
+    """STARE through its config switch (`grpo.stare_quantile`, read by the GRPO step on the host): at 0, with every
+    other STARE knob changed, the step is plain GRPO's bit for bit (parameters, optimizer state, metrics; no gate
+    state, no STARE metric); on with its gate closed (as a run starts) it is too; with the gate open it reweights the
+    step's most surprising tokens and the update changes. The same completions throughout (sampling is keyed by
+    (seed, step)), one compiled update (`update_config` drops STARE's host-side knobs)."""
+    base = quick_config("grpo_quick")
+    train, held_out = make_splits(base.data)
+    mesh = parallel.make_mesh(1)
+    task, params = load_task(base, train, held_out, mesh)
+    examples = get_batch(train, base.train.prompts_per_step, base.data.seed, 0)
+
+    def step(open_gate: bool = False, **grpo):
+        cfg = dataclasses.replace(base, grpo=dataclasses.replace(base.grpo, **grpo))
+        method = make_grpo_method(cfg, task, mesh)
+        state = method.init(params, jax.random.key(0))
+        if open_gate:
+            state = state._replace(adv={**state.adv, "stare_open": jnp.ones((), jnp.float32)})
+        new_params, new_state, metrics, _ = method.step(params, state, examples, 0)
+        metrics.pop("prompt_reward")
+        metrics = {k: float(v) for k, v in metrics.items()}
+        return jax.device_get((new_params, new_state.opt_state)), new_state.adv, metrics
+
+    plain, plain_adv, plain_m = step()
+    assert plain_adv is None and 0 < plain_m["fitness_mean"] < 1 and plain_m["grad_norm"] > 0
+    off, off_adv, off_m = step(stare_alpha=1.0, stare_entropy_low=50.0, stare_entropy_high=60.0)
+    chex.assert_trees_all_equal(off, plain)
+    assert off_adv is None and off_m == plain_m
+    stare = dict(stare_quantile=0.5, stare_alpha=1.0)
+    closed, closed_adv, closed_m = step(**stare)
+    chex.assert_trees_all_equal(closed, plain)
+    assert closed_m == {**plain_m, "stare_open": 0.0} and "stare_open" in closed_adv
+    opened, _, opened_m = step(open_gate=True, **stare)
+    assert opened_m["stare_open"] == 1.0 and 0.3 < opened_m["stare_tokens"] < 0.7  # about half the tokens
+    assert opened_m["grad_norm"] != plain_m["grad_norm"]
+    assert not all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(opened[0]), jax.tree.leaves(plain[0])))
 
 
 def test_progress_advantage_adds_to_each_tokens_advantage():
@@ -466,11 +510,31 @@ def test_progress_by_position_buckets_hand_built_sums():
 
 
 def test_acpo_off_is_plain_grpo_and_on_clips_per_token():
+    """Off (no per-token bounds): the loss and gradient of the token-by-token float64 reference with the scalar
+    ε_low / ε_high. On: a different ε for each token against the same reference clipping each token at its own ε (a
+    loss that differs from the scalar one here); every token at one symmetric ε is the scalar loss bit for bit. (Off
+    and on through the config switch of the real update: test_acpo_switch_in_updates.)"""
     logp_new, logp_old, logp_ref, advantage, mask = hand_built()
     args = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA, aggregation="token_mean")
-    plain, _ = grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, **args)
-    same, _ = _grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, eps_BxN=None, **args)
-    assert float(plain) == float(same)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+
+    def loss_and_grad(**kw):
+        def loss_fn(new):
+            return _grpo_loss(new, f32(logp_old), f32(logp_ref), advantage, mask, **{**args, **kw})
+
+        (loss, _), grad = jax.value_and_grad(loss_fn, has_aux=True)(f32(logp_new))
+        return float(loss), np.asarray(grad)
+
+    off_loss, off_grad = loss_and_grad()
+    ref_loss, ref_grad = reference(logp_new, logp_old, logp_ref, advantage, mask, "token_mean")
+    np.testing.assert_allclose(off_loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(off_grad, ref_grad, rtol=1e-5, atol=1e-7)
+    eps = np.random.default_rng(5).choice([0.02, 0.1, 0.3, 0.7], mask.shape)
+    on_loss, on_grad = loss_and_grad(eps_BxN=f32(eps))
+    ref_loss, ref_grad = reference(logp_new, logp_old, logp_ref, advantage, mask, "token_mean", eps, eps)
+    np.testing.assert_allclose(on_loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(on_grad, ref_grad, rtol=1e-5, atol=1e-7)
+    assert abs(on_loss - off_loss) > 1e-3  # the per-token bounds clip other tokens than the scalar ones
     # with every token's ε equal to ε_low = ε_high, per-token bounds are the scalar ones
     sym = dict(args, eps_low=0.25, eps_high=0.25)
     scalar, _ = _grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, **sym)
@@ -511,3 +575,45 @@ def test_progress_advantage_and_acpo_in_updates(tiny):
     assert recombined == pytest.approx(float(second["progress_mean"]), rel=1e-5)
     eps = [float(second[f"acpo_eps_{k}"]) for k in range(4)]
     assert all(0.1 - 1e-6 <= e <= 0.4 + 1e-6 for e in eps) and max(eps) > 0.1 + 1e-3  # random π_old: ratios spread
+
+
+@pytest.mark.parametrize("tiny", ["untied"], indirect=True)
+def test_acpo_switch_in_updates(tiny):
+    """ACPO through its config switch (`grpo.acpo`) in the real update (β > 0): off, the acpo_* knobs are ignored (the
+    update of the defaults, bit for bit, on- and off-policy); on, on-policy (every ρ = 1) it is the plain update bit
+    for bit; off-policy (π_old a little off the policy, ratios within plain GRPO's ε = 0.2 but beyond ACPO's ≤ 0.05)
+    its bounds clip and the update changes."""
+    cfg, params = tiny
+    prompt, prompt_mask, completion, completion_mask = scored_rows(cfg.vocab_size, rows=6)
+    logp = jax.jit(lambda p: sequence_logprobs(cfg, p, prompt, prompt_mask, completion, completion_mask))(params)
+    rng = np.random.default_rng(6)
+    logp_old = np.where(completion_mask, np.asarray(logp) + rng.normal(0, 0.1, completion_mask.shape), 0.0)
+    advantage = rng.normal(size=6).astype(np.float32)
+    weight = np.asarray(token_weights(completion_mask, "seq_mean_token_mean"))
+    fields = (prompt, prompt_mask, completion, completion_mask, logp_old.astype(np.float32), advantage, weight)
+    batch = Rollouts(*(x.reshape(1, 6, *x.shape[1:]) for x in fields))
+    optim = OptimConfig(name="sgd", lr=0.1)
+    base = dict(group_size=2, beta=0.1, remat="none", logprob_chunk=0)
+    state = GRPOState(make_optimizer(optim).init(params), jax.tree.map(lambda x: x * 1.05, params))
+    knobs = dict(acpo_edges=(0.3,), acpo_scale=9.0, acpo_min=0.01, acpo_max=0.05)
+
+    def run(on_policy: bool, **grpo):
+        update = make_update(cfg, GRPOConfig(**base, **grpo), optim, parallel.make_mesh(1))
+        new, _, metrics = jax.device_get(update(params, state, batch, jnp.asarray(on_policy)))
+        return new, {k: float(v) for k, v in metrics.items()}
+
+    for on_policy in (True, False):
+        plain, plain_m = run(on_policy)
+        ignored, ignored_m = run(on_policy, **knobs)  # acpo=False: the knobs do nothing
+        chex.assert_trees_all_equal(ignored, plain)
+        assert ignored_m == plain_m and not any(k.startswith("acpo_eps_") for k in plain_m)
+        acpo, acpo_m = run(on_policy, acpo=True, **knobs)
+        assert set(acpo_m) == set(plain_m) | {"acpo_eps_0", "acpo_eps_1"}
+        if on_policy:
+            chex.assert_trees_all_equal(acpo, plain)
+            assert {k: acpo_m[k] for k in plain_m} == plain_m
+            assert acpo_m["acpo_eps_0"] == acpo_m["acpo_eps_1"] == pytest.approx(0.01)
+        else:
+            assert plain_m["clip_fraction"] < 0.05 < acpo_m["clip_fraction"]
+            assert abs(acpo_m["loss"] - plain_m["loss"]) > 1e-4
+            assert not all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(acpo), jax.tree.leaves(plain)))

@@ -240,12 +240,12 @@ def test_sharded_checkpoint(tmp_path):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), params, ref)
 
 
-@pytest.mark.parametrize("max_extra", [0.0, float("inf")], ids=["fused-gathered", "fused-folded"])
-def test_fused_matmuls_equal_explicit(tiny_model, max_extra):
-    """The decode-time weight preparation (fused projections, low-rank factors folded into them or gathered per row)
-    gives each row its member's explicitly built weights, in a cached forward as `generate` runs it."""
+def test_fused_matmuls_equal_explicit(tiny_model):
+    """The decode-time weight preparation (fused projections, each weight's low-rank term added to its share), with the
+    factors gathered per member or per row up front, gives each row its member's explicitly built weights (a
+    perturbed norm scale included), in a cached forward as `generate` runs it."""
     from esroll.models import unstack_layers
-    from esroll.models.layers import Folded, fuse_matmuls
+    from esroll.models.layers import fuse_matmuls
 
     _, folder, _ = tiny_model
     cfg, params = load_hf(folder)
@@ -258,17 +258,14 @@ def test_fused_matmuls_equal_explicit(tiny_model, max_extra):
     deltas = {"layers": {n: lowrank((w.shape[0],), *w.shape[1:]) for n, w in params["layers"].items() if w.ndim == 3}}
     if "lm_head" in params:
         deltas["lm_head"] = lowrank((), *params["lm_head"].shape)
-    pairs = [
-        fuse_matmuls(p, d, max_extra=max_extra)
-        for p, d in zip(
-            unstack_layers(params["layers"], cfg.num_layers), unstack_layers(deltas["layers"], cfg.num_layers)
-        )
-    ]
-    fused, fused_deltas = fuse_matmuls(
-        {**params, "layers": [p for p, _ in pairs]}, {**deltas, "layers": [d for _, d in pairs]}, max_extra=max_extra
-    )
-    folded = [k for d in fused_deltas["layers"] for k, v in d.items() if isinstance(v, Folded)]
-    assert bool(folded) == (max_extra > 0) and any(k.startswith("fused:") for k in fused["layers"][0])
+    norm = params["layers"]["attn_norm"]  # a perturbed vector leaf too: [L, M, D]
+    deltas["layers"]["attn_norm"] = 0.1 * jax.random.normal(next(keys), (norm.shape[0], 3, norm.shape[1]))
+    fused = {
+        **params,
+        "layers": [fuse_matmuls(p) for p in unstack_layers(params["layers"], cfg.num_layers)],
+    }
+    fused_deltas = {**deltas, "layers": list(unstack_layers(deltas["layers"], cfg.num_layers))}
+    assert {k for k in fused["layers"][0] if k.startswith("fused:")} == {"fused:q+k+v", "fused:gate+up"}
 
     cache = init_cache(cfg, batch=3, max_len=tokens.shape[1])
     ours, _ = forward(
@@ -279,9 +276,22 @@ def test_fused_matmuls_equal_explicit(tiny_model, max_extra):
         cache=cache,
         perturb=Perturbation(fused_deltas, member),
     )
+    # the same with every row's factors gathered once up front, as `generate` does before its decode loop
+    per_row, _ = forward(
+        cfg,
+        fused,
+        jnp.asarray(tokens),
+        mask_BxT=jnp.asarray(mask),
+        cache=init_cache(cfg, batch=3, max_len=tokens.shape[1]),
+        perturb=Perturbation(fused_deltas, member).per_row(),
+    )
+    np.testing.assert_allclose(np.asarray(per_row), np.asarray(ours), rtol=1e-6, atol=1e-6)
     for m in range(3):
         explicit = {**params, "layers": dict(params["layers"])}
         for name, d in deltas["layers"].items():
+            if name == "attn_norm":
+                explicit["layers"][name] = params["layers"][name] + d[:, m]
+                continue
             explicit["layers"][name] = params["layers"][name] + jnp.einsum("lir,lor->lio", d.a[:, m], d.b[:, m])
         if "lm_head" in deltas:
             explicit["lm_head"] = params["lm_head"] + deltas["lm_head"].a[m] @ deltas["lm_head"].b[m].T

@@ -431,3 +431,27 @@ def test_model_axis_generation_equals_one_device(qwen3, model_axis_case, model, 
     np.testing.assert_array_equal(np.asarray(many.tokens), np.asarray(one.tokens))
     np.testing.assert_array_equal(np.asarray(many.lengths), np.asarray(one.lengths))
     np.testing.assert_allclose(np.asarray(many.logprobs), np.asarray(one.logprobs), atol=1e-4)
+
+
+def test_upcast_decodes_low_precision_weights_in_float32(qwen3):
+    """On a CPU, bfloat16 weights decode from a float32 copy by default (`upcast`): the same tokens and
+    log-probabilities, bit for bit, as generating from the float32 cast of those weights, perturbed rows included, and
+    not those of bfloat16 compute (upcast=False). An ahead-of-time lowering for a TPU keeps the weights as stored."""
+    cfg, params = qwen3
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    widened = jax.tree.map(lambda x: x.astype(jnp.float32), bf16)
+    tokens, mask = prompts(cfg.vocab_size, seed=3)
+    perturb = Perturbation(rank1_deltas(params, 3, seed=4), jnp.array([2, 0, 1, 2]))
+    kw = dict(max_new_tokens=N_NEW, prompt_mask=mask, perturb=perturb, **NUCLEUS)
+    ours = generate(cfg, bf16, tokens, jax.random.key(1), **kw)
+    ref = generate(cfg, widened, tokens, jax.random.key(1), **kw)
+    np.testing.assert_array_equal(np.asarray(ours.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(ours.logprobs), np.asarray(ref.logprobs))
+    low = generate(cfg, bf16, tokens, jax.random.key(1), upcast=False, **kw)
+    assert not np.array_equal(np.asarray(low.logprobs), np.asarray(ref.logprobs))
+    hlo = lower_generate(cfg, bf16, tokens, jax.random.key(1), platform="tpu", **kw).as_text()
+    cpu = lower_generate(cfg, bf16, tokens, jax.random.key(1), **kw).as_text()
+    # the float32 cache (and so float32 keys) is there on the CPU only
+    cache = f"tensor<4x{cfg.num_kv_heads}x{cfg.head_dim}x"
+    assert any(cache in line and "xf32>" in line.split(cache, 1)[1][:12] for line in cpu.splitlines())
+    assert not any(cache in line and "xf32>" in line.split(cache, 1)[1][:12] for line in hlo.splitlines())

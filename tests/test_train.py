@@ -173,6 +173,27 @@ def test_config_errors(tmp_path):
         from_config_dict(cd.to_dict())
 
 
+@pytest.mark.parametrize("method", ["looroll", "eggroll"])
+def test_es_refuses_the_token_level_grpo_options(method):
+    """STARE, ACPO and the progress advantage need per-token log-probabilities: an ES config that turns one on is
+    refused with one line naming the option; their other knobs (inert while off) are accepted, and GRPO takes all."""
+    for key, value in (("stare_quantile", 0.5), ("acpo", True), ("progress_coef", 0.1)):
+        cd = get_config("quick")
+        cd.method = method
+        cd.grpo[key] = value
+        expected = rf"^config: invalid value for 'method': '{method}' \(expected grpo for "
+        with pytest.raises(InputError, match=expected) as e:
+            from_config_dict(cd.to_dict())
+        message = str(e.value)
+        assert "\n" not in message and f"grpo.{key}" in message, message
+        cd.method = "grpo"
+        assert getattr(from_config_dict(cd.to_dict()).grpo, key) == value
+    cd = get_config("quick")
+    cd.method = method
+    cd.grpo.update(stare_alpha=1.0, stare_entropy_low=0.1, acpo_min=0.05, acpo_scale=3.0)
+    assert from_config_dict(cd.to_dict()).method == method
+
+
 def test_failed_start_leaves_nothing_then_runs_and_a_finished_run_is_left_alone(tmp_path):
     """A run that cannot start (no model folder) writes nothing; the corrected command then trains in the same
     workdir; rerunning the finished run reports it complete and changes no file."""

@@ -35,7 +35,14 @@ class Perturbation(NamedTuple):
     """
 
     deltas: dict[str, Any]
-    member_B: Array  # [B] int32: row -> population member
+    member_B: Array | None  # [B] int32: row -> population member; None: `deltas` are already per row (leading B)
+
+    def per_row(self) -> Perturbation:
+        """The same perturbation with every row's factors gathered once (leading axis B instead of M): a decode loop
+        that runs many steps over the same rows then does no gather per step."""
+        if self.member_B is None:
+            return self
+        return Perturbation(jax.tree.map(lambda x: x[self.member_B], self.deltas), None)
 
 
 def linear(x_BxTxI: Array, w_IxO: Array, delta: LowRank | None = None, member_B: Array | None = None) -> Array:
@@ -49,96 +56,83 @@ def linear(x_BxTxI: Array, w_IxO: Array, delta: LowRank | None = None, member_B:
 
 
 def lowrank_term(x_BxTxI: Array, delta: LowRank, member_B: Array) -> Array:
-    """(x·a)·bᵀ with each row's member's factors: the perturbation's share of x·(W + a·bᵀ)."""
-    a_BxIxR = delta.a[member_B].astype(x_BxTxI.dtype)
-    b_BxOxR = delta.b[member_B].astype(x_BxTxI.dtype)
+    """(x·a)·bᵀ with each row's member's factors (`member_B` None: factors already per row): the perturbation's share
+    of x·(W + a·bᵀ)."""
+    a_BxIxR = (delta.a if member_B is None else delta.a[member_B]).astype(x_BxTxI.dtype)
+    b_BxOxR = (delta.b if member_B is None else delta.b[member_B]).astype(x_BxTxI.dtype)
     xa_BxTxR = jnp.einsum("bti,bir->btr", x_BxTxI, a_BxIxR)
     return jnp.einsum("btr,bor->bto", xa_BxTxR, b_BxOxR)
 
 
-class Folded(NamedTuple):
-    """A group's low-rank factors as `fuse_matmuls` folds them (see `linears`)."""
-
-    a: Array  # [I, n·M·R] for a group of n weights: every member's `a` factors, columns [weight][member][rank]
-    members: int  # M
-
-
 def linears(x_BxTxI: Array, p: dict, d: dict, names: tuple[str, ...], member_B: Array | None) -> list[Array]:
-    """`linear` for the weights `names` that read the same input, as one GEMM when `fuse_matmuls` prepared them.
-
-    Prepared, p[fused_key(names)] holds [W₁ | … | W_n] side by side. With folded perturbations it holds
-    [W₁ | … | W_G ; blockdiag(b)ᵀ] (the `b` factors of every member stacked under the weights), and the input is
-    extended by x·a for all members at once (one thin GEMM), zeroed outside each row's own member: one GEMM then gives
-    every row x·W + (x·aᵢ)·bᵢᵀ. Unprepared groups, and unfolded factors, go through `linear`.
-    """
+    """`linear` for the weights `names` that read the same input, as one GEMM when `fuse_matmuls` prepared them:
+    p[fused_key(names)] then holds [W₁ | … | W_n] side by side, and each weight's low-rank term (if any) is added to
+    its share of the output. Unprepared groups go through `linear` one weight at a time."""
     fused = fused_key(names)
     if fused not in p:
         return [linear(x_BxTxI, p[n], d.get(n), member_B) for n in names]
     widths = [p[n].shape[-1] for n in names]
-    folded = d.get(fused)
-    if folded is None:
-        y = jnp.einsum("bti,io->bto", x_BxTxI, p[fused])
-    else:
-        xa = jnp.einsum("bti,ic->btc", x_BxTxI, folded.a.astype(x_BxTxI.dtype))  # [B, T, n·M·R], as folded.a
-        onehot_BxM = (member_B[:, None] == jnp.arange(folded.members)).astype(x_BxTxI.dtype)
-        rank = xa.shape[-1] // folded.members // len(names)  # the columns are ordered [weight][member][rank]
-        own = jnp.tile(jnp.repeat(onehot_BxM, rank, axis=-1), (1, len(names)))  # [B, n·M·R]: the row's member's
-        # [x | own x·a] · [W ; blockdiag(bᵀ)] = x·W + (x·aᵢ)·bᵢᵀ in one GEMM
-        y = jnp.einsum("bti,io->bto", jnp.concatenate([x_BxTxI, xa * own[:, None]], -1), p[fused])
+    y = jnp.einsum("bti,io->bto", x_BxTxI, p[fused])
+    grouped = d.get(fused)
+    if grouped is not None:  # every weight's term at once: (x·[a₁ … a_n]) · blockdiag(b₁ᵀ … b_nᵀ)
+        xa_BxTxC = jnp.einsum("bti,bic->btc", x_BxTxI, grouped.a.astype(x_BxTxI.dtype))
+        y = y + jnp.einsum("btc,bco->bto", xa_BxTxC, grouped.b.astype(x_BxTxI.dtype))
     outs = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
-    gathered = folded is None  # unfolded factors go through `lowrank_term`
-    return [
-        o + lowrank_term(x_BxTxI, d[n], member_B) if gathered and d.get(n) is not None else o
-        for o, n in zip(outs, names)
-    ]
+    if grouped is not None:
+        return outs
+    return [o if d.get(n) is None else o + lowrank_term(x_BxTxI, d[n], member_B) for o, n in zip(outs, names)]
 
 
-FUSED = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",), ("lm_head",))
+FUSED = (("q", "k", "v"), ("gate", "up"))  # the projections that read the same input
 
 
 def fused_key(names: tuple[str, ...]) -> str:
     return "fused:" + "+".join(names)
 
 
-def fuse_matmuls(p: dict, d: dict, *, max_extra: float = 0.3) -> tuple[dict, dict]:
-    """Weights (and low-rank perturbations) of one layer, or of the top level, prepared for `linears`.
+def fuse_matmuls(p: dict) -> dict:
+    """One layer's weights prepared for `linears`: projections that share an input (q, k, v; gate, up) also stored
+    side by side, so a decode step runs one GEMM where it ran several (low-rank terms stay per weight). The prepared
+    copies take memory beside the originals, so `generate` builds them only on a CPU (where per-GEMM overhead
+    dominates a decode step of a small model), once per call, outside the decode loop.
 
-    Projections that share an input (q, k, v; gate, up) are stored side by side, so a decode step runs one GEMM
-    where it ran several. A group whose weights all carry `LowRank` factors of one shape [M, I, R] has them folded
-    in (see `linears`) when that adds at most `max_extra` to the group's FLOPs, n·M·R·(1/ΣO + 1/I) for n weights
-    of total width ΣO: a small population per device. Otherwise the factors stay per weight and `linear` gathers
-    each row's. The prepared copies take memory beside the originals, so `generate` builds them only on a CPU (where
-    per-GEMM overhead dominates a decode step of a small model), once per call, outside the decode loop.
+    (An earlier version also folded small populations' factors into the fused GEMM, [x | x·a] · [W ; blockdiag(bᵀ)].
+    In interleaved runs of `es_generate_vs_plain` it was slower than the per-row terms: 0.81-0.84 of plain generation
+    against 0.86-0.90 without it at hidden 256, 0.94 and 0.96 against 0.96-0.97 at hidden 1024; so it was removed.)
     """
-    p, d = dict(p), dict(d)
+    p = dict(p)
     for names in FUSED:
-        if not all(n in p and p[n].ndim == 2 for n in names):
-            continue
+        if all(n in p and p[n].ndim == 2 for n in names):
+            p[fused_key(names)] = jnp.concatenate([p[n] for n in names], axis=-1)
+    return p
+
+
+class GroupedLowRank(NamedTuple):
+    """The per-row factors of a fused group of n weights (see `group_lowrank`)."""
+
+    a: Array  # [B, I, n·R]: [a₁ … a_n] side by side
+    b: Array  # [B, n·R, ΣO]: blockdiag(b₁ᵀ … b_nᵀ)
+
+
+def group_lowrank(d: dict) -> dict:
+    """One layer's per-row factors (`Perturbation.per_row`) prepared for `linears` on `fuse_matmuls` weights: the
+    factors of a fused group whose weights are all perturbed also stored as one `GroupedLowRank`, so a decode step
+    adds the whole group's low-rank terms with two thin batched matmuls instead of two per weight."""
+    d = dict(d)
+    for names in FUSED:
         deltas = [d.get(n) for n in names]
-        weights = [p[n] for n in names]
-        fold = all(isinstance(x, LowRank) for x in deltas) and len({x.a.shape for x in deltas}) == 1
-        if fold:  # extra FLOPs of the fold, relative to the group's own: n·M·R·(1/ΣO + 1/I)
-            M, I, R = deltas[0].a.shape
-            fold = len(names) * M * R * (1 / sum(w.shape[1] for w in weights) + 1 / I) <= max_extra
-        if not fold and len(names) == 1:
-            continue  # nothing to gain from a group of one
-        key = fused_key(names)
-        if fold:
-            a = [x.a.transpose(1, 0, 2).reshape(x.a.shape[1], -1).astype(w.dtype) for x, w in zip(deltas, weights)]
-            blocks = [x.b.transpose(0, 2, 1).reshape(-1, x.b.shape[1]) for x in deltas]  # [M·R, O] each
-            bd = jax.scipy.linalg.block_diag(*blocks).astype(weights[0].dtype)
-            d[key] = Folded(jnp.concatenate(a, axis=-1), deltas[0].a.shape[0])
-            p[key] = jnp.concatenate([jnp.concatenate(weights, axis=-1), bd], axis=0)
-        else:
-            p[key] = jnp.concatenate(weights, axis=-1)
-    return p, d
+        if all(isinstance(x, LowRank) for x in deltas):
+            a = jnp.concatenate([x.a for x in deltas], axis=-1)
+            b = jax.vmap(jax.scipy.linalg.block_diag)(*[x.b.transpose(0, 2, 1) for x in deltas])
+            d[fused_key(names)] = GroupedLowRank(a, b)
+    return d
 
 
 def row_vector(v: Array, delta: Array | None, member_B: Array | None) -> Array:
     """A vector leaf [n] (norm scale, bias) as seen by each row: [1, 1, n] unperturbed, [B, 1, n] perturbed."""
     if delta is None:
         return v[None, None]
-    return (v[None] + delta[member_B].astype(v.dtype))[:, None]
+    return (v[None] + (delta if member_B is None else delta[member_B]).astype(v.dtype))[:, None]
 
 
 def rms_norm(x: Array, w: Array, eps: float) -> Array:
