@@ -79,6 +79,12 @@ def roofline(cfg, rows: int, prompt: int, stream_bytes: int, square: int = 4096)
     W, x = w[: side * side].reshape(side, side), jnp.ones((8, side), jnp.bfloat16)
     by_matmul = 2 * side * side / _best_seconds(functools.partial(matmul, x, W), 3)
     del w, W
+    # Context, not part of the bound: how fast XLA's own elementwise loops stream on this machine (an Adam-like
+    # axpy over float32 arrays of the same total size: two reads, one write).
+    u, v = jnp.ones((n // 4,), jnp.float32), jnp.ones((n // 4,), jnp.float32)
+    axpy = jax.jit(lambda u, v: 0.9 * u + 0.1 * v)
+    by_axpy = 3 * 4 * (n // 4) / _best_seconds(functools.partial(axpy, u, v), 3)
+    del u, v
     best = max(flops, key=flops.get)
     return {
         "peak_flops": flops[best],
@@ -86,6 +92,7 @@ def roofline(cfg, rows: int, prompt: int, stream_bytes: int, square: int = 4096)
         "bandwidth": max(by_sum, by_matmul),
         "bandwidth_sum": by_sum,
         "bandwidth_skinny_matmul": by_matmul,
+        "bandwidth_xla_axpy": by_axpy,
         "matmul_flops": flops,
     }
 
@@ -298,6 +305,7 @@ def realshape_step(args) -> dict:
         "bandwidth_gbs": line["bandwidth"] / 1e9,
         "bandwidth_sum_gbs": line["bandwidth_sum"] / 1e9,
         "bandwidth_skinny_matmul_gbs": line["bandwidth_skinny_matmul"] / 1e9,
+        "xla_axpy_gbs": line["bandwidth_xla_axpy"] / 1e9,
         "matmul_gflops": {k: v / 1e9 for k, v in line["matmul_flops"].items()},
         "backend": jax.default_backend(),
         "timing": "prefill: the fastest of the interleaved rounds of generate(1 token); decode: the fastest "
