@@ -96,11 +96,11 @@ def generate(
     The KV cache is kept in `cache_dtype` (default: the embedding's dtype, float32 when upcasting).
 
     `upcast` decodes from a float32 copy of bfloat16 / float16 weights, made once per call: XLA's CPU dots in bfloat16
-    run at a fraction of their float32 rate at decode's row counts (31–106 against 170–190 GFLOP/s for
-    64 × 1024 × 3072 on the 2-core machine of the README's benchmarks), so on a CPU the copy pays for itself (64 rows at
-    Qwen3-0.6B shapes: 63 decode steps in 46-76 s instead of 90-103 s). It costs the weights' size again in memory. None (default) picks True on the
-    CPU and False elsewhere. The tokens are those of the weights as stored, computed at higher precision (so they can
-    differ from bfloat16 compute by rounding).
+    run below their float32 rate at decode's row counts (`realshape_step`'s roofline, 64 × 1024 × 3072: 76–133 against
+    107–216 GFLOP/s in three runs), so on a CPU the copy pays for itself (64 rows at Qwen3-0.6B shapes: 63 decode
+    steps in 46–76 s instead of 90–103 s). It costs the weights' size again in memory. None (default) picks True on
+    the CPU and False elsewhere. The tokens are those of the weights as stored, computed at higher precision (so they
+    can differ from bfloat16 compute by rounding).
 
     `fuse` chooses how the decode loop runs its matmuls: True prepares fused weights once per call
     (`esroll.models.layers.fuse_matmuls`: projections that share an input side by side), which pays on a CPU, where
@@ -215,7 +215,7 @@ def _arguments(
     platform = platform or jax.default_backend()
     fuse, layers = decode_settings(platform, fuse, layers)
     upcast = platform == "cpu" if upcast is None else bool(upcast)
-    upcast = upcast and any(jnp.dtype(x.dtype) in _LOW_PRECISION for x in jax.tree.leaves(params))
+    upcast = upcast and any(_low_precision(x) for x in jax.tree.leaves(params))
     mesh, axis = _row_split(prompt_BxP)
     model_mesh = _model_split(prompt_BxP)
     if model_mesh is not None:  # GSPMD: `axis` is where the rows are (if anywhere), for the cache's constraints
@@ -254,12 +254,13 @@ def _arguments(
     return args, kwargs
 
 
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+def _low_precision(x) -> bool:
+    return jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _upcast(tree):
     """bfloat16 / float16 leaves of `tree` in float32; others as they are."""
-    return jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype in _LOW_PRECISION else x, tree)
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if _low_precision(x) else x, tree)
 
 
 def _traced(x, dtype):
