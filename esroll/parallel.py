@@ -73,6 +73,14 @@ def use_cpu_cores_as_devices(model_params: int = 0) -> int:
     return jax.config.jax_num_cpu_devices
 
 
+def trainer_device_count(model_params: int) -> int:
+    """The devices the trainers run a model of `model_params` parameters on in this process: on a CPU host one for a
+    model over SMALL_MODEL_PARAMS (its entry script kept one device, `use_cpu_cores_as_devices`), else all of them."""
+    if jax.default_backend() == "cpu" and model_params > SMALL_MODEL_PARAMS:
+        return 1
+    return jax.device_count()
+
+
 def make_mesh(num_devices: int = 0, model: int = 1, devices=None) -> Mesh:
     """A ("data", "model") mesh over all devices (or the first `num_devices`; or `devices`, e.g. a deviceless TPU
     topology's), `model` devices along the model axis. Devices are laid out so that a model-axis group is

@@ -22,6 +22,7 @@ import jax
 
 import experiments.benchmarks as benchmarks_pkg
 from esroll import parallel
+from experiments._entry import huge_page_malloc
 
 
 def registry() -> dict:
@@ -34,6 +35,8 @@ def registry() -> dict:
 
 
 def main(argv=None) -> dict:
+    if argv is None:  # run as a script: as the entry scripts run, with huge pages for XLA's buffers
+        huge_page_malloc()
     reg = registry()
     parser = argparse.ArgumentParser(
         description=__doc__,
@@ -46,7 +49,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", default="", help="a named real-model shape with random weights, e.g. qwen3-0.6b")
     parser.add_argument("--dtype", default="float32", help="parameter dtype of the benchmark models")
     parser.add_argument(
-        "--grpo_remat", default="", help="esroll's grpo.remat in the GRPO benchmarks (default: the config's, 'full')"
+        "--grpo_remat",
+        default="",
+        help="esroll's grpo.remat in the peer GRPO benchmarks (default 'none', as the peers run; TRL is told to match)",
     )
     args = parser.parse_args(argv)
     parallel.use_cpu_cores_as_devices()  # generate_vs_hf splits rows over one device per core, as the trainers do

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from configs.default import get_config
-from esroll import sharding
+from esroll import parallel, sharding
 from esroll.config import ExperimentConfig, from_config_dict
 from esroll.data import Example
 from esroll.grpo import make_grpo_method
@@ -97,15 +97,15 @@ GRPO_SIZES = {"quick": (2, 4, 8, 16, 1, 2), "full": (8, 8, 64, 32, 2, 8)}
 
 
 def grpo_config(folder: str, prompts: int, group: int, new_tokens: int, remat: str = "") -> ExperimentConfig:
-    """`configs/default.py:grpo` (its AdamW, ε, temperature 1, per-layer remat unless `remat` says otherwise, chunked
-    log-probabilities) at this batch, with μ = 1, β = 0, one minibatch and one microbatch: the settings the peers are
-    run with."""
+    """`configs/default.py:grpo` (its AdamW, ε, temperature 1, chunked log-probabilities) at this batch, with μ = 1,
+    β = 0, one minibatch and one microbatch: the settings the peers are run with. `remat` is the policy's
+    rematerialisation, "none" unless given: Tunix's learner does not rematerialise (and has no switch for it), and
+    TRL is told to match (`gradient_checkpointing` is on exactly when `remat` is not "none")."""
     cd = get_config("grpo")
     cd.model.path = str(folder)
     cd.train.prompts_per_step, cd.train.max_new_tokens = prompts, new_tokens
     cd.grpo.update(group_size=group, beta=0.0, inner_iterations=1, minibatches=1, microbatches=1, temperature=1.0)
-    if remat:
-        cd.grpo.remat = remat
+    cd.grpo.remat = remat or "none"
     return from_config_dict(cd.to_dict())
 
 
@@ -126,7 +126,19 @@ def grpo_stepper(cfg: ExperimentConfig, model_cfg, params, batches: list[list[st
     return run
 
 
-def grpo_context(name: str, cfg: ExperimentConfig, prompt_len: int, warmup: int, timed: int, mesh) -> dict:
+def esroll_meshes(params) -> dict:
+    """esroll's layouts in a peer benchmark: "ours", the devices its trainers run this model on
+    (`parallel.trainer_device_count`: one CPU device at the mid shape, one per core for small models), which gives the
+    named figure; and the other layout as context, "ours_split" (rows over every device) or "ours_1device", when the
+    host has more than one device."""
+    n = parallel.trainer_device_count(sum(x.size for x in jax.tree.leaves(params)))
+    meshes = {"ours": parallel.make_mesh(n)}
+    if jax.device_count() > 1:
+        meshes["ours_split" if n == 1 else "ours_1device"] = parallel.make_mesh(jax.device_count() if n == 1 else 1)
+    return meshes
+
+
+def grpo_context(name: str, cfg: ExperimentConfig, prompt_len: int, warmup: int, timed: int, meshes: dict) -> dict:
     """The settings a GRPO benchmark's JSON entry records beside its figures."""
     return {
         "shape": name,
@@ -136,6 +148,6 @@ def grpo_context(name: str, cfg: ExperimentConfig, prompt_len: int, warmup: int,
         "prompt_len": prompt_len,
         "timed_steps": timed,
         "warmup_steps": warmup,
-        "esroll_devices": mesh.size,
+        **{f"esroll_devices{side[4:]}": m.size for side, m in meshes.items()},
         "grpo_remat": cfg.grpo.remat,
     }

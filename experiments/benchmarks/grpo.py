@@ -4,8 +4,9 @@ A step is everything: sampling G completions per prompt, rewards, advantages and
 figure is completion tokens per second of esroll over TRL. The model is a random Qwen3 of the "mid" shape (hidden
 1024; "quick" under --quick; --model picks another) with the `_idtask` prompts and reward, so that every completion
 has exactly the configured number of tokens on both sides (`_idtask.GRPO_SIZES`: 8 prompts × 8 completions, 64 new
-tokens). All run in this process: after each TRL step (from a TRL callback), one esroll step with one device per
-core (as the trainers run) and one on a single device, so that all see the same machine load. TRL's steps alternate
+tokens). All run in this process: after each TRL step (from a TRL callback), one esroll step on the devices its
+trainers use for this model (`parallel.trainer_device_count`: one CPU device at the mid shape) and one in the other
+layout, so that all see the same machine load. TRL's steps alternate
 between one intra-op thread per core and a single thread (on a shared machine its multi-threaded kernels can
 stall), and its faster setting counts. Figures are medians over the timed steps. TRL is optional (the `bench`
 extra); without it the figure is None, with the reason.
@@ -18,8 +19,6 @@ import statistics
 import tempfile
 import time
 
-
-from esroll import parallel
 from experiments.benchmarks import _idtask
 from experiments.benchmarks._shapes import shape_name
 
@@ -49,6 +48,7 @@ def trl_config(cfg, folder: str, steps: int):
         warmup_steps=0,
         weight_decay=cfg.optimizer.weight_decay,
         max_grad_norm=cfg.optimizer.max_grad_norm,
+        gradient_checkpointing=cfg.grpo.remat != "none",  # per decoder layer, as esroll's "full"
         beta=cfg.grpo.beta,
         epsilon=cfg.grpo.epsilon_low,
         epsilon_high=cfg.grpo.epsilon_high,
@@ -126,16 +126,16 @@ def grpo_step_vs_trl(args) -> dict:
         model_cfg, params = _idtask.save_model(folder, name)
         cfg = _idtask.grpo_config(folder, X, G, n, args.grpo_remat)
         batches = [_idtask.prompts(model_cfg.vocab_size, X, prompt_len, seed=i) for i in range(steps)]
-        mesh = parallel.make_mesh()  # esroll as its trainers run: one device per core; and on one device
+        meshes = _idtask.esroll_meshes(params)  # as esroll's trainers run this model, and the other layout
         steppers = {
-            "ours": _idtask.grpo_stepper(cfg, model_cfg, params, batches, prompt_len, mesh),
-            "ours_1device": _idtask.grpo_stepper(cfg, model_cfg, params, batches, prompt_len, parallel.make_mesh(1)),
+            side: _idtask.grpo_stepper(cfg, model_cfg, params, batches, prompt_len, m) for side, m in meshes.items()
         }
         log = _trl_interleaved(cfg, folder, batches, steps, steppers)
     timed_steps = range(warmup, steps)
-    ours_tps, ours_1device = (
-        statistics.median(log[f"{side}_tokens"][i] / log[f"{side}_s"][i] for i in timed_steps) for side in steppers
-    )
+    ours = {
+        side: statistics.median(log[f"{side}_tokens"][i] / log[f"{side}_s"][i] for i in timed_steps)
+        for side in steppers
+    }
     trl_tps = {
         threads: statistics.median(
             log["trl_tokens"][i] / log["trl_s"][i] for i in timed_steps if log["trl_threads"][i] == threads
@@ -144,22 +144,20 @@ def grpo_step_vs_trl(args) -> dict:
     }
     best = max(trl_tps.values())
     return {
-        "grpo_step_vs_trl": ours_tps / best,
-        "grpo_step_vs_trl_1device": ours_1device / best,
-        "esroll_tokens_per_s": ours_tps,
-        "esroll_tokens_per_s_1device": ours_1device,
+        **{f"grpo_step_vs_trl{side[4:]}": v / best for side, v in ours.items()},
+        **{f"esroll_tokens_per_s{side[4:]}": v for side, v in ours.items()},
         "trl_tokens_per_s": best,
         **{f"trl_tokens_per_s_{t}threads": v for t, v in trl_tps.items()},
-        "esroll_step_s": [log["ours_s"][i] for i in timed_steps],
-        "esroll_step_s_1device": [log["ours_1device_s"][i] for i in timed_steps],
+        **{f"esroll_step_s{side[4:]}": [log[f"{side}_s"][i] for i in timed_steps] for side in steppers},
         "trl_step_s": [log["trl_s"][i] for i in timed_steps],
         "completion_tokens_per_step": log["ours_tokens"][warmup],
         "trl_completion_tokens_per_step": log["trl_tokens"][warmup],
-        **_idtask.grpo_context(name, cfg, prompt_len, warmup, timed, mesh),
+        **_idtask.grpo_context(name, cfg, prompt_len, warmup, timed, meshes),
         "trl_version": trl.__version__,
         "torch_version": torch.__version__,
-        "unmatched": "esroll rematerialises each layer in the backward pass unless --grpo_remat=none (its default); "
-        "TRL does not",
+        "unmatched": "esroll on the devices its trainers use for this model (the _split / _1device figures: the other "
+        "layout), TRL in one process at its faster thread count; remat: matched (TRL's gradient checkpointing follows "
+        "--grpo_remat, off by default)",
         "timing": "median completion tokens/s over timed steps, one esroll step on each mesh after each TRL step",
     }
 

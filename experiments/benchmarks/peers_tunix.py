@@ -15,6 +15,7 @@ without it the figures are None, with the reason.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import statistics
@@ -103,8 +104,11 @@ def generate_vs_tunix(args) -> dict:
     texts = _idtask.prompts(cfg.vocab_size, batch, prompt_len)
     tokens = np.array([[int(w) for w in t.split()] for t in texts], np.int32)
     mask = np.ones_like(tokens, bool)
-    mesh = parallel.make_mesh()
-    split = (parallel.put_replicated(mesh, params), parallel.put_rows(mesh, tokens), parallel.put_rows(mesh, mask))
+    meshes = _idtask.esroll_meshes(params)
+    placed = {
+        side: (parallel.put_replicated(m, params), parallel.put_rows(m, tokens), parallel.put_rows(m, mask))
+        for side, m in meshes.items()
+    }
 
     def ours(params, tokens, mask):
         return generate(
@@ -121,29 +125,26 @@ def generate_vs_tunix(args) -> dict:
             texts, max_generation_steps=n, max_prompt_length=prompt_len, temperature=0.0, eos_tokens=[cfg.vocab_size]
         )
 
-    t = _median_times(
-        {"esroll": lambda: ours(*split), "esroll_1device": lambda: ours(params, tokens, mask), "tunix": theirs}, reps
-    )
-    agree = float(np.mean(np.asarray(ours(*split)) == np.stack(theirs().tokens)))
+    runs = {side: functools.partial(ours, *args) for side, args in placed.items()}
+    t = _median_times(runs | {"tunix": theirs}, reps)
+    agree = float(np.mean(np.asarray(runs["ours"]()) == np.stack(theirs().tokens)))
     generated = batch * n
     return {
-        "generate_vs_tunix": t["tunix"] / t["esroll"],
-        "generate_vs_tunix_1device": t["tunix"] / t["esroll_1device"],
-        "esroll_tokens_per_s": generated / t["esroll"],
-        "esroll_tokens_per_s_1device": generated / t["esroll_1device"],
+        **{f"generate_vs_tunix{side[4:]}": t["tunix"] / t[side] for side in meshes},
+        **{f"esroll_tokens_per_s{side[4:]}": generated / t[side] for side in meshes},
         "tunix_tokens_per_s": generated / t["tunix"],
         "greedy_token_agreement": agree,
         "shape": name,
-        "esroll_devices": mesh.size,
+        **{f"esroll_devices{side[4:]}": m.size for side, m in meshes.items()},
         "tunix_devices": 1,
         "batch": batch,
         "new_tokens": n,
         "prompt_len": prompt_len,
         "reps": reps,
         "tunix_version": getattr(tunix, "__version__", "unknown"),
-        "unmatched": "Tunix on one device (no mesh given), esroll on one device per core as its trainers run (and on "
-        "one device: the _1device figures); a generated token equal to the pad id (0) is masked from later attention "
-        "in Tunix only",
+        "unmatched": "Tunix on one device (no mesh given); esroll on the devices its trainers use for this model "
+        "(the _split / _1device figures: the other layout); a generated token equal to the pad id (0) is masked from "
+        "later attention in Tunix only",
         "timing": _TIMING,
     }
 
@@ -151,7 +152,7 @@ def generate_vs_tunix(args) -> dict:
 def grpo_step_vs_tunix(args) -> dict:
     """Full GRPO steps (`_idtask.GRPO_SIZES`: 8 prompts × 8 completions, 64 new tokens, 32-token prompts), μ = 1,
     β = 0, ε = 0.2, one minibatch, sequence-mean-token-mean loss, temperature 1, the `configs/default.py:grpo` AdamW
-    (the same optax transformation on both sides); esroll with its default per-layer remat and chunked
+    (the same optax transformation on both sides); esroll without remat (as Tunix) and with chunked
     log-probabilities. One Tunix step (`learner.train` on one batch) then one esroll step, after warm-up steps."""
     if reason := _missing():
         return {"grpo_step_vs_tunix": None, "reason": reason}
@@ -172,10 +173,9 @@ def grpo_step_vs_tunix(args) -> dict:
     g = cfg.grpo
     steps = warmup + timed
     batches = [_idtask.prompts(model_cfg.vocab_size, X, prompt_len, seed=i) for i in range(steps)]
-    mesh = parallel.make_mesh()  # esroll as its trainers run: one device per core; and on one device
+    meshes = _idtask.esroll_meshes(params)  # as esroll's trainers run this model, and the other layout
     steppers = {
-        "ours": _idtask.grpo_stepper(cfg, model_cfg, params, batches, prompt_len, mesh),
-        "ours_1device": _idtask.grpo_stepper(cfg, model_cfg, params, batches, prompt_len, parallel.make_mesh(1)),
+        side: _idtask.grpo_stepper(cfg, model_cfg, params, batches, prompt_len, m) for side, m in meshes.items()
     }
 
     # Tunix: rollout, reference and actor share one mesh (and so the actor's weights).
@@ -221,7 +221,7 @@ def grpo_step_vs_tunix(args) -> dict:
     seeds, rollout = itertools.count(1), cluster.rollout.generate
     cluster.rollout.generate = lambda p, rc, **k: rollout(p, dataclasses.replace(rc, seed=next(seeds)), **k)
 
-    log = {k: [] for k in ("tunix_s", "tunix_tokens", "ours_s", "ours_tokens", "ours_1device_s", "ours_1device_tokens")}
+    log = {f"{side}_{k}": [] for side in ("tunix", *steppers) for k in ("s", "tokens")}
     for i in range(steps):
         start = time.perf_counter()
         learner.train([{"prompts": np.array(batches[i])}])
@@ -236,22 +236,19 @@ def grpo_step_vs_tunix(args) -> dict:
         for side in ("tunix", *steppers)
     }
     return {
-        "grpo_step_vs_tunix": rate["ours"] / rate["tunix"],
-        "grpo_step_vs_tunix_1device": rate["ours_1device"] / rate["tunix"],
-        "esroll_tokens_per_s": rate["ours"],
-        "esroll_tokens_per_s_1device": rate["ours_1device"],
+        **{f"grpo_step_vs_tunix{side[4:]}": rate[side] / rate["tunix"] for side in steppers},
+        **{f"esroll_tokens_per_s{side[4:]}": rate[side] for side in steppers},
         "tunix_tokens_per_s": rate["tunix"],
-        "esroll_step_s": log["ours_s"][warmup:],
-        "esroll_step_s_1device": log["ours_1device_s"][warmup:],
+        **{f"esroll_step_s{side[4:]}": log[f"{side}_s"][warmup:] for side in steppers},
         "tunix_step_s": log["tunix_s"][warmup:],
         "completion_tokens_per_step": log["ours_tokens"][warmup],
         "tunix_completion_tokens_per_step": log["tunix_tokens"][warmup],
-        **_idtask.grpo_context(name, cfg, prompt_len, warmup, timed, mesh),
+        **_idtask.grpo_context(name, cfg, prompt_len, warmup, timed, meshes),
         "tunix_devices": tmesh.size,
         "tunix_version": getattr(tunix, "__version__", "unknown"),
-        "unmatched": "Tunix on a 1 × 1 mesh (as its CPU examples run), esroll on one device per core as its trainers "
-        "run (and on one device: the _1device figures); advantage std epsilon 1e-6 (Tunix) vs 1e-4; esroll "
-        "rematerialises each layer in the backward pass unless --grpo_remat=none (its default), Tunix does not",
+        "unmatched": "Tunix on a 1 × 1 mesh (as its CPU examples run); esroll on the devices its trainers use for "
+        "this model (the _split / _1device figures: the other layout); advantage std epsilon 1e-6 (Tunix) vs 1e-4; "
+        "neither rematerialises unless --grpo_remat is given (Tunix cannot)",
         "timing": "median completion tokens/s over timed steps, one Tunix step then one esroll step on each mesh, "
         "after warm-up",
     }

@@ -175,7 +175,7 @@ def grpo_profile(args) -> dict:
         "esroll_top_ops_s": _top(ours_ops),
         "trl_top_ops_s": _top(trl_out["ops"]),
         "trl_spans_s": {k: round(v, 3) for k, v in trl_out["spans"].items()},
-        **_idtask.grpo_context(name, cfg, prompt_len, warmup, 1, mesh),
+        **_idtask.grpo_context(name, cfg, prompt_len, warmup, 1, {"ours": mesh}),
         "trl_version": trl.__version__,
         "torch_version": torch.__version__,
         "trl_threads": torch.get_num_threads(),
