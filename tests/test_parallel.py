@@ -295,3 +295,20 @@ def test_distributed_auto_detection_when_asked_without_a_coordinator(fake_jax, m
     parallel.maybe_initialize_distributed(True)
     assert fake_jax.config.updates == []  # no gloo off CPU
     assert fake_jax.distributed.calls == [{}]
+
+
+def test_trainer_device_count_follows_the_model_size_on_cpu():
+    """On a CPU host the trainers (and the peer benchmarks, `_idtask.esroll_meshes`, which report esroll as its
+    trainers would run) split small models over every device and keep one device for a model over
+    SMALL_MODEL_PARAMS."""
+    from experiments.benchmarks._idtask import esroll_meshes
+
+    assert jax.default_backend() == "cpu" and jax.device_count() > 1
+    small, large = parallel.SMALL_MODEL_PARAMS, parallel.SMALL_MODEL_PARAMS + 1
+    assert parallel.trainer_device_count(small) == jax.device_count()
+    assert parallel.trainer_device_count(large) == 1
+    shapes = lambda n: {"w": jax.ShapeDtypeStruct((n,), jnp.float32)}  # noqa: E731
+    big = esroll_meshes(shapes(large))
+    assert {k: m.size for k, m in big.items()} == {"ours": 1, "ours_split": jax.device_count()}
+    few = esroll_meshes(shapes(small))
+    assert {k: m.size for k, m in few.items()} == {"ours": jax.device_count(), "ours_1device": 1}
