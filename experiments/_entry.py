@@ -36,8 +36,8 @@ def huge_page_malloc() -> None:
     (GLIBC_TUNABLES=glibc.malloc.hugetlb=1), where the kernel gives them only on request (THP "madvise", the usual
     default). XLA on a CPU allocates each program's temporaries and outputs afresh, and faulting those in 4 KiB at a
     time cost more than the arithmetic on them: measured on 2 cores, a fresh 352 MB elementwise output took 0.10 s
-    (86,000 page faults) against 0.05 s (680) with the tunable, and an ES `tell` at Qwen3-0.6B shapes 4.4-4.8 s
-    against 2.7-3.0 s. Does nothing off Linux or glibc, when THP is "never" or "always", when GLIBC_TUNABLES already
+    (86,000 page faults) against 0.05 s (680) with the tunable (a one-off script), and `realshape_step`'s ES update
+    (`tell` at Qwen3-0.6B shapes) 2.7-3.6 s against 3.6-4.4 s without it. Does nothing off Linux or glibc, when THP is "never" or "always", when GLIBC_TUNABLES already
     sets it, or with ESROLL_HUGE_PAGES=0. Call first in an entry script: the process starts again from its command
     line (`sys.orig_argv`)."""
     import platform

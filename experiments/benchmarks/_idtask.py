@@ -148,6 +148,6 @@ def grpo_context(name: str, cfg: ExperimentConfig, prompt_len: int, warmup: int,
         "prompt_len": prompt_len,
         "timed_steps": timed,
         "warmup_steps": warmup,
-        **{f"esroll_devices{side[4:]}": m.size for side, m in meshes.items()},
+        **{f"esroll_devices{side.removeprefix('ours')}": m.size for side, m in meshes.items()},
         "grpo_remat": cfg.grpo.remat,
     }

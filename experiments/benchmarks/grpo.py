@@ -144,11 +144,13 @@ def grpo_step_vs_trl(args) -> dict:
     }
     best = max(trl_tps.values())
     return {
-        **{f"grpo_step_vs_trl{side[4:]}": v / best for side, v in ours.items()},
-        **{f"esroll_tokens_per_s{side[4:]}": v for side, v in ours.items()},
+        **{f"grpo_step_vs_trl{side.removeprefix('ours')}": v / best for side, v in ours.items()},
+        **{f"esroll_tokens_per_s{side.removeprefix('ours')}": v for side, v in ours.items()},
         "trl_tokens_per_s": best,
         **{f"trl_tokens_per_s_{t}threads": v for t, v in trl_tps.items()},
-        **{f"esroll_step_s{side[4:]}": [log[f"{side}_s"][i] for i in timed_steps] for side in steppers},
+        **{
+            f"esroll_step_s{side.removeprefix('ours')}": [log[f"{side}_s"][i] for i in timed_steps] for side in steppers
+        },
         "trl_step_s": [log["trl_s"][i] for i in timed_steps],
         "completion_tokens_per_step": log["ours_tokens"][warmup],
         "trl_completion_tokens_per_step": log["trl_tokens"][warmup],

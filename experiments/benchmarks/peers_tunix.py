@@ -130,12 +130,12 @@ def generate_vs_tunix(args) -> dict:
     agree = float(np.mean(np.asarray(runs["ours"]()) == np.stack(theirs().tokens)))
     generated = batch * n
     return {
-        **{f"generate_vs_tunix{side[4:]}": t["tunix"] / t[side] for side in meshes},
-        **{f"esroll_tokens_per_s{side[4:]}": generated / t[side] for side in meshes},
+        **{f"generate_vs_tunix{side.removeprefix('ours')}": t["tunix"] / t[side] for side in meshes},
+        **{f"esroll_tokens_per_s{side.removeprefix('ours')}": generated / t[side] for side in meshes},
         "tunix_tokens_per_s": generated / t["tunix"],
         "greedy_token_agreement": agree,
         "shape": name,
-        **{f"esroll_devices{side[4:]}": m.size for side, m in meshes.items()},
+        **{f"esroll_devices{side.removeprefix('ours')}": m.size for side, m in meshes.items()},
         "tunix_devices": 1,
         "batch": batch,
         "new_tokens": n,
@@ -236,10 +236,10 @@ def grpo_step_vs_tunix(args) -> dict:
         for side in ("tunix", *steppers)
     }
     return {
-        **{f"grpo_step_vs_tunix{side[4:]}": rate[side] / rate["tunix"] for side in steppers},
-        **{f"esroll_tokens_per_s{side[4:]}": rate[side] for side in steppers},
+        **{f"grpo_step_vs_tunix{side.removeprefix('ours')}": rate[side] / rate["tunix"] for side in steppers},
+        **{f"esroll_tokens_per_s{side.removeprefix('ours')}": rate[side] for side in steppers},
         "tunix_tokens_per_s": rate["tunix"],
-        **{f"esroll_step_s{side[4:]}": log[f"{side}_s"][warmup:] for side in steppers},
+        **{f"esroll_step_s{side.removeprefix('ours')}": log[f"{side}_s"][warmup:] for side in steppers},
         "tunix_step_s": log["tunix_s"][warmup:],
         "completion_tokens_per_step": log["ours_tokens"][warmup],
         "tunix_completion_tokens_per_step": log["tunix_tokens"][warmup],
