@@ -274,12 +274,13 @@ def full_softmax_logprobs(cfg, params, prompt, prompt_mask, completion, completi
     return jnp.where(completion_mask, logp, 0.0), jnp.where(completion_mask, entropy, 0.0)
 
 
-# Every policy and every kind of chunking (one chunk; chunks of 1; of 3, N = 7 not a multiple), 3 compilations a model
-# (compile time is most of these tests' time).
-@pytest.mark.parametrize("remat,chunk", [("dots", 0), ("none", 1), ("full", 3)])
-def test_remat_and_chunks_keep_loss_and_gradient(tiny, remat, chunk):
-    """A GRPO-like loss (advantage-weighted log-probabilities) and its gradient in every parameter: per-layer remat and
-    chunked completion log-probabilities against the full forward + log-softmax over all positions."""
+# Every policy and every kind of chunking (one chunk; chunks of 1; of 3, N = 7 not a multiple), the fused projections
+# of a CPU update with one of them; 3 compilations a model (compile time is most of these tests' time).
+@pytest.mark.parametrize("remat,chunk,fuse", [("dots", 0, False), ("none", 1, False), ("full", 3, True)])
+def test_remat_and_chunks_keep_loss_and_gradient(tiny, remat, chunk, fuse):
+    """A GRPO-like loss (advantage-weighted log-probabilities) and its gradient in every parameter: per-layer remat,
+    chunked completion log-probabilities and fused q/k/v and gate/up GEMMs (the gradient reaching each weight through
+    the concatenation) against the full forward + log-softmax over all positions, with the weights as stored."""
     cfg, params = tiny
     rows = scored_rows(cfg.vocab_size)
     weight = np.random.default_rng(1).normal(size=rows[3].shape).astype(np.float32)
@@ -288,7 +289,7 @@ def test_remat_and_chunks_keep_loss_and_gradient(tiny, remat, chunk):
         return jax.jit(jax.value_and_grad(lambda p: (weight * logprobs(p)).sum()))(params)
 
     ref_loss, ref_grad = loss_of(lambda p: full_softmax_logprobs(cfg, p, *rows)[0])
-    loss, grad = loss_of(lambda p: sequence_logprobs(cfg, p, *rows, remat=remat, chunk=chunk))
+    loss, grad = loss_of(lambda p: sequence_logprobs(cfg, p, *rows, remat=remat, chunk=chunk, fuse=fuse))
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for g, r in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))

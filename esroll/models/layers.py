@@ -94,7 +94,8 @@ def fuse_matmuls(p: dict) -> dict:
     """One layer's weights prepared for `linears`: projections that share an input (q, k, v; gate, up) also stored
     side by side, so a decode step runs one GEMM where it ran several (low-rank terms stay per weight). The prepared
     copies take memory beside the originals, so `generate` builds them only on a CPU (where per-GEMM overhead
-    dominates a decode step of a small model), once per call, outside the decode loop.
+    dominates a decode step of a small model), once per call, outside the decode loop; the training forward
+    (`forward(fuse=True)`, GRPO's update on a CPU) builds one layer's inside its layer scan.
 
     (An earlier version also folded small populations' factors into the fused GEMM, [x | x·a] · [W ; blockdiag(bᵀ)].
     In interleaved runs of `es_generate_vs_plain` it was slower than the per-row terms: 0.81-0.84 of plain generation

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from esroll.models.config import ModelConfig
-from esroll.models.layers import Perturbation, linears, rms_norm, rope, rope_tables, row_vector
+from esroll.models.layers import Perturbation, fuse_matmuls, linears, rms_norm, rope, rope_tables, row_vector
 
 Array = jax.Array
 # The top-level key of the layer-stacked parameters: every leaf under it has a leading layer axis L (and a
@@ -115,12 +115,19 @@ def forward(
     remat: str | None = None,
     return_hidden: bool = False,
     layer_params=None,
+    fuse: bool = False,
 ) -> tuple[Array, KVCache | None]:
     """Logits [B, T, V] in float32, and the updated cache (None without one).
 
     `layer_params` (no cache only) maps each layer's weights inside the scan before the layer uses them: GRPO passes
     a sharding constraint that all-gathers one layer's FSDP shards at a time (and whose transpose reduce-scatters that
     layer's gradient), so no device ever holds every layer's full weights or gradients at once.
+
+    `fuse` (no cache only) runs q/k/v and gate/up as one GEMM each (`fuse_matmuls`), the layer's weights concatenated
+    inside the scan as it runs (the gradient flows back through the concatenation to the separate weights): a CPU
+    speed knob (fewer, larger GEMMs, and XLA's CPU backend then makes fewer layout copies in the backward pass; the
+    README's benchmarks give the effect). On a mesh that splits the weights' columns the concatenation would reshard
+    them, so GRPO enables it on a CPU mesh without a model axis only.
 
     With `return_hidden`, the final-normed hidden states [B, T, D] (model dtype) instead of the logits: a caller
     that needs only some positions' logits (`esroll.sampling.sequence_logprobs`) applies `head` to those, in chunks,
@@ -175,8 +182,11 @@ def forward(
     layer_deltas = deltas.get(STACKED) or {}
     if remat not in (None, "none") and cache is not None:
         raise ValueError("forward: remat applies to the cache-free (training) path only")
+    if fuse and cache is not None:
+        raise ValueError("forward: fuse applies to the cache-free (training) path only (generate fuses its own)")
     if cache is None:
-        prepare = layer_params or (lambda p: p)  # e.g. FSDP: gather this layer's weights only, as it runs
+        gather = layer_params or (lambda p: p)  # e.g. FSDP: gather this layer's weights only, as it runs
+        prepare = (lambda p: fuse_matmuls(gather(p))) if fuse else gather
         x_BxTxD, _ = jax.lax.scan(
             _remat(lambda x, pd: (block(x, prepare(pd[0]), pd[1], None)[0], None), remat),
             x_BxTxD,

@@ -30,6 +30,10 @@ def trl_config(cfg, folder: str, steps: int):
     return GRPOConfig(
         output_dir=os.path.join(folder, "trl"),
         use_cpu=True,
+        # float32 compute, as esroll and Tunix run these steps: TRL's GRPOConfig defaults to bf16=True, and the
+        # Trainer then autocasts forward and backward to bfloat16, on a CPU too (runs before 2026-12-02b had it on).
+        bf16=False,
+        fp16=False,
         report_to="none",
         save_strategy="no",
         logging_steps=1,
@@ -88,12 +92,13 @@ def _trl_interleaved(cfg, folder: str, batches, steps: int, steppers: dict) -> d
                 log[f"{side}_s"].append(seconds)
                 log[f"{side}_tokens"].append(tokens)
 
-    train_trl(cfg, folder, batches, steps, Interleave(), reward)
+    log["trl_mixed_precision"] = train_trl(cfg, folder, batches, steps, Interleave(), reward)
     return log
 
 
-def train_trl(cfg, folder: str, batches, steps: int, callback, reward=None) -> None:
-    """TRL's GRPOTrainer on the saved model, the prompt batches in order, for `steps` steps with `callback`."""
+def train_trl(cfg, folder: str, batches, steps: int, callback, reward=None) -> str:
+    """TRL's GRPOTrainer on the saved model, the prompt batches in order, for `steps` steps with `callback`; returns
+    the mixed precision its accelerator ran with ("no": float32 throughout)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
@@ -109,6 +114,7 @@ def train_trl(cfg, folder: str, batches, steps: int, callback, reward=None) -> N
     )
     trainer.remove_callback(PrinterCallback)  # it prints every step's log dict when tqdm is disabled
     trainer.train()
+    return str(trainer.accelerator.mixed_precision)
 
 
 def grpo_step_vs_trl(args) -> dict:
@@ -157,6 +163,7 @@ def grpo_step_vs_trl(args) -> dict:
         **_idtask.grpo_context(name, cfg, prompt_len, warmup, timed, meshes),
         "trl_version": trl.__version__,
         "torch_version": torch.__version__,
+        "trl_mixed_precision": log["trl_mixed_precision"],
         "unmatched": "esroll on the devices its trainers use for this model (the _split / _1device figures: the other "
         "layout), TRL in one process at its faster thread count; remat: matched (TRL's gradient checkpointing follows "
         "--grpo_remat, off by default)",

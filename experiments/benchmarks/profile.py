@@ -135,7 +135,7 @@ def _trl_profiled_step(cfg, folder: str, batches, warmup: int) -> dict:
 
     profiling.ProfilingContext._log_metrics = log_metrics
     try:
-        train_trl(cfg, folder, batches, warmup + 1, Profile())
+        out["mixed_precision"] = train_trl(cfg, folder, batches, warmup + 1, Profile())
     finally:
         profiling.ProfilingContext._log_metrics = original
     return out
@@ -179,6 +179,7 @@ def grpo_profile(args) -> dict:
         "trl_version": trl.__version__,
         "torch_version": torch.__version__,
         "trl_threads": torch.get_num_threads(),
+        "trl_mixed_precision": trl_out["mixed_precision"],
         "timing": "one traced step of each side after warm-up steps; op times are self times (nested ops "
         "subtracted), XLA's from its executor threads, PyTorch's self CPU time per op",
     }
