@@ -370,9 +370,10 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
     from esroll.config import make_optimizer  # esroll.config imports this module
 
     optimizer = make_optimizer(optim)
-    # q/k/v and gate/up as one GEMM each on a CPU mesh that does not split the weights' columns (see `forward`); the
-    # mesh's devices name the platform, so a deviceless TPU plan compiled on a CPU host keeps the accelerator's form.
-    fuse = mesh.devices.flat[0].platform == "cpu" and mesh.shape.get(parallel.MODEL, 1) == 1
+    # On a CPU mesh that does not split the weights' columns: q/k/v and gate/up as one GEMM each, and, without remat,
+    # the layers unrolled (see `forward`). The mesh's devices name the platform, so a deviceless TPU plan compiled on
+    # a CPU host keeps the accelerator's form.
+    cpu_form = mesh.devices.flat[0].platform == "cpu" and mesh.shape.get(parallel.MODEL, 1) == 1
 
     def micro_loss(params, ref_params, micro: Rollouts, on_policy):
         def logprobs(p, with_entropy):
@@ -392,7 +393,8 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
                 chunk=grpo.logprob_chunk,
                 with_entropy=with_entropy,
                 layer_params=functools.partial(_gather_layer, mesh),
-                fuse=fuse,
+                fuse=cpu_form,
+                unroll=cpu_form and grpo.remat == "none",
             )
 
         # The policy's per-token entropy comes from the same forward (a metric: no gradient).

@@ -554,6 +554,7 @@ def sequence_logprobs(
     with_entropy: bool = False,
     layer_params=None,
     fuse: bool = False,
+    unroll: bool = False,
 ) -> Array | tuple[Array, Array]:
     """Log-probability [B, N] of each completion token given its prefix, from one full forward over prompt+completion;
     with `with_entropy`, also the entropy [B, N] of the whole next-token distribution at each completion position.
@@ -567,7 +568,7 @@ def sequence_logprobs(
     forward and in the backward pass (which recomputes a chunk's logits instead of keeping them). At V ~ 150k this is
     what the whole-sequence [B, T, V] float32 logits and log-softmax used to dominate. `remat` is the decoder's
     per-layer rematerialisation (`esroll.models.transformer.REMAT_POLICIES`), `layer_params` its per-layer map of the
-    weights and `fuse` its fused projections (`forward`; a CPU knob). The entropy is a metric: it carries no gradient.
+    weights, `fuse` and `unroll` its fused projections and unrolled layers (`forward`; CPU knobs). The entropy is a metric: it carries no gradient.
     """
     P, N = prompt_BxP.shape[1], completion_BxN.shape[1]
     tokens_BxT = jnp.concatenate([prompt_BxP, completion_BxN], 1)
@@ -582,6 +583,7 @@ def sequence_logprobs(
         return_hidden=True,
         layer_params=layer_params,
         fuse=fuse,
+        unroll=unroll,
     )
     # The hidden state at position P-1+j predicts completion token j.
     logprobs_BxN, entropy_BxN = _completion_logprobs(

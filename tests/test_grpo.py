@@ -276,11 +276,14 @@ def full_softmax_logprobs(cfg, params, prompt, prompt_mask, completion, completi
 
 # Every policy and every kind of chunking (one chunk; chunks of 1; of 3, N = 7 not a multiple), the fused projections
 # of a CPU update with one of them; 3 compilations a model (compile time is most of these tests' time).
-@pytest.mark.parametrize("remat,chunk,fuse", [("dots", 0, False), ("none", 1, False), ("full", 3, True)])
-def test_remat_and_chunks_keep_loss_and_gradient(tiny, remat, chunk, fuse):
+@pytest.mark.parametrize(
+    "remat,chunk,fuse,unroll", [("dots", 0, False, False), ("none", 1, True, True), ("full", 3, True, False)]
+)
+def test_remat_and_chunks_keep_loss_and_gradient(tiny, remat, chunk, fuse, unroll):
     """A GRPO-like loss (advantage-weighted log-probabilities) and its gradient in every parameter: per-layer remat,
-    chunked completion log-probabilities and fused q/k/v and gate/up GEMMs (the gradient reaching each weight through
-    the concatenation) against the full forward + log-softmax over all positions, with the weights as stored."""
+    chunked completion log-probabilities, fused q/k/v and gate/up GEMMs (the gradient reaching each weight through
+    the concatenation) and unrolled layers, as GRPO's update runs on a CPU, against the full forward + log-softmax over
+    all positions, with the weights as stored and the layers scanned."""
     cfg, params = tiny
     rows = scored_rows(cfg.vocab_size)
     weight = np.random.default_rng(1).normal(size=rows[3].shape).astype(np.float32)
@@ -289,10 +292,17 @@ def test_remat_and_chunks_keep_loss_and_gradient(tiny, remat, chunk, fuse):
         return jax.jit(jax.value_and_grad(lambda p: (weight * logprobs(p)).sum()))(params)
 
     ref_loss, ref_grad = loss_of(lambda p: full_softmax_logprobs(cfg, p, *rows)[0])
-    loss, grad = loss_of(lambda p: sequence_logprobs(cfg, p, *rows, remat=remat, chunk=chunk, fuse=fuse))
+    loss, grad = loss_of(lambda p: sequence_logprobs(cfg, p, *rows, remat=remat, chunk=chunk, fuse=fuse, unroll=unroll))
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for g, r in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))
+
+
+def test_unrolled_layers_are_refused_with_remat(tiny):
+    """Unrolled, XLA could merge a layer's recomputation with its forward pass and undo the remat: refused."""
+    cfg, params = tiny
+    with pytest.raises(ValueError, match="unroll applies to the cache-free path without remat only"):
+        sequence_logprobs(cfg, params, *scored_rows(cfg.vocab_size), remat="full", unroll=True)
 
 
 @pytest.mark.parametrize("chunk", [0, 3])

@@ -116,6 +116,7 @@ def forward(
     return_hidden: bool = False,
     layer_params=None,
     fuse: bool = False,
+    unroll: bool = False,
 ) -> tuple[Array, KVCache | None]:
     """Logits [B, T, V] in float32, and the updated cache (None without one).
 
@@ -127,7 +128,11 @@ def forward(
     inside the scan as it runs (the gradient flows back through the concatenation to the separate weights): a CPU
     speed knob (fewer, larger GEMMs, and XLA's CPU backend then makes fewer layout copies in the backward pass; the
     README's benchmarks give the effect). On a mesh that splits the weights' columns the concatenation would reshard
-    them, so GRPO enables it on a CPU mesh without a model axis only.
+    them, so GRPO enables it on a CPU mesh without a model axis only. `unroll` (no cache, no remat) unrolls the layer
+    scan into straight-line code, as `generate` runs its layers on a CPU: the loop's per-layer slices of the stacked
+    weights and of the saved activations go, and the program grows with depth. Refused with remat: unrolled, XLA could
+    merge a layer's recomputation with its forward pass (the checkpoints are traced with prevent_cse=False) and undo
+    the memory the remat saves.
 
     With `return_hidden`, the final-normed hidden states [B, T, D] (model dtype) instead of the logits: a caller
     that needs only some positions' logits (`esroll.sampling.sequence_logprobs`) applies `head` to those, in chunks,
@@ -184,6 +189,8 @@ def forward(
         raise ValueError("forward: remat applies to the cache-free (training) path only")
     if fuse and cache is not None:
         raise ValueError("forward: fuse applies to the cache-free (training) path only (generate fuses its own)")
+    if unroll and (cache is not None or remat not in (None, "none")):
+        raise ValueError("forward: unroll applies to the cache-free path without remat only")
     if cache is None:
         gather = layer_params or (lambda p: p)  # e.g. FSDP: gather this layer's weights only, as it runs
         prepare = (lambda p: fuse_matmuls(gather(p))) if fuse else gather
@@ -191,6 +198,7 @@ def forward(
             _remat(lambda x, pd: (block(x, prepare(pd[0]), pd[1], None)[0], None), remat),
             x_BxTxD,
             (params[STACKED], layer_deltas),
+            unroll=True if unroll else 1,
         )
     elif cache.stacked:
         if isinstance(params[STACKED], (list, tuple)) or isinstance(layer_deltas, (list, tuple)):
