@@ -568,7 +568,8 @@ def sequence_logprobs(
     forward and in the backward pass (which recomputes a chunk's logits instead of keeping them). At V ~ 150k this is
     what the whole-sequence [B, T, V] float32 logits and log-softmax used to dominate. `remat` is the decoder's
     per-layer rematerialisation (`esroll.models.transformer.REMAT_POLICIES`), `layer_params` its per-layer map of the
-    weights, `fuse` and `unroll` its fused projections and unrolled layers (`forward`; CPU knobs). The entropy is a metric: it carries no gradient.
+    weights, `fuse` and `unroll` its fused projections and unrolled layers (`forward`; CPU knobs). The entropy is a
+    metric: it carries no gradient.
     """
     P, N = prompt_BxP.shape[1], completion_BxN.shape[1]
     tokens_BxT = jnp.concatenate([prompt_BxP, completion_BxN], 1)

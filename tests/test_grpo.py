@@ -274,8 +274,9 @@ def full_softmax_logprobs(cfg, params, prompt, prompt_mask, completion, completi
     return jnp.where(completion_mask, logp, 0.0), jnp.where(completion_mask, entropy, 0.0)
 
 
-# Every policy and every kind of chunking (one chunk; chunks of 1; of 3, N = 7 not a multiple), the fused projections
-# of a CPU update with one of them; 3 compilations a model (compile time is most of these tests' time).
+# Every policy and every kind of chunking (one chunk; chunks of 1; of 3, N = 7 not a multiple), and the CPU form of
+# GRPO's update (fused projections with two of them, unrolled layers with the one without remat); 3 compilations a
+# model (compile time is most of these tests' time).
 @pytest.mark.parametrize(
     "remat,chunk,fuse,unroll", [("dots", 0, False, False), ("none", 1, True, True), ("full", 3, True, False)]
 )
