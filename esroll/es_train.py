@@ -27,6 +27,19 @@ from esroll.rollout import Sampling, rollout
 from esroll.task import Method, Task
 
 
+TELL_TILE_ENTRIES = 262144  # entries per leaf and tile of `tell`'s tiled update on a CPU (`tell_tile_entries`)
+
+
+def tell_tile_entries(optim: OptimConfig, mesh) -> int:
+    """`tile_entries` of the trainer's `tell` (`es.make_strategy`): tiles on a one-device CPU mesh with an optimizer
+    that acts entry by entry (no global-norm clipping), 0 (the whole-tree update) elsewhere. XLA's CPU backend runs
+    each step of the optimizer's arithmetic as its own pass over memory (no multi-output fusion), so the whole-tree
+    update moves several times the bytes of the masters and moments; tile by tile, those passes stay in cache.
+    Accelerators fuse the whole-tree update, and a sharded one is left to the compiler's partitioner."""
+    cpu_alone = mesh.size == 1 and mesh.devices.flat[0].platform == "cpu"
+    return TELL_TILE_ENTRIES if cpu_alone and optim.max_grad_norm == 0 else 0
+
+
 @functools.cache
 def _strategy(es_cfg: es.ESConfig, optim: OptimConfig, mesh) -> es.Strategy:
     """The strategy with jitted ask / tell, one per (ES config, optimizer config, mesh) in a process, so that runs of
@@ -37,7 +50,9 @@ def _strategy(es_cfg: es.ESConfig, optim: OptimConfig, mesh) -> es.Strategy:
     def constrain(tree):
         return jax.lax.with_sharding_constraint(tree, sharding.master_shardings(mesh, tree))
 
-    strategy = es.make_strategy(es_cfg, make_optimizer(optim), constrain=constrain)
+    strategy = es.make_strategy(
+        es_cfg, make_optimizer(optim), constrain=constrain, tile_entries=tell_tile_entries(optim, mesh)
+    )
 
     def ask(state, params):
         deltas = strategy.ask(state, params)

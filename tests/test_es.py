@@ -267,6 +267,73 @@ def test_same_result_on_1_and_8_devices():
     assert np.abs(np.asarray(p1["w1"] - params["w1"])).max() > 1e-3  # the step did move the parameters
 
 
+def stacked_params(seed=0):
+    """Layer-stacked matrices of three shapes (input dimensions 8, 8, 20), a frozen embedding and a frozen vector."""
+    rng = np.random.default_rng(seed)
+    shapes = {"embed": (11, 8), "layers": {"q": (3, 8, 12), "up": (3, 8, 20), "down": (3, 20, 8), "norm": (3, 8)}}
+    return jax.tree.map(
+        lambda s: jnp.asarray(rng.normal(size=s), jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+
+
+def test_tile_count_cuts_whole_rows_of_one_layer():
+    params = stacked_params()
+    cfg = dataclasses.replace(TOY, dense_patterns=())
+    train = es.trainable(cfg, params)
+    assert sorted(noise.flatten(train)) == ["layers/down", "layers/q", "layers/up"]
+    # gcd of the input dimensions is 4: c in {1, 2, 4}; the largest leaf (480 entries) needs c >= 480 / (3·t)
+    assert [es.tile_count(cfg, train, t) for t in (0, 160, 80, 40, 1)] == [0, 3, 6, 12, 12]
+    assert es.tile_count(dataclasses.replace(cfg, chunk_size=3), train, 40) == 0  # chunked directions: whole tree
+    assert es.tile_count(TOY, es.trainable(TOY, toy_params()), 40) == 0  # vectors perturbed, stacked and single
+
+
+def test_trainer_tiles_tell_on_one_cpu_device_without_clipping():
+    from esroll import es_train, parallel
+    from esroll.config import OptimConfig
+
+    one, two = parallel.make_mesh(1), parallel.make_mesh(2)
+    assert es_train.tell_tile_entries(OptimConfig(name="adam"), one) == es_train.TELL_TILE_ENTRIES > 0
+    assert es_train.tell_tile_entries(OptimConfig(name="adamw", max_grad_norm=1.0), one) == 0  # not entry by entry
+    assert es_train.tell_tile_entries(OptimConfig(name="adam"), two) == 0  # sharded masters: the whole-tree update
+
+
+@pytest.mark.parametrize(
+    "method,opt",
+    [
+        ("looroll", optax.adam(optax.cosine_decay_schedule(1e-2, 10))),
+        ("eggroll", optax.adamw(1e-2, weight_decay=0.1)),
+        ("looroll", optax.sgd(0.05)),
+    ],
+)
+def test_tiled_update_equals_whole_tree(method, opt):
+    """The tile-by-tile update (`tile_entries`) gives the whole-tree update: parameters, every optimizer-state leaf
+    (moments and step counts) and the norms, over two steps and a skipped one."""
+    params = stacked_params()
+    cfg = dataclasses.replace(TOY, method=method, population=8, dense_patterns=(), min_valid_fraction=0.75)
+    whole = es.make_strategy(cfg, opt)
+    tiled = es.make_strategy(cfg, opt, tile_entries=40)
+    assert es.tile_count(cfg, es.trainable(cfg, params), 40) == 12
+    rng = np.random.default_rng(3)
+    fitness = [rng.normal(size=8).astype(np.float32) for _ in range(2)] + [np.full(8, np.nan, np.float32)]
+    runs = []
+    for strategy in (whole, tiled):
+        state, p, metrics = strategy.init(params, jax.random.key(5)), params, []
+        for f in fitness:
+            p, state, m = jax.jit(strategy.tell)(state, p, jnp.asarray(f))
+            metrics.append(m)
+        runs.append((p, state, metrics))
+    (p1, s1, m1), (p2, s2, m2) = runs
+    close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6)
+    jax.tree.map(close, p1, p2)
+    jax.tree.map(close, s1.opt_state, s2.opt_state)
+    assert int(s1.step) == int(s2.step) == 3
+    jax.tree.map(close, m1, m2)
+    assert [bool(m["skipped"]) for m in m2] == [False, False, True]
+    assert float(m2[1]["update_norm"]) > 0 and float(m2[1]["grad_norm"]) > 0
+    np.testing.assert_array_equal(p2["layers"]["norm"], params["layers"]["norm"])  # frozen leaves pass through
+    assert np.abs(np.asarray(p2["layers"]["down"] - params["layers"]["down"])).max() > 1e-3
+
+
 def test_nonfinite_step_is_skipped():
     params = toy_params()
     cfg = dataclasses.replace(TOY, method="looroll", min_valid_fraction=0.5)

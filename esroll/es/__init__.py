@@ -15,6 +15,7 @@ from esroll.es.strategy import (
     make_strategy,
     member_deltas,
     step_factors,
+    tile_count,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "make_strategy",
     "member_deltas",
     "step_factors",
+    "tile_count",
 ]
