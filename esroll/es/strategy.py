@@ -214,8 +214,8 @@ def _tiled_update(optimizer, factors: dict, w_E: Array, rank: int, tiles: int, t
     value is kept (every tile computes the same one).
 
     (Tried and not kept, `tell` at Qwen3-0.6B shapes on a CPU, interleaved: updating the masters and moments in
-    place under `lax.fori_loop` instead, with the skipped step as a `lax.cond` per tile: 2.7-3.4 s against
-    1.8-2.1 s for this form; with a select per tile, or with the one `lax.cond` around the loop, its first call took
+    place under `lax.fori_loop` instead, with the skipped step as a `lax.cond` per tile: 2.6-4.1 s against
+    1.8-2.6 s for this form; with a select per tile, or with the one `lax.cond` around the loop, its first call took
     minutes.)
     """
     flat = noise.flatten(train)
