@@ -276,15 +276,23 @@ def stacked_params(seed=0):
     )
 
 
-def test_tile_count_cuts_whole_rows_of_one_layer():
+def test_tile_counts_cut_whole_rows_of_one_layer():
     params = stacked_params()
     cfg = dataclasses.replace(TOY, dense_patterns=())
     train = es.trainable(cfg, params)
     assert sorted(noise.flatten(train)) == ["layers/down", "layers/q", "layers/up"]
-    # gcd of the input dimensions is 4: c in {1, 2, 4}; the largest leaf (480 entries) needs c >= 480 / (3·t)
-    assert [es.tile_count(cfg, train, t) for t in (0, 160, 80, 40, 1)] == [0, 3, 6, 12, 12]
-    assert es.tile_count(dataclasses.replace(cfg, chunk_size=3), train, 40) == 0  # chunked directions: whole tree
-    assert es.tile_count(TOY, es.trainable(TOY, toy_params()), 40) == 0  # vectors perturbed, stacked and single
+    # per leaf and layer: q 8x12, up 8x20, down 20x8 entries; c the smallest divisor of the rows with tiles <= t
+    counts = [es.tile_counts(cfg, train, t) for t in (0, 160, 80, 40, 30, 1)]
+    assert counts[0] == {}
+    assert [[c[p] for p in ("layers/q", "layers/up", "layers/down")] for c in counts[1:]] == [
+        [3, 3, 3],
+        [6, 6, 6],
+        [12, 12, 12],
+        [12, 24, 30],
+        [24, 24, 60],  # at 30: q 2 rows of 8, up 1 of 8, down 2 of 20
+    ]
+    assert es.tile_counts(dataclasses.replace(cfg, chunk_size=3), train, 40) == {}  # chunked directions: whole tree
+    assert es.tile_counts(TOY, es.trainable(TOY, toy_params()), 40) == {}  # vectors perturbed, stacked and single
 
 
 def test_trainer_tiles_tell_on_one_cpu_device_without_clipping():
@@ -315,7 +323,8 @@ def test_tiled_update_equals_whole_tree(method, opt, single):
     cfg = dataclasses.replace(TOY, method=method, population=8, dense_patterns=(), min_valid_fraction=0.75)
     whole = es.make_strategy(cfg, opt)
     tiled = es.make_strategy(cfg, opt, tile_entries=40)
-    assert es.tile_count(cfg, es.trainable(cfg, params), 40) == (4 if single else 12)
+    counts = es.tile_counts(cfg, es.trainable(cfg, params), 40)
+    assert counts == ({"q": 4, "down": 4} if single else {"layers/q": 12, "layers/up": 12, "layers/down": 12})
     rng = np.random.default_rng(3)
     fitness = [rng.normal(size=8).astype(np.float32) for _ in range(2)] + [np.full(8, np.nan, np.float32)]
     runs = []

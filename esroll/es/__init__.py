@@ -15,7 +15,7 @@ from esroll.es.strategy import (
     make_strategy,
     member_deltas,
     step_factors,
-    tile_count,
+    tile_counts,
 )
 
 __all__ = [
@@ -28,5 +28,5 @@ __all__ = [
     "make_strategy",
     "member_deltas",
     "step_factors",
-    "tile_count",
+    "tile_counts",
 ]

@@ -181,92 +181,141 @@ def _weights(cfg: ESConfig, step, fitness_M: Array) -> estimators.Weights:
     return estimators.direction_weights(cfg.method, fitness_M, sigma_at(cfg, step), cfg.shaping, cfg.min_valid_fraction)
 
 
-def tile_count(cfg: ESConfig, train: dict, tile_entries: int) -> int:
-    """How many tiles `_tiled_update` cuts the perturbed leaves `train` into, or 0 where they do not tile.
+def tile_counts(cfg: ESConfig, train: dict, tile_entries: int) -> dict[str, int]:
+    """How many tiles `_tiled_update` cuts each perturbed leaf of `train` into ({path: tiles}), or {} where the update
+    does not tile.
 
-    Every leaf is cut into the same number T of tiles of whole rows (a tile holds rows of one layer only), so the
-    optimizer sees one tree per tile. That needs every leaf low-rank and all of them layer-stacked with the same L
-    (or all single): T = L·c with c dividing every leaf's input dimension, the smallest such c whose tiles of the
-    largest leaf hold at most `tile_entries`. 0 also when `tile_entries` is 0 or `chunk_size` splits the directions.
+    A leaf [L, I, O] (or a single matrix [I, O], L = 1) is cut into L·c tiles of I/c whole rows of one layer, c the
+    smallest divisor of I whose tiles hold at most `tile_entries` entries (c = I when none does). {} when
+    `tile_entries` is 0, a perturbed leaf is not low-rank (a vector), or `chunk_size` splits the directions.
     """
     kinds = leaf_kinds(cfg, train)
     if not tile_entries or not kinds or 0 < cfg.chunk_size < cfg.num_directions:
-        return 0
+        return {}
     if any(kind != noise.LOWRANK for kind in kinds.values()):
-        return 0
+        return {}
     flat = noise.flatten(train)
-    layers = {flat[path].shape[0] if noise.is_stacked(path) else 0 for path in kinds}
-    if len(layers) != 1:
-        return 0
-    L = layers.pop() or 1
-    rows = math.gcd(*(flat[path].shape[-2] for path in kinds))
-    largest = max(flat[path].size for path in kinds)
-    c = next(c for c in range(1, rows + 1) if rows % c == 0 and (largest // (L * c) <= tile_entries or c == rows))
-    return L * c
+    counts = {}
+    for path in kinds:
+        shape = flat[path].shape
+        (I, O), L = shape[-2:], shape[0] if noise.is_stacked(path) else 1
+        counts[path] = L * next(c for c in range(1, I + 1) if I % c == 0 and (I * O // c <= tile_entries or c == I))
+    return counts
 
 
-def _tiled_update(optimizer, factors: dict, w_E: Array, rank: int, tiles: int, train: dict, opt_state):
-    """(new train, new optimizer state, ‖ĝ‖, ‖update‖) computed over `tiles` tiles of rows (`tile_count`) under
-    `lax.map`: for each tile, ĝ's rows Σ_k w_k a_k[rows] b_kᵀ/√r as one GEMM over (direction, rank), then the
-    optimizer on that tile alone. Exact for an optimizer that acts entry by entry (the same arithmetic per entry as
-    the whole-tree update; only the GEMM's summation order can differ). Optimizer-state leaves that mirror a
-    parameter are tiled with it; the others (step counts) are the same input to every tile, and the first tile's new
-    value is kept (every tile computes the same one).
-
-    (Tried and not kept, `tell` at Qwen3-0.6B shapes on a CPU, interleaved: updating the masters and moments in
-    place under `lax.fori_loop` instead, with the skipped step as a `lax.cond` per tile: 2.6-4.1 s against
-    1.8-2.6 s for this form; with a select per tile, or with the one `lax.cond` around the loop, its first call took
-    minutes.)
+def _tiled_update(optimizer, factors: dict, w_E: Array, rank: int, tiles: dict, train: dict, opt_state, skipped):
+    """(new train, new optimizer state, ‖ĝ‖, ‖update‖) computed leaf by leaf and tile by tile (`tile_counts`), in
+    place (`_tiled_leaf`). Exact for an optimizer that acts entry by entry (the same arithmetic per entry as the
+    whole-tree update; only the GEMM's summation order can differ). Optimizer-state leaves that mirror a parameter
+    are updated with it; the others (step counts) are the same input to every tile, every tile computes the same new
+    value, and the last one's is kept.
     """
     flat = noise.flatten(train)
-    A, B = {}, {}  # A: [T, rows per tile, E·R] scaled by w/√r; B: [L, out, E·R]
-    for path, f in noise.flatten(factors).items():
-        a, b = (f.a, f.b) if noise.is_stacked(path) else (f.a[None], f.b[None])  # [L, E, I, R], [L, E, O, R]
-        L, E, _, R = a.shape
-        a = a * (w_E[None, :, None, None] / math.sqrt(rank))
-        A[path] = a.transpose(0, 2, 1, 3).reshape(tiles, -1, E * R)
-        B[path] = b.transpose(0, 2, 1, 3).reshape(L, b.shape[2], E * R)
-    per_layer = tiles // next(iter(B.values())).shape[0]
-
-    def tile(x):
-        return x.reshape(tiles, -1, x.shape[-1])
-
     leaves, treedef = jax.tree.flatten(opt_state)
-    mirrors = jax.tree.leaves(
-        optax.tree_map_params(optimizer, lambda _: True, opt_state, transform_non_params=lambda _: False)
-    )
-    others = [x for x, m in zip(leaves, mirrors) if not m]
-
-    def one(xs):
-        t, train_t, a_t, mirrored_t = xs
-        layer = t // per_layer
-        grad_t = {
-            path: jnp.einsum("ic,oc->io", a_t[path], B[path][layer]).astype(x.dtype) for path, x in train_t.items()
-        }
-        mirrored, other = iter(mirrored_t), iter(others)
-        state_t = treedef.unflatten([next(mirrored) if m else next(other) for m in mirrors])
-        grad_t, train_t = noise.unflatten(grad_t), noise.unflatten(train_t)
-        updates, state_t = optimizer.update(jax.tree.map(jnp.negative, grad_t), state_t, train_t)
-        new = jax.tree.leaves(state_t)
-        return (
-            noise.flatten(optax.apply_updates(train_t, updates)),
-            [x for x, m in zip(new, mirrors) if m],
-            [x for x, m in zip(new, mirrors) if not m],
-            _sumsq(grad_t),
-            _sumsq(updates),
+    owners = jax.tree.leaves(  # the parameter path each state leaf mirrors, "" for the others
+        optax.tree_map_params(
+            optimizer,
+            lambda _, path: path,
+            opt_state,
+            noise.unflatten({p: p for p in flat}),
+            transform_non_params=lambda _: "",
         )
-
-    xs = (
-        jnp.arange(tiles),
-        {path: tile(x) for path, x in flat.items()},
-        A,
-        [tile(x) for x, m in zip(leaves, mirrors) if m],
     )
-    new_flat, mirrored, other, grad_sq, update_sq = jax.lax.map(one, xs)
-    new_train = noise.unflatten({path: new_flat[path].reshape(x.shape) for path, x in flat.items()})
-    mirrored, other = iter(mirrored), iter(other)
-    new_leaves = [next(mirrored).reshape(x.shape) if m else next(other)[0] for x, m in zip(leaves, mirrors)]
-    return new_train, treedef.unflatten(new_leaves), jnp.sqrt(grad_sq.sum()), jnp.sqrt(update_sq.sum())
+    others = [x for x, owner in zip(leaves, owners) if not owner]
+    new_leaves, new_others, grad_sq, update_sq = list(leaves), others, 0.0, 0.0
+    for path, f in noise.flatten(factors).items():
+        mine = [j for j, owner in enumerate(owners) if owner == path]
+        flat[path], moments, new_others, g, u = _tiled_leaf(
+            optimizer,
+            path,
+            flat[path],
+            [leaves[j] for j in mine],
+            others,
+            f,
+            w_E / math.sqrt(rank),
+            tiles[path],
+            skipped,
+        )
+        for j, m in zip(mine, moments):
+            new_leaves[j] = m
+        grad_sq, update_sq = grad_sq + g, update_sq + u
+    others_it = iter(new_others)
+    new_leaves = [y if owner else next(others_it) for y, owner in zip(new_leaves, owners)]
+    return noise.unflatten(flat), treedef.unflatten(new_leaves), jnp.sqrt(grad_sq), jnp.sqrt(update_sq)
+
+
+def _tiled_leaf(optimizer, path: str, x: Array, moments: list, others: list, f, scale_E: Array, tiles: int, skipped):
+    """One leaf's update in place: a `lax.fori_loop` over its `tiles` tiles of rows whose carry is the leaf and the
+    optimizer-state leaves that mirror it (`moments`). A tile's rows of ĝ, Σ_k w_k a_k[rows] b_kᵀ/√r (`scale_E` =
+    w/√r), are one GEMM over (direction, rank) on the factors as drawn ([L, E, I, R]: no transposed copy); then the
+    optimizer runs on that tile alone (a one-leaf tree) and the tile's new values are written back where they were
+    read. Returns (new leaf, new moments, new `others`, Σ ĝ², Σ update²).
+
+    The tile is read inside a `lax.cond` on `skipped` whose other branch returns it unchanged (a skipped step
+    writes back what it read). That matters for speed: a conditional's results are buffers of their own, so each
+    carried buffer has one reader and one writer per tile and XLA updates it in place. Read directly, the old tile is
+    fused into several consumers (optax's new moment is recomputed inside the weights' fusion), one of which runs
+    after the in-place write, so XLA copies every carried buffer on every iteration. (`tell` at Qwen3-0.6B shapes on
+    a CPU, README: read directly, 45-53 s per call; this form 1.1-1.5 s; the tiles under `lax.map` of the code
+    before, whose outputs were fresh buffers each call, 1.8-2.0 s in the same runs.)
+    """
+    stacked = noise.is_stacked(path)
+    a, b = (f.a, f.b) if stacked else (f.a[None], f.b[None])  # [L, E, I, R], [L, E, O, R]
+    L, E, I, R = a.shape
+    O = b.shape[2]
+    per_layer = tiles // L
+    rows = I // per_layer
+    tile = noise.unflatten({path: jax.ShapeDtypeStruct((rows, O), x.dtype)})  # what the optimizer sees
+    tile_leaves, tile_def = jax.tree.flatten(jax.eval_shape(optimizer.init, tile))
+    mirrors = jax.tree.leaves(
+        optax.tree_map_params(
+            optimizer, lambda _: True, tile_def.unflatten(tile_leaves), transform_non_params=lambda _: False
+        )
+    )
+    if sum(mirrors) != len(moments) or len(mirrors) - sum(mirrors) != len(others):
+        raise ValueError(f"tiled update of {path}: the optimizer's state does not split by parameter")
+
+    def body(t, carry):
+        w, ms, _, grad_sq, update_sq = carry
+        layer, row = t // per_layer, t % per_layer * rows
+
+        def cut(full):
+            return jax.lax.dynamic_slice(full, (layer, row, 0), (1, rows, O))[0]
+
+        def keep(w, ms):
+            zero = jnp.zeros((), jnp.float32)
+            return cut(w), [cut(m) for m in ms], others, zero, zero
+
+        def step(w, ms):
+            a_t = jax.lax.dynamic_slice(a, (layer, 0, row, 0), (1, E, rows, R))[0] * scale_E[:, None, None]
+            grad = noise.unflatten({path: jnp.einsum("eir,eor->io", a_t, b[layer]).astype(x.dtype)})
+            params = noise.unflatten({path: cut(w)})
+            ms_it, others_it = iter([cut(m) for m in ms]), iter(others)
+            state = tile_def.unflatten([next(ms_it) if m else next(others_it) for m in mirrors])
+            updates, state = optimizer.update(jax.tree.map(jnp.negative, grad), state, params)
+            new = jax.tree.leaves(state)
+            return (
+                noise.flatten(optax.apply_updates(params, updates))[path],
+                [s for s, m in zip(new, mirrors) if m],
+                [s for s, m in zip(new, mirrors) if not m],
+                _sumsq(grad),
+                _sumsq(updates),
+            )
+
+        w_t, ms_t, others_t, g, u = jax.lax.cond(skipped, keep, step, w, ms)
+
+        def put(full, part):
+            return jax.lax.dynamic_update_slice(full, part[None], (layer, row, 0))
+
+        return put(w, w_t), [put(m, v) for m, v in zip(ms, ms_t)], others_t, grad_sq + g, update_sq + u
+
+    lead = (lambda y: y) if stacked else (lambda y: y[None])
+    zero = jnp.zeros((), jnp.float32)
+    w, moments, others, g, u = jax.lax.fori_loop(
+        0, tiles, body, (lead(x), [lead(m) for m in moments], others, zero, zero)
+    )
+    unlead = (lambda y: y) if stacked else (lambda y: y[0])
+    return unlead(w), [unlead(m) for m in moments], others, g, u
 
 
 def _sumsq(tree) -> Array:
@@ -311,7 +360,9 @@ def make_strategy(
     the gradient is never written out whole. Only for an optimizer that acts entry by entry (sgd, adam, adamw; not
     global-norm clipping) and unsharded parameters: the trainer turns it on for a one-device CPU mesh, where XLA
     makes a separate pass over memory for each step of the optimizer's arithmetic. Leaves that do not tile (see
-    `tile_count`) take the whole-tree path; both give the same update up to float rounding.
+    `tile_counts`) take the whole-tree path; both give the same update up to float rounding. The tiled update
+    writes the masters and moments in place when `tell` is jitted with them donated and each paired with its own
+    output buffer (`esroll.es_train._strategy`).
     """
     constrain = constrain or (lambda tree: tree)
 
@@ -335,14 +386,13 @@ def make_strategy(
     def tell(state: ESState, params: dict, fitness_M: Array) -> tuple[dict, ESState, dict[str, Array]]:
         """Apply one ES step from the members' fitness (higher is better); returns (params, state, metrics)."""
         train = trainable(cfg, params)
-        tiles = tile_count(cfg, train, tile_entries)
+        tiles = tile_counts(cfg, train, tile_entries)
         if tiles:
             weights = _weights(cfg, state.step, fitness_M)
             factors = step_factors(cfg, state.key, state.step, params, jnp.arange(cfg.num_directions))
-
-            def apply(train, opt_state):
-                return _tiled_update(optimizer, factors, weights.w_E, cfg.rank, tiles, train, opt_state)
-
+            new_train, opt_state, grad_norm, update_norm = _tiled_update(
+                optimizer, factors, weights.w_E, cfg.rank, tiles, train, state.opt_state, weights.skipped
+            )
         else:
             sums, weights = _estimate_perturbed(cfg, state.key, state.step, params, fitness_M)
             flat_train = noise.flatten(train)
@@ -353,13 +403,15 @@ def make_strategy(
                 new_train = constrain(optax.apply_updates(train, updates))
                 return new_train, opt_state, _norm(grad), _norm(updates)
 
-        def skip(train, opt_state):
-            return train, opt_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+            def skip(train, opt_state):
+                return train, opt_state, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
 
-        # A skipped step leaves parameters and moments exactly as they were: the update is not computed at all (its
-        # weights are zero, so the gradient's norm is 0).
+            # A skipped step leaves parameters and moments exactly as they were: the update is not computed at all
+            # (its weights are zero, so the gradient's norm is 0). The tiled form decides tile by tile.
+            new_train, opt_state, grad_norm, update_norm = jax.lax.cond(
+                weights.skipped, skip, apply, train, state.opt_state
+            )
         skipped = weights.skipped
-        new_train, opt_state, grad_norm, update_norm = jax.lax.cond(skipped, skip, apply, train, state.opt_state)
         new_train = noise.flatten(new_train)
         new_flat = {path: new_train.get(path, x) for path, x in noise.flatten(params).items()}
         finite_M = jnp.where(jnp.isfinite(fitness_M), fitness_M, jnp.nan)
