@@ -35,8 +35,9 @@ def tell_tile_entries(optim: OptimConfig, mesh) -> int:
     that acts entry by entry (no global-norm clipping), 0 (the whole-tree update) elsewhere. XLA's CPU backend runs
     each step of the optimizer's arithmetic as its own pass over memory (no multi-output fusion), so the whole-tree
     update moves several times the bytes of the masters and moments; tile by tile, those passes stay in cache
-    (`tell` at Qwen3-0.6B shapes: 1.1-1.5 s in place, against 3.8-9.2 s whole-tree, README). XLA's accelerator backends have multi-output
-    fusion, and a sharded update is left to the compiler's partitioner; neither was measured tiled."""
+    (`tell` at Qwen3-0.6B shapes: 1.1-1.5 s in place, against 3.8-9.2 s whole-tree, README). XLA's accelerator
+    backends have multi-output fusion, and a sharded update is left to the compiler's partitioner; neither was
+    measured tiled."""
     cpu_alone = mesh.size == 1 and mesh.devices.flat[0].platform == "cpu"
     return TELL_TILE_ENTRIES if cpu_alone and optim.max_grad_norm == 0 else 0
 

@@ -321,9 +321,9 @@ def realshape_step(args) -> dict:
         "matmul_gflops": {k: v / 1e9 for k, v in line["matmul_flops"].items()},
         "backend": jax.default_backend(),
         "timing": "prefill: the fastest of the interleaved rounds of generate(1 token); decode: the fastest "
-        "generate(new tokens) minus that; both after an ahead-of-time compile; updates: the median round (GRPO after an "
-        "ahead-of-time compile; ES after a warm-up call, over at least ES_UPDATE_CALLS calls: es_update_calls_s); "
-        "one round at full size",
+        "generate(new tokens) minus that; both after an ahead-of-time compile; updates: the median round (GRPO "
+        "after an ahead-of-time compile; ES after a warm-up call, over at least ES_UPDATE_CALLS calls: "
+        "es_update_calls_s); one round at full size",
     }
 
 
