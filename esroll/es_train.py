@@ -27,7 +27,7 @@ from esroll.rollout import Sampling, rollout
 from esroll.task import Method, Task
 
 
-TELL_TILE_ENTRIES = 262144  # entries per leaf and tile of `tell`'s tiled update on a CPU (`tell_tile_entries`)
+TELL_TILE_ENTRIES = 524288  # entries per leaf and tile of `tell`'s tiled update on a CPU (`tell_tile_entries`)
 
 
 def tell_tile_entries(optim: OptimConfig, mesh) -> int:
