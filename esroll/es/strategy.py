@@ -249,7 +249,8 @@ def _tiled_leaf(optimizer, path: str, x: Array, moments: list, others: list, f, 
     optimizer-state leaves that mirror it (`moments`). A tile's rows of ĝ, Σ_k w_k a_k[rows] b_kᵀ/√r (`scale_E` =
     w/√r), are one GEMM over (direction, rank) on the factors as drawn ([L, E, I, R]: no transposed copy); then the
     optimizer runs on that tile alone (a one-leaf tree) and the tile's new values are written back where they were
-    read. Returns (new leaf, new moments, new `others`, Σ ĝ², Σ update²).
+    read. Returns (new leaf, new moments, new `others`, Σ ĝ², Σ update²); Σ ĝ² from the factors (`_lowrank_sumsq`),
+    not from the tiles (0 for a skipped step).
 
     The tile is read inside a `lax.cond` on `skipped` whose other branch returns it unchanged (a skipped step
     writes back what it read). That matters for speed: a conditional's results are buffers of their own, so each
@@ -276,15 +277,14 @@ def _tiled_leaf(optimizer, path: str, x: Array, moments: list, others: list, f, 
         raise ValueError(f"tiled update of {path}: the optimizer's state does not split by parameter")
 
     def body(t, carry):
-        w, ms, _, grad_sq, update_sq = carry
+        w, ms, _, update_sq = carry
         layer, row = t // per_layer, t % per_layer * rows
 
         def cut(full):
             return jax.lax.dynamic_slice(full, (layer, row, 0), (1, rows, O))[0]
 
         def keep(w, ms):
-            zero = jnp.zeros((), jnp.float32)
-            return cut(w), [cut(m) for m in ms], others, zero, zero
+            return cut(w), [cut(m) for m in ms], others, jnp.zeros((), jnp.float32)
 
         def step(w, ms):
             a_t = jax.lax.dynamic_slice(a, (layer, 0, row, 0), (1, E, rows, R))[0] * scale_E[:, None, None]
@@ -298,24 +298,35 @@ def _tiled_leaf(optimizer, path: str, x: Array, moments: list, others: list, f, 
                 noise.flatten(optax.apply_updates(params, updates))[path],
                 [s for s, m in zip(new, mirrors) if m],
                 [s for s, m in zip(new, mirrors) if not m],
-                _sumsq(grad),
                 _sumsq(updates),
             )
 
-        w_t, ms_t, others_t, g, u = jax.lax.cond(skipped, keep, step, w, ms)
+        w_t, ms_t, others_t, u = jax.lax.cond(skipped, keep, step, w, ms)
 
         def put(full, part):
             return jax.lax.dynamic_update_slice(full, part[None], (layer, row, 0))
 
-        return put(w, w_t), [put(m, v) for m, v in zip(ms, ms_t)], others_t, grad_sq + g, update_sq + u
+        return put(w, w_t), [put(m, v) for m, v in zip(ms, ms_t)], others_t, update_sq + u
 
     lead = (lambda y: y) if stacked else (lambda y: y[None])
     zero = jnp.zeros((), jnp.float32)
-    w, moments, others, g, u = jax.lax.fori_loop(
-        0, tiles, body, (lead(x), [lead(m) for m in moments], others, zero, zero)
-    )
+    w, moments, others, u = jax.lax.fori_loop(0, tiles, body, (lead(x), [lead(m) for m in moments], others, zero))
+    g = jnp.where(skipped, zero, _lowrank_sumsq(a, b, scale_E))
     unlead = (lambda y: y) if stacked else (lambda y: y[0])
     return unlead(w), [unlead(m) for m in moments], others, g, u
+
+
+def _lowrank_sumsq(a: Array, b: Array, scale_E: Array) -> Array:
+    """‖Σ_k s_k a_k b_kᵀ‖² summed over layers (a [L, E, I, R], b [L, E, O, R], s = `scale_E` per direction; k runs
+    over (direction, rank)), from the factors' Gram matrices: Σ_k,l s_k s_l (a_k·a_l)(b_k·b_l). Two batched GEMMs of
+    (E·R)² outputs per layer instead of a pass over the I·O entries of the sum (the tiled update's gradient norm: at
+    Qwen3-0.6B shapes on a CPU, `tell` medians 0.71-0.76 s against 0.78 s with the sum of the tiles' squares, README).
+    """
+    L, E, I, R = a.shape
+    a = (a * scale_E[None, :, None, None]).transpose(0, 1, 3, 2).reshape(L, E * R, I)
+    b = b.transpose(0, 1, 3, 2).reshape(L, E * R, b.shape[2])
+    batched = (((2,), (2,)), ((0,), (0,)))  # contract the long axis, batch over layers
+    return jnp.sum(jax.lax.dot_general(a, a, batched) * jax.lax.dot_general(b, b, batched))
 
 
 def _sumsq(tree) -> Array:
