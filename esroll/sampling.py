@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll.models import STACKED, KVCache, ModelConfig, Perturbation, forward, init_cache, unstack_layers
-from esroll.models.layers import fuse_matmuls, group_lowrank
+from esroll.models.layers import fuse_matmuls
 
 Array = jax.Array
 
@@ -434,9 +434,6 @@ def _decode(
         deltas = {**deltas, STACKED: list(unstack_layers(layer_deltas, cfg.num_layers))}
         if perturb is not None:  # each row's factors gathered here once, not in every decode step
             perturb = perturb._replace(deltas=deltas).per_row()
-            if fuse:
-                layers_d = [group_lowrank(d) for d in perturb.deltas[STACKED]]
-                perturb = perturb._replace(deltas={**perturb.deltas, STACKED: layers_d})
     cache = constrain(init_cache(cfg, B, P - 1, cache_dtype, stacked=stacked))
     # Prefill all but the last prompt token; its logits go unused, so XLA drops the [B, P, V] head. The last prompt
     # token is the first decode step's input (left padding makes it real in every non-empty row).
