@@ -72,8 +72,8 @@ def linears(x_BxTxI: Array, p: dict, d: dict, names: tuple[str, ...], member_B: 
     (An earlier version also added a fused group's terms at once, (x·[a₁ … a_n]) · blockdiag(b₁ᵀ … b_nᵀ), as two
     batched matmuls. XLA's CPU backend ran those as plain dots, while it fuses each weight's own rank-r term with the
     split of the GEMM's output into one YNNPACK call: in paired rounds of `es_generate_vs_plain` at hidden 256 the
-    per-weight terms gave 0.889 of plain generation against 0.818 for the grouped ones, and the same at hidden 1024,
-    0.939 against 0.944 (README), so the grouped form was removed.)"""
+    per-weight terms gave 0.889 of plain generation against 0.818 for the grouped ones, and at hidden 1024 no
+    measurable difference, 0.939 against 0.944 (README), so the grouped form was removed.)"""
     fused = fused_key(names)
     if fused not in p:
         return [linear(x_BxTxI, p[n], d.get(n), member_B) for n in names]
