@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import zlib
 
 import chex
 import jax
@@ -125,6 +126,35 @@ def test_antithetic_pairs_and_determinism():
     loo = member_deltas(dataclasses.replace(TOY, method="looroll", population=2), jax.random.key(3), 5, params)
     np.testing.assert_array_equal(loo["w1"].a, d["w1"].a[0:4:2])
     np.testing.assert_array_equal(loo["layers"]["w"].b, d["layers"]["w"].b[:, 0:4:2])
+
+
+def test_noise_is_jax_random_normal_blocks():
+    """The stream the module docstring of `noise` defines, from `jax.random` itself: each (leaf, layer, direction)
+    draw is N(0, 1) blocks of BLOCK numbers under key → fold_in(step) → crc32(path) → layer → direction → block,
+    cut to [in + out, r] (A then B) or [dim]. `noise.factors` computes the numbers its own way (an unrolled threefry),
+    so this pins it to `jax.random.normal` bit for bit, partial last blocks and single leaves included."""
+    params = {"w1": jnp.zeros((5, 7)), "layers": {"w": jnp.zeros((2, 100, 60)), "norm": jnp.zeros((2, 130))}}
+    kinds = {"w1": noise.LOWRANK, "layers/w": noise.LOWRANK, "layers/norm": noise.DENSE}
+    key, step, rank, directions = jax.random.key(11), 4, 3, jnp.array([0, 5, 2])
+    got = noise.flatten(jax.jit(lambda k: noise.factors(k, step, params, kinds, rank, directions))(key))
+
+    def draw(path, layer, direction, size):
+        k = jax.random.fold_in(jax.random.fold_in(key, step), zlib.crc32(path.encode()) & 0x7FFFFFFF)
+        k = jax.random.fold_in(jax.random.fold_in(k, layer), direction)
+        blocks = [jax.random.normal(jax.random.fold_in(k, b), (noise.BLOCK,)) for b in range(-(-size // noise.BLOCK))]
+        return np.concatenate(blocks)[:size]
+
+    with jax.threefry_partitionable(True):
+        for path, (layers, m, o) in {"w1": (None, 5, 7), "layers/w": (2, 100, 60)}.items():
+            for layer in range(layers or 1):
+                for e, d in enumerate(np.asarray(directions)):
+                    want = draw(path, layer, d, (m + o) * rank).reshape(m + o, rank)
+                    a, b = (x[layer, e] if layers else x[e] for x in got[path])
+                    np.testing.assert_array_equal(a, want[:m])
+                    np.testing.assert_array_equal(b, want[m:])
+        for layer in range(2):
+            for e, d in enumerate(np.asarray(directions)):
+                np.testing.assert_array_equal(got["layers/norm"][layer, e], draw("layers/norm", layer, d, 130))
 
 
 @pytest.fixture(scope="module")
