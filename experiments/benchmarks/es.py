@@ -9,7 +9,8 @@ figures are ratios of median wall times.
 - eggroll_vs_dense_speedup: evaluation tokens/s of a whole population with EGGROLL (this step's factors + one
   batched perturbed forward) over dense-noise ES, where each member draws full Gaussian noise for every perturbed
   matrix, forms W + σE_i and runs its own forward. Dense ES costs the same per member whatever the population, so it
-  is timed on `dense_members` members. EGGROLL reports about 100x.
+  is timed on `dense_members` members; its noise comes from the same generator as EGGROLL's factors
+  (`esroll.es.noise.factors`, each matrix drawn whole). EGGROLL reports about 100x.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def eggroll_vs_dense_speedup(args) -> dict:
     row_1xT = _tokens(cfg, 1, T)  # every member evaluates the same row (common random numbers)
     es_cfg = es.ESConfig(method="eggroll", population=P, rank=1, sigma=SIGMA)
     kinds = es.strategy.leaf_kinds(es_cfg, params)  # the same leaves are perturbed on both sides
+    dense_kinds = dict.fromkeys(kinds, noise.DENSE)  # `noise.factors` draws a DENSE leaf whole, whatever its rank
     key = jax.random.key(0)
 
     @jax.jit
@@ -112,11 +114,12 @@ def eggroll_vs_dense_speedup(args) -> dict:
 
     @jax.jit
     def dense(p):
-        def member(i):
+        def member(i):  # full Gaussian noise per matrix, from the generator EGGROLL's factors come from
             flat = noise.flatten(p)
-            for j, path in enumerate(kinds):
-                eps = jax.random.normal(jax.random.fold_in(jax.random.fold_in(key, i), j), flat[path].shape)
-                flat[path] = flat[path] + (SIGMA * eps).astype(flat[path].dtype)
+            eps = noise.flatten(noise.factors(key, i, p, dense_kinds, 1, jnp.zeros((1,), jnp.int32)))
+            for path in kinds:
+                e = eps[path][:, 0] if noise.is_stacked(path) else eps[path][0]  # drop the direction axis
+                flat[path] = flat[path] + (SIGMA * e).astype(flat[path].dtype)
             return forward(cfg, noise.unflatten(flat), row_1xT)[0][0]
 
         return jax.lax.map(member, jnp.arange(M))
