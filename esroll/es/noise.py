@@ -159,7 +159,7 @@ def _draws(keys: Array, start: int, shape: tuple) -> Array:
     does (a uniform on (−1, 1) from the top 23 bits, then √2·erfinv); the tests check it against `jax.random.normal`
     bit for bit. Written out here because XLA's CPU backend gets JAX's threefry as a loop of five passes over the
     whole array (its CPU lowering rolls the rounds up): at Qwen3-0.6B shapes (20.2M numbers, 2 cores, README) the
-    factors took 176-216 ms that way and 75 ms as one fusion per factor.
+    factors took a median of 303 ms that way and 96 ms as one fusion per factor (alternating calls, one process).
     """
     count = math.prod(shape)
     blocks = keys.shape[-2]
