@@ -104,8 +104,8 @@ def factors(key: Array, step, params: dict, kinds: dict[str, str], rank: int, di
     Mirrors `params` for perturbed leaves: LowRank(a [L, E, in, R], b [L, E, out, R]) or ε [L, E, dim] for stacked
     leaves, without the L axis for single leaves. Block b of a draw holds `jax.random.normal(k_b, (BLOCK,))` for its
     key k_b (the module docstring), bit for bit. The blocks' keys come from one vmapped chain of `jax.random.fold_in`
-    over all blocks of all leaves; the numbers are drawn straight into each factor's layout by `_draws` (one loop
-    fusion per factor, nothing copied after).
+    over all blocks of all leaves; the numbers are drawn straight into each factor's layout by `_draws` (the hash
+    unrolled into XLA's fused loops, no block buffer written and cut afterwards).
     """
     flat = flatten(params)
     leaves = []  # (path, layers, draw shape, blocks per draw)
