@@ -44,7 +44,6 @@ estimator computes, and what its source leaves open, is written down in docs/adv
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -54,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from esroll.errors import check_fields
+from esroll.config import AdvantageConfig
 
 Array = jax.Array
 Shaping = Callable[..., Array]
@@ -156,80 +155,6 @@ def get(name: str) -> Shaping:
 
 
 # ---- group-advantage estimators (GRPO): rewards plus what a method reads, and a small running state
-
-
-@dataclasses.dataclass(frozen=True)
-class AdvantageConfig:
-    """Options of the group-advantage estimators (a config file's `grpo.adv`); each estimator reads only its own.
-
-    horizon: the steps over which A-GRAE's schedules run (agrae needs it >= 1).
-    agrae_positive / agrae_positive_final: A-GRAE's factor on positive advantages at step 0 / from the horizon on
-        (linear in between; 1 = symmetric GRPO). agrae_focus: its difficulty-focus strength κ in [0, 1): a group of
-        success rate p is weighted 1 + κ·(1 − 2t)·(2p − 1), t = step / horizon (capped at 1): easy groups first,
-        hard ones by the end.
-    cluster_key: what groups prompts into BV-Blend's clusters (`esroll.data.cluster_key`): difficulty (the example's
-        difficulty bucket: carries of a sum, else the worked solution's steps), task, or a field of the example's
-        meta. bv_clusters: the size of BV-Blend's cluster table (cluster keys are hashed into it); bv_decay: its EMA
-        decay per update of a cluster (a cluster absent from a step keeps its history as it is); bv_blend_max: the
-        largest weight history gets; bv_sem: the standard error at which history gets half of
-        bv_blend_max; bv_prior_var: the variance assumed of a cluster before it has history (the SEM proxy's prior).
-    gmae_context: k, the other responses in a context (0: group_size // 2); gmae_max_contexts: above this many
-        contexts per response, a seeded sample of them is averaged (exact enumeration below it).
-    maxpo_k: K of MaxPO's max@K (pass@K on 0/1 rewards); needs group_size > K.
-    lampo_temperature: τ of LamPO's pair confidence 2σ(−τ·sign(r_i − r_j)·(ℓ_i − ℓ_j)), ℓ the mean token
-        log-probability (0: every pair weighs 1, which is RLOO).
-    ntf_baseline: batch | ema (the EMA of earlier batches' mean reward, decay ntf_decay); ntf_normalize: divide by the
-        batch's reward std; ntf_filter_prob: a negative sample's tokens sampled with probability ≥ this are not
-        penalised (1: nothing filtered).
-    ddrl_low / ddrl_high: a group whose modal answer is held by a fraction ≤ low of it is all negative, ≥ high has its
-        modal answers positive and the rest negative, in between it is left out; ddrl_value: the fixed advantage a.
-    """
-
-    horizon: int = 0
-    agrae_positive: float = 1.0
-    agrae_positive_final: float = 0.5
-    agrae_focus: float = 0.5
-    cluster_key: str = "difficulty"
-    bv_clusters: int = 64
-    bv_decay: float = 0.9
-    bv_blend_max: float = 0.5
-    bv_sem: float = 0.1
-    bv_prior_var: float = 0.25
-    gmae_context: int = 0
-    gmae_max_contexts: int = 256
-    maxpo_k: int = 2
-    lampo_temperature: float = 1.0
-    ntf_baseline: str = "batch"
-    ntf_decay: float = 0.9
-    ntf_normalize: bool = True
-    ntf_filter_prob: float = 0.5
-    ddrl_low: float = 0.3
-    ddrl_high: float = 0.6
-    ddrl_value: float = 1.0
-
-    def __post_init__(self):
-        checks = [
-            ("horizon", self.horizon >= 0, ">= 0"),
-            ("agrae_positive", self.agrae_positive >= 0, ">= 0"),
-            ("agrae_positive_final", self.agrae_positive_final >= 0, ">= 0"),
-            ("agrae_focus", 0 <= self.agrae_focus < 1, "in [0, 1)"),
-            ("bv_clusters", self.bv_clusters >= 1, ">= 1"),
-            ("bv_decay", 0 <= self.bv_decay < 1, "in [0, 1)"),
-            ("bv_blend_max", 0 <= self.bv_blend_max < 1, "in [0, 1)"),
-            ("bv_sem", self.bv_sem > 0, "> 0"),
-            ("bv_prior_var", self.bv_prior_var > 0, "> 0"),
-            ("gmae_context", self.gmae_context >= 0, ">= 0 (0: group_size // 2)"),
-            ("gmae_max_contexts", self.gmae_max_contexts >= 1, ">= 1"),
-            ("maxpo_k", self.maxpo_k >= 1, ">= 1"),
-            ("lampo_temperature", self.lampo_temperature >= 0, ">= 0"),
-            ("ntf_baseline", self.ntf_baseline in ("batch", "ema"), "batch or ema"),
-            ("ntf_decay", 0 <= self.ntf_decay < 1, "in [0, 1)"),
-            ("ntf_filter_prob", 0 < self.ntf_filter_prob <= 1, "in (0, 1]"),
-            ("ddrl_high", 0.5 < self.ddrl_high <= 1, "in (0.5, 1] (a unique modal answer)"),
-            ("ddrl_low", 0 <= self.ddrl_low < self.ddrl_high, "in [0, ddrl_high)"),
-            ("ddrl_value", self.ddrl_value > 0, "> 0"),
-        ]
-        check_fields(self, checks, "AdvantageConfig")
 
 
 class Group(NamedTuple):

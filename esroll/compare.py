@@ -33,8 +33,10 @@ from typing import Any
 import numpy as np
 
 from esroll.config import ExperimentConfig, from_config_dict
+from esroll.experiment import check_names
 from esroll.metrics import read_metrics
 from esroll.report import SPEC_FILE, area_under_curve, run_dir, run_ended
+from esroll.train import train_and_evaluate
 
 SEARCHES = ("grid", "random")
 CHOICE_FILE = "choice.json"
@@ -125,7 +127,7 @@ def _with(cfg: ExperimentConfig, overrides: dict) -> ExperimentConfig:
     """`cfg` with nested `overrides`, validated as a config file's values are."""
     if not overrides:
         return cfg
-    return from_config_dict(_merge(_config_json(cfg), overrides))
+    return check_names(from_config_dict(_merge(_config_json(cfg), overrides)))
 
 
 def _draw(values: Any, rng: np.random.Generator, where: str) -> Any:
@@ -218,7 +220,7 @@ def comparison_from_dict(d: dict) -> Comparison:
     for name in methods:
         cd = _merge(d["experiment"], d["overrides"][name])
         cd["train"] = {**cd["train"], "steps": d["max_steps"], "time_budget_s": d["time_budget_s"]}
-        configs[name] = from_config_dict(cd)
+        configs[name] = check_names(from_config_dict(cd))
     seeds = tuple(int(s) for s in d["seeds"])
     tuning = _tuning_from_dict(d.get("tuning") or {}, methods, seeds, float(d["time_budget_s"]))
     if tuning and any(c.data.validation_size == 0 for c in configs.values()):
@@ -242,8 +244,6 @@ def is_complete(directory: Path, cfg: ExperimentConfig) -> bool:
 def _warm_up(cfg: ExperimentConfig, mesh_devices: int) -> None:
     """Two untimed steps in a throwaway workdir, so that jit compilation (cached per process) is not charged to the
     budget of whichever run of this setting comes first."""
-    from esroll.train import train_and_evaluate
-
     train = dataclasses.replace(
         cfg.train, steps=2, time_budget_s=0.0, eval_every=10**9, checkpoint_every=10**9, export=False
     )
@@ -286,8 +286,6 @@ def choose(comp: Comparison, workdir: str | Path) -> dict[str, dict]:
 
 
 def _run(cfg, directory, warm, mesh_devices, overwrite, progress, label) -> str:
-    from esroll.train import train_and_evaluate
-
     if is_complete(directory, cfg):
         return "skipped"
     key = json.dumps(_config_json(dataclasses.replace(cfg, seed=0, data=dataclasses.replace(cfg.data, order_seed=0))))

@@ -1,35 +1,109 @@
-"""Typed experiment configuration, and the only place its defaults live.
+"""Typed experiment configuration: every config dataclass, the only place its defaults live, and `make_optimizer`.
 
 Config files are ml-collections ConfigDicts that start from these defaults (`config_dict(ExperimentConfig())`) and set
 what their experiment changes; the library takes the frozen dataclasses, converted once at the entry point by
 `from_config_dict`, which refuses unknown keys (suggesting the nearest one) and ill-typed or out-of-range values with a
-one-line `esroll.errors.ConfigError` naming the key. The sets of allowed names come from the modules that implement
-them (`esroll.es.estimators.METHODS`, `esroll.advantages.SHAPINGS`, `esroll.grpo.AGGREGATIONS`, `esroll.data.TASKS`).
+one-line `ConfigError` naming the key.
+
+This module imports nothing from esroll (only the standard library and optax), so that any module of the
+library can import its configuration from here at the top of the file without an import cycle. The price: a key whose
+value names an implementation registered in another module (ES methods, fitness shapings, GRPO's advantage
+estimators, aggregations and remat policies, tasks, prompt templates, prefix sources) is not checked here, where the
+registry is out of reach, but by `esroll.experiment.check_names`, which the trainer and the entry points run right
+after `from_config_dict`, and by the factories that take a config (`esroll.es.make_strategy`, `esroll.grpo`'s
+`make_update` and `make_grpo_method`). What is checked here is the structure, the ranges, and the choices this module
+implements itself (optimizers, schedules, dtypes, rewards, evaluation splits).
+
+The error types a user can fix (`InputError`, `ConfigError`) are defined here for the same reason; `esroll.errors`
+re-exports them with `reading`. Importing this module does not import JAX: optax (which does) is imported when a
+schedule or an optimizer is built, so that what only reads configs, errors and workdirs (`esroll.report`) stays
+JAX-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
+import re
 import typing
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
-import optax
+if TYPE_CHECKING:
+    import optax
 
-from esroll.advantages import LABEL_FREE_ONLY
-from esroll.curriculum import CurriculumConfig
-from esroll.data.tasks import NUMERIC_TASKS, TASKS, TEMPLATES
-from esroll.errors import ConfigError, InputError, unknown_key
-from esroll.es.estimators import METHODS as ES_METHODS
-from esroll.es.strategy import ESConfig, ESSettings
-from esroll.grpo import GRPOConfig
-from esroll.schedules import SCHEDULES, make_schedule
-
-METHODS = (*ES_METHODS, "grpo")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DTYPES = ("float32", "bfloat16")
-DECODE_LAYERS = ("auto", "scan", "unrolled")
 EVAL_SPLITS = ("test", "validation")
 REWARDS = ("gold", "majority")
+
+
+# ---- errors a user can fix
+
+
+class InputError(ValueError):
+    """Bad input: a config key or value, a model folder or file, a data row, a workdir. The message is one line."""
+
+
+class ConfigError(InputError):
+    """A config value out of range: names the key, the value and what is expected."""
+
+    def __init__(self, key: str, value, expected: str, where: str = "config"):
+        self.key, self.value, self.expected = key, value, expected
+        super().__init__(f"{where}: invalid value for '{key}': {value!r} (expected {expected})")
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same error for the key as a config file spells it (`es.` + `sigma`)."""
+        return ConfigError(prefix + self.key, self.value, self.expected)
+
+
+def check_fields(obj, checks: Iterable[tuple[str, bool, str]], where: str) -> None:
+    """Raise the ConfigError of the first failed (field, ok, expected) check of `obj` (a dotted field names a nested
+    value, e.g. "adv.horizon")."""
+    for field, ok, expected in checks:
+        if not ok:
+            value = obj
+            for part in field.split("."):
+                value = getattr(value, part)
+            raise ConfigError(field, value, expected, where=where)
+
+
+def unknown_key(key: str, known: Iterable[str]) -> str:
+    """'unknown key 'es.sigmaa' (did you mean 'es.sigma'?)' — the nearest known key of the same section."""
+    known = sorted(known)
+    prefix, _, name = key.rpartition(".")
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else f"known: {', '.join(known)}"
+    return f"config: unknown key '{key}' ({hint})"
+
+
+# ---- schedules of the learning rate and of ES's σ
+
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+def make_schedule(kind: str, start: float, final: float, horizon: int, warmup: int = 0) -> float | optax.Schedule:
+    """The schedule as optax takes it (see `esroll.schedules`): a plain float when it is constant with no warm-up
+    (the optimizer state is then the same as without a schedule), else a function of the step (int, traced or not)."""
+    import optax  # imports JAX: not at module import (see the module docstring)
+
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown schedule {kind!r} (expected one of {', '.join(SCHEDULES)})")
+    if kind == "constant":
+        if not warmup:
+            return start
+        decay = optax.constant_schedule(start)
+    elif kind == "linear":
+        decay = optax.linear_schedule(start, final, horizon - warmup)
+    else:
+        decay = optax.cosine_decay_schedule(start, horizon - warmup, alpha=final / start)
+    if not warmup:
+        return decay
+    return optax.join_schedules([optax.linear_schedule(0.0, start, warmup), decay], [warmup])
+
+
+# ---- the sections of an experiment config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +127,14 @@ class ParallelConfig:
     rows_per_device: rows each device decodes at once; a rollout decodes its rows in chunks of (data-axis size ×
     rows_per_device), the KV cache sized to the chunk. 0 picks the most that fit in `memory_fraction` of the
     device's memory (all rows at once on a CPU, whose memory JAX does not report).
-    decode_layers: auto | scan | unrolled — how the decode loop runs the layers (`esroll.sampling.generate`; auto:
-    unrolled on a CPU, where it is faster, scan on accelerators, where compile time then does not grow with depth).
+    scan_unroll: how many layers one iteration of the layer `lax.scan` runs (its `unroll`); 1 keeps the program one
+    layer long; more can speed small models, the computed values are the same.
     decode_phases: the decode loop's phases (the KV cache grows between them)."""
 
     model: int = 1
     rows_per_device: int = 0
     memory_fraction: float = 0.9
-    decode_layers: str = "auto"
+    scan_unroll: int = 1
     decode_phases: int = 4
 
 
@@ -77,7 +151,8 @@ class DataConfig:
     the one held-out evaluation scores (with validation_size 0, test is the whole held-out set).
     min_difficulty (-1: off) keeps only examples at least that hard in both splits (arithmetic sums: their carries).
     reward: gold (the answer key) | majority (label-free, test-time RL: a completion is rewarded for agreeing with
-    the majority answer of the completions of its prompt; the gold answer is then used only for evaluation)."""
+    the majority answer of the completions of its prompt; the gold answer is then used only for evaluation).
+    task and template are names of `esroll.data` (`TASKS`, `TEMPLATES`)."""
 
     task: str = "arithmetic"
     path: str = ""
@@ -139,11 +214,324 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ESSettings:
+    """The ES settings a config file's `es` section holds (the estimator, `method`, is the experiment's top level).
+
+    These defaults are the only ones: config files start from them (`configs/default.py`) and set what differs.
+    population: members M per step. rank: r of E = ABᵀ/√r. sigma: perturbation radius (member i is θ ± σ·E_i); it
+    follows `sigma_schedule` (`esroll.schedules`: constant | linear | cosine) to `sigma_final` over `sigma_horizon`
+    steps, the same σ_t in the members' perturbation and in the estimator's 1/σ.
+    shaping: a name in `esroll.advantages.SHAPINGS`, applied to the fitness before the estimator (raw keeps it
+    unbiased; zscore makes the update independent of the reward scale).
+    How rewards become a member's fitness: each member answers each of the step's prompts `samples` times (K; more
+    than 1 needs train.temperature > 0), `sample_reduce` folds the K rewards (mean, or max: max@K, pass@K on 0/1
+    rewards), `prompt_shaping` (a name in `esroll.advantages.SHAPINGS`, across the members, prompt by prompt:
+    GRPO's group-relative normalisation, with the population as the group; raw: none) and the mean over prompts.
+    Leaf selection by path regex (see `esroll.es.noise`): defaults freeze embed / lm_head and vectors, perturb other
+    matrices.
+    chunk_size: directions per chunk when `tell` sums the update (0: all at once).
+    min_valid_fraction: non-finite fitness is dropped (see `esroll.es.estimators`); a step keeping fewer members than
+    this fraction of the population is skipped.
+    """
+
+    population: int = 64
+    rank: int = 1
+    sigma: float = 1e-3
+    sigma_schedule: str = "constant"
+    sigma_final: float = 0.0
+    sigma_horizon: int = 0
+    shaping: str = "zscore"
+    samples: int = 1
+    sample_reduce: str = "mean"
+    prompt_shaping: str = "raw"
+    lowrank_patterns: tuple[str, ...] = (".*",)
+    dense_patterns: tuple[str, ...] = ()
+    frozen_patterns: tuple[str, ...] = ("embed", "lm_head")
+    chunk_size: int = 0
+    min_valid_fraction: float = 0.5
+
+    def __post_init__(self):
+        checks = [
+            ("population", self.population >= 2, ">= 2"),
+            ("rank", self.rank >= 1, ">= 1"),
+            ("sigma", self.sigma > 0 and math.isfinite(self.sigma), "a positive finite number"),
+            ("sigma_schedule", self.sigma_schedule in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
+            (
+                "sigma_final",
+                self.sigma_schedule == "constant" or (self.sigma_final > 0 and math.isfinite(self.sigma_final)),
+                "a positive finite number (the estimator divides by σ)",
+            ),
+            ("sigma_horizon", self.sigma_schedule == "constant" or self.sigma_horizon >= 1, ">= 1 with a schedule"),
+            ("samples", self.samples >= 1, ">= 1"),
+            ("sample_reduce", self.sample_reduce in ("mean", "max"), "mean or max"),
+            ("chunk_size", self.chunk_size >= 0, ">= 0 (0: all directions at once)"),
+            ("min_valid_fraction", 0 <= self.min_valid_fraction <= 1, "in [0, 1]"),
+        ]
+        for field in ("lowrank_patterns", "dense_patterns", "frozen_patterns"):
+            patterns = getattr(self, field)
+            ok = isinstance(patterns, tuple) and all(isinstance(p, str) and _compiles(p) for p in patterns)
+            checks.append((field, ok, "a tuple of valid regular expressions"))
+        check_fields(self, checks, type(self).__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ESConfig(ESSettings):
+    """What an ES step does: the settings plus the estimator, `method`, a name in `esroll.es.estimators.METHODS`:
+    "eggroll" (antithetic pairs, population even) or "looroll" (one evaluation per direction, leave-one-out
+    baseline). `esroll.es.make_strategy` refuses a method or shaping that names no implementation."""
+
+    method: str = "looroll"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.method == "eggroll" and self.population % 2:
+            raise ConfigError("population", self.population, "even for eggroll (antithetic pairs)", where="ESConfig")
+
+    @classmethod
+    def of(cls, method: str, settings: ESSettings) -> ESConfig:
+        return cls(method=method, **{f.name: getattr(settings, f.name) for f in dataclasses.fields(ESSettings)})
+
+    @property
+    def num_directions(self) -> int:
+        """E, the directions of a step: M/2 antithetic pairs for eggroll, M for every other estimator (as
+        `esroll.es.estimators.num_directions`)."""
+        return self.population // 2 if self.method == "eggroll" else self.population
+
+
+def _compiles(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+    """Options of the group-advantage estimators (a config file's `grpo.adv`, `esroll.advantages`); each estimator
+    reads only its own.
+
+    horizon: the steps over which A-GRAE's schedules run (agrae needs it >= 1).
+    agrae_positive / agrae_positive_final: A-GRAE's factor on positive advantages at step 0 / from the horizon on
+        (linear in between; 1 = symmetric GRPO). agrae_focus: its difficulty-focus strength κ in [0, 1): a group of
+        success rate p is weighted 1 + κ·(1 − 2t)·(2p − 1), t = step / horizon (capped at 1): easy groups first,
+        hard ones by the end.
+    cluster_key: what groups prompts into BV-Blend's clusters (`esroll.data.cluster_key`): difficulty (the example's
+        difficulty bucket: carries of a sum, else the worked solution's steps), task, or a field of the example's
+        meta. bv_clusters: the size of BV-Blend's cluster table (cluster keys are hashed into it); bv_decay: its EMA
+        decay per update of a cluster (a cluster absent from a step keeps its history as it is); bv_blend_max: the
+        largest weight history gets; bv_sem: the standard error at which history gets half of
+        bv_blend_max; bv_prior_var: the variance assumed of a cluster before it has history (the SEM proxy's prior).
+    gmae_context: k, the other responses in a context (0: group_size // 2); gmae_max_contexts: above this many
+        contexts per response, a seeded sample of them is averaged (exact enumeration below it).
+    maxpo_k: K of MaxPO's max@K (pass@K on 0/1 rewards); needs group_size > K.
+    lampo_temperature: τ of LamPO's pair confidence 2σ(−τ·sign(r_i − r_j)·(ℓ_i − ℓ_j)), ℓ the mean token
+        log-probability (0: every pair weighs 1, which is RLOO).
+    ntf_baseline: batch | ema (the EMA of earlier batches' mean reward, decay ntf_decay); ntf_normalize: divide by the
+        batch's reward std; ntf_filter_prob: a negative sample's tokens sampled with probability ≥ this are not
+        penalised (1: nothing filtered).
+    ddrl_low / ddrl_high: a group whose modal answer is held by a fraction ≤ low of it is all negative, ≥ high has its
+        modal answers positive and the rest negative, in between it is left out; ddrl_value: the fixed advantage a.
+    """
+
+    horizon: int = 0
+    agrae_positive: float = 1.0
+    agrae_positive_final: float = 0.5
+    agrae_focus: float = 0.5
+    cluster_key: str = "difficulty"
+    bv_clusters: int = 64
+    bv_decay: float = 0.9
+    bv_blend_max: float = 0.5
+    bv_sem: float = 0.1
+    bv_prior_var: float = 0.25
+    gmae_context: int = 0
+    gmae_max_contexts: int = 256
+    maxpo_k: int = 2
+    lampo_temperature: float = 1.0
+    ntf_baseline: str = "batch"
+    ntf_decay: float = 0.9
+    ntf_normalize: bool = True
+    ntf_filter_prob: float = 0.5
+    ddrl_low: float = 0.3
+    ddrl_high: float = 0.6
+    ddrl_value: float = 1.0
+
+    def __post_init__(self):
+        checks = [
+            ("horizon", self.horizon >= 0, ">= 0"),
+            ("agrae_positive", self.agrae_positive >= 0, ">= 0"),
+            ("agrae_positive_final", self.agrae_positive_final >= 0, ">= 0"),
+            ("agrae_focus", 0 <= self.agrae_focus < 1, "in [0, 1)"),
+            ("bv_clusters", self.bv_clusters >= 1, ">= 1"),
+            ("bv_decay", 0 <= self.bv_decay < 1, "in [0, 1)"),
+            ("bv_blend_max", 0 <= self.bv_blend_max < 1, "in [0, 1)"),
+            ("bv_sem", self.bv_sem > 0, "> 0"),
+            ("bv_prior_var", self.bv_prior_var > 0, "> 0"),
+            ("gmae_context", self.gmae_context >= 0, ">= 0 (0: group_size // 2)"),
+            ("gmae_max_contexts", self.gmae_max_contexts >= 1, ">= 1"),
+            ("maxpo_k", self.maxpo_k >= 1, ">= 1"),
+            ("lampo_temperature", self.lampo_temperature >= 0, ">= 0"),
+            ("ntf_baseline", self.ntf_baseline in ("batch", "ema"), "batch or ema"),
+            ("ntf_decay", 0 <= self.ntf_decay < 1, "in [0, 1)"),
+            ("ntf_filter_prob", 0 < self.ntf_filter_prob <= 1, "in (0, 1]"),
+            ("ddrl_high", 0.5 < self.ddrl_high <= 1, "in (0.5, 1] (a unique modal answer)"),
+            ("ddrl_low", 0 <= self.ddrl_low < self.ddrl_high, "in [0, ddrl_high)"),
+            ("ddrl_value", self.ddrl_value > 0, "> 0"),
+        ]
+        check_fields(self, checks, "AdvantageConfig")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO settings (a config file's `grpo` section, `esroll.grpo`). Each step samples `group_size` completions per
+    prompt at `temperature`, then takes `inner_iterations` (μ) passes of `minibatches` optimizer steps each; a
+    minibatch's gradient is summed over `microbatches` (a memory knob only, except under ACPO, whose bounds are per
+    microbatch). advantage: an estimator of `esroll.advantages` (`ESTIMATORS`: "grpo" is TRL's scale_rewards="group";
+    rloo, dr_grpo, agrae, bv_blend, gmae, maxpo, lampo, ntf, ddrl, ...), with its options in `adv`
+    (`AdvantageConfig`); group_size 1 only for the single-rollout estimators (ntf). aggregation: a name of
+    `esroll.grpo.AGGREGATIONS` (see `esroll.grpo.token_weights`); beta: weight of the k3 KL to the initial policy
+    (0 keeps no reference model).
+
+    Token-level methods (both off by default, and then the loss is bit-identical to plain GRPO's):
+    STARE (`esroll.advantages.stare_token_weights`): with stare_quantile q > 0, the completion tokens whose surprisal
+    −log π_old is above the batch's q-quantile get their advantage scaled by 1 + stare_alpha·sign(A) (entropy-raising
+    credit up, entropy-lowering credit down; as a token weight, so with β > 0 it scales their KL term too) while the
+    gate is open (it starts closed); the gate opens when the previous step's measured
+    policy entropy is ≤ stare_entropy_low and closes when it is ≥ stare_entropy_high (`esroll.advantages.stare_gate`).
+    Progress advantage: with progress_coef η > 0, every token's advantage gets + η·(log π_θ − log π_ref) (no gradient
+    through it; π_ref the initial policy, kept as with β > 0): zero at the reference, so it adds to the advantage and
+    never scales it; its token mean is logged as `progress_mean` whenever the reference is kept.
+    ACPO (`esroll.grpo.acpo_bounds`): with acpo, the clip range of each token is 1 ± ε_k of its group k (tokens
+    grouped by π_old at acpo_edges), ε_k = clip(acpo_scale·std_k(ρ), acpo_min, acpo_max), the ratios' spread in that
+    group of the microbatch; epsilon_low / epsilon_high are then unused. Ratios leave 1 only off-policy (μ ≥ 2 or
+    several minibatches), so on-policy every ε_k is acpo_min and nothing changes. The bounds are logged (acpo_eps_<k>).
+
+    Memory knobs (the update is the same whatever their values, to float rounding): remat, what the backward pass
+    keeps of each decoder layer ("none": everything, including every layer's float32 attention scores; "full": only
+    its input, the residual stream, recomputing the layer; "dots": that and the weight matmuls' outputs; see
+    `esroll.models.transformer.REMAT_POLICIES`); logprob_chunk, the completion positions whose [rows, chunk, vocab]
+    float32 logits exist at once when scoring (0 = all max_new_tokens at once).
+
+    The names (advantage, aggregation, remat) and the group size an estimator needs are checked by
+    `esroll.grpo.check_names`."""
+
+    group_size: int = 8
+    advantage: str = "grpo"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    inner_iterations: int = 1
+    minibatches: int = 1
+    microbatches: int = 1
+    beta: float = 0.0
+    aggregation: str = "seq_mean_token_mean"
+    temperature: float = 1.0
+    remat: str = "full"
+    logprob_chunk: int = 64
+    adv: AdvantageConfig = AdvantageConfig()
+    stare_quantile: float = 0.0
+    stare_alpha: float = 0.5
+    stare_entropy_low: float = 0.3
+    stare_entropy_high: float = 0.6
+    progress_coef: float = 0.0
+    acpo: bool = False
+    acpo_edges: tuple[float, ...] = (0.1, 0.5, 0.9)
+    acpo_scale: float = 2.0
+    acpo_min: float = 0.1
+    acpo_max: float = 0.4
+
+    def __post_init__(self):
+        checks = [
+            ("group_size", self.group_size >= 1, ">= 1"),
+            (
+                "group_size",
+                self.advantage != "maxpo" or self.group_size > self.adv.maxpo_k,
+                f"> adv.maxpo_k = {self.adv.maxpo_k} (MaxPO's leave-two-out baseline)",
+            ),
+            (
+                "adv.horizon",
+                self.advantage != "agrae" or self.adv.horizon >= 1,
+                ">= 1 for agrae (its schedules' length)",
+            ),
+            ("stare_quantile", 0 <= self.stare_quantile < 1, "in [0, 1) (0: STARE off)"),
+            ("stare_alpha", 0 <= self.stare_alpha <= 1, "in [0, 1]"),
+            ("stare_entropy_low", self.stare_entropy_low >= 0, ">= 0"),
+            ("stare_entropy_high", self.stare_entropy_high > self.stare_entropy_low, "> stare_entropy_low"),
+            ("progress_coef", self.progress_coef >= 0, ">= 0"),
+            (
+                "acpo_edges",
+                all(0 < e < 1 for e in self.acpo_edges) and list(self.acpo_edges) == sorted(set(self.acpo_edges)),
+                "increasing probabilities in (0, 1)",
+            ),
+            ("acpo_scale", self.acpo_scale > 0, "> 0"),
+            ("acpo_min", 0 < self.acpo_min <= self.acpo_max, "in (0, acpo_max]"),
+            ("acpo_max", self.acpo_max < 1, "< 1 (the lower bound 1 − ε must stay positive)"),
+            ("temperature", self.temperature > 0, "> 0"),
+            ("epsilon_low", 0 <= self.epsilon_low < 1, "in [0, 1)"),
+            ("epsilon_high", self.epsilon_high >= 0, ">= 0"),
+            ("inner_iterations", self.inner_iterations >= 1, ">= 1"),
+            ("minibatches", self.minibatches >= 1, ">= 1"),
+            ("microbatches", self.microbatches >= 1, ">= 1"),
+            ("beta", self.beta >= 0, ">= 0"),
+            (
+                "logprob_chunk",
+                isinstance(self.logprob_chunk, int)
+                and not isinstance(self.logprob_chunk, bool)
+                and self.logprob_chunk >= 0,
+                "an integer >= 0 (0 = all positions at once)",
+            ),
+        ]
+        check_fields(self, checks, "GRPOConfig")
+
+
+@dataclasses.dataclass(frozen=True)
+class CurriculumConfig:
+    """A config file's `curriculum` section (`esroll.curriculum`; both methods off by default).
+
+    ads: adaptive data scheduling; ads_cluster_key: the clusters (`esroll.data.cluster_key`: difficulty, task or a
+    meta field); ads_temperature: β of the cluster weights; ads_decay: EMA decay of the success estimates;
+    ads_candidates: candidates drawn per prompt kept (boundary selection; 1: none).
+    prefix: AdaPrefix; prefix_source: a name of `esroll.curriculum.PREFIX_SOURCES`, solution (the worked solution) or
+    target (the direct answer, `target_text`); prefix_target: the success rate the controller holds; prefix_gain:
+    tokens of prefix per unit of success error; prefix_init: the starting k as a fraction of each solution's length;
+    prefix_horizon: the step from which no prefix is given (linear withdrawal from step 0).
+    """
+
+    ads: bool = False
+    ads_cluster_key: str = "difficulty"
+    ads_temperature: float = 2.0
+    ads_decay: float = 0.8
+    ads_candidates: int = 2
+    prefix: bool = False
+    prefix_source: str = "solution"
+    prefix_target: float = 0.5
+    prefix_gain: float = 2.0
+    prefix_init: float = 0.0
+    prefix_horizon: int = 100
+
+    def __post_init__(self):
+        checks = [
+            ("ads_temperature", self.ads_temperature >= 0, ">= 0"),
+            ("ads_decay", 0 <= self.ads_decay < 1, "in [0, 1)"),
+            ("ads_candidates", self.ads_candidates >= 1, ">= 1"),
+            ("prefix_target", 0 < self.prefix_target < 1, "in (0, 1)"),
+            ("prefix_gain", self.prefix_gain > 0, "> 0"),
+            ("prefix_init", 0 <= self.prefix_init <= 1, "in [0, 1]"),
+            ("prefix_horizon", self.prefix_horizon >= 1, ">= 1"),
+        ]
+        check_fields(self, checks, "CurriculumConfig")
+
+    @property
+    def active(self) -> bool:
+        return self.ads or self.prefix
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-    """method: looroll | eggroll (ES, settings in `es`) or grpo (settings in `grpo`). seed: the method's randomness
-    (noise, sampling); `data.seed` fixes the data. curriculum: what each step trains on (`esroll.curriculum`: adaptive
-    data scheduling, AdaPrefix), for every method. parallel: the device layout (mesh model axis, rollout chunks).
-    distributed: start `jax.distributed` (multi-host; one process per host, see the README)."""
+    """method: an ES estimator (looroll | eggroll, settings in `es`) or grpo (settings in `grpo`). seed: the method's
+    randomness (noise, sampling); `data.seed` fixes the data. curriculum: what each step trains on
+    (`esroll.curriculum`: adaptive data scheduling, AdaPrefix), for every method. parallel: the device layout (mesh
+    model axis, rollout chunks). distributed: start `jax.distributed` (multi-host; one process per host, see the
+    README). `validate` checks structure and ranges; `esroll.experiment.check_names` the registered names."""
 
     method: str = "looroll"
     seed: int = 0
@@ -159,27 +547,22 @@ class ExperimentConfig:
 
     @property
     def es_config(self) -> ESConfig:
-        """The ES configuration of an ES method (`method` in looroll | eggroll)."""
+        """The ES configuration of an ES method (`method` an ES estimator)."""
         return ESConfig.of(self.method, self.es)
 
     def validate(self) -> ExperimentConfig:
+        """`self` if its values agree with each other and lie in range; else raise the ConfigError of the first that
+        does not, naming its key. Names are not checked here (`esroll.experiment.check_names`)."""
         rows = self.train.prompts_per_step * self.grpo.group_size  # completions sampled per GRPO step
         checks = [
-            ("method", self.method in METHODS, f"one of {', '.join(METHODS)}"),
             ("model.path", bool(self.model.path), "a local model folder (--config.model.path=DIR) or a Hub id"),
             ("model.dtype", self.model.dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
             ("model.master_dtype", self.model.master_dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
             ("parallel.model", self.parallel.model >= 1, ">= 1"),
             ("parallel.rows_per_device", self.parallel.rows_per_device >= 0, ">= 0 (0: as many as fit)"),
             ("parallel.memory_fraction", 0 < self.parallel.memory_fraction <= 1, "in (0, 1]"),
-            (
-                "parallel.decode_layers",
-                self.parallel.decode_layers in DECODE_LAYERS,
-                f"one of {', '.join(DECODE_LAYERS)}",
-            ),
+            ("parallel.scan_unroll", self.parallel.scan_unroll >= 1, ">= 1"),
             ("parallel.decode_phases", self.parallel.decode_phases >= 1, ">= 1"),
-            ("data.task", self.data.task in TASKS, f"one of {', '.join(TASKS)}"),
-            ("data.template", self.data.template in TEMPLATES, f"one of {', '.join(TEMPLATES)}"),
             ("data.eval_size", self.data.eval_size >= 1, ">= 1"),
             (
                 "data.validation_size",
@@ -188,11 +571,6 @@ class ExperimentConfig:
             ),
             ("data.eval_split", self.data.eval_split in EVAL_SPLITS, f"one of {', '.join(EVAL_SPLITS)}"),
             ("data.reward", self.data.reward in REWARDS, f"one of {', '.join(REWARDS)}"),
-            (
-                "data.reward",
-                self.data.reward == "gold" or self.data.task in NUMERIC_TASKS,
-                f"'gold' for data.task={self.data.task!r} (label-free rewards vote on numeric answers)",
-            ),
             (
                 "method",
                 self.method == "grpo"
@@ -204,11 +582,6 @@ class ExperimentConfig:
                 "grpo.group_size",
                 self.method != "grpo" or self.data.reward == "gold" or self.grpo.group_size >= 2,
                 ">= 2 with data.reward='majority' (a vote needs a group)",
-            ),
-            (
-                "grpo.advantage",
-                self.method != "grpo" or self.grpo.advantage not in LABEL_FREE_ONLY or self.data.reward == "majority",
-                "an estimator that reads gold rewards, or data.reward='majority' (ddrl is label-free only)",
             ),
             (
                 "data.eval_split",
@@ -235,7 +608,7 @@ class ExperimentConfig:
             ("train.eval_every", self.train.eval_every >= 1, ">= 1"),
             (
                 "es.samples",
-                self.method not in ES_METHODS or self.es.samples == 1 or self.train.temperature > 0,
+                self.method == "grpo" or self.es.samples == 1 or self.train.temperature > 0,
                 "1 when train.temperature is 0 (greedy decoding gives K identical answers)",
             ),
             ("train.checkpoint_every", self.train.checkpoint_every >= 1, ">= 1"),
@@ -250,12 +623,10 @@ class ExperimentConfig:
                 f"a divisor of the minibatch size, {rows} / grpo.minibatches",
             ),
         ]
-        for key, ok, expected in checks:
-            if not ok:
-                raise ConfigError(key, _get(self, key), expected)
-        if self.method in ES_METHODS:
+        check_fields(self, checks, "config")
+        if self.method != "grpo":
             try:
-                self.es_config
+                self.es_config  # what the ES method adds to the settings (eggroll: an even population)
             except ConfigError as e:
                 raise e.under("es.") from None
         return self
@@ -264,6 +635,8 @@ class ExperimentConfig:
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     """The optax optimizer `cfg` names at its learning-rate schedule (global-norm clipping first when
     `max_grad_norm` > 0)."""
+    import optax  # imports JAX: not at module import (see the module docstring)
+
     lr = make_schedule(cfg.schedule, cfg.lr, cfg.lr_final, cfg.horizon, cfg.warmup_steps)
     if cfg.name == "sgd":
         opt = optax.sgd(lr)
@@ -274,14 +647,12 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), opt) if cfg.max_grad_norm > 0 else opt
 
 
-def _get(obj: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
+# ---- config files
 
 
 def from_config_dict(cd: Any, cls: type = ExperimentConfig, prefix: str = "") -> Any:
-    """Build `cls` from a (nested) mapping, refusing unknown keys and values of the wrong type or range."""
+    """Build `cls` from a (nested) mapping, refusing unknown keys and values of the wrong type or range (an
+    ExperimentConfig is also `validate`d; its names are checked by `esroll.experiment.check_names`)."""
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     values = {}

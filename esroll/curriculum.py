@@ -23,56 +23,11 @@ of the prompt, so its tokens are outside the loss.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-from esroll.errors import check_fields
+from esroll.config import CurriculumConfig
 
-PREFIX_SOURCES = ("solution", "target")
-
-
-@dataclasses.dataclass(frozen=True)
-class CurriculumConfig:
-    """A config file's `curriculum` section (both methods off by default).
-
-    ads: adaptive data scheduling; ads_cluster_key: the clusters (`esroll.data.cluster_key`: difficulty, task or a
-    meta field); ads_temperature: β of the cluster weights; ads_decay: EMA decay of the success estimates;
-    ads_candidates: candidates drawn per prompt kept (boundary selection; 1: none).
-    prefix: AdaPrefix; prefix_source: solution (the worked solution) or target (the direct answer, `target_text`);
-    prefix_target: the success rate the controller holds; prefix_gain: tokens of prefix per unit of success error;
-    prefix_init: the starting k as a fraction of each solution's length; prefix_horizon: the step from which no
-    prefix is given (linear withdrawal from step 0).
-    """
-
-    ads: bool = False
-    ads_cluster_key: str = "difficulty"
-    ads_temperature: float = 2.0
-    ads_decay: float = 0.8
-    ads_candidates: int = 2
-    prefix: bool = False
-    prefix_source: str = "solution"
-    prefix_target: float = 0.5
-    prefix_gain: float = 2.0
-    prefix_init: float = 0.0
-    prefix_horizon: int = 100
-
-    def __post_init__(self):
-        checks = [
-            ("ads_temperature", self.ads_temperature >= 0, ">= 0"),
-            ("ads_decay", 0 <= self.ads_decay < 1, "in [0, 1)"),
-            ("ads_candidates", self.ads_candidates >= 1, ">= 1"),
-            ("prefix_source", self.prefix_source in PREFIX_SOURCES, f"one of {', '.join(PREFIX_SOURCES)}"),
-            ("prefix_target", 0 < self.prefix_target < 1, "in (0, 1)"),
-            ("prefix_gain", self.prefix_gain > 0, "> 0"),
-            ("prefix_init", 0 <= self.prefix_init <= 1, "in [0, 1]"),
-            ("prefix_horizon", self.prefix_horizon >= 1, ">= 1"),
-        ]
-        check_fields(self, checks, "CurriculumConfig")
-
-    @property
-    def active(self) -> bool:
-        return self.ads or self.prefix
+PREFIX_SOURCES = ("solution", "target")  # what AdaPrefix takes its prefix from (`CurriculumConfig.prefix_source`)
 
 
 # ---- ADS

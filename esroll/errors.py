@@ -4,40 +4,19 @@ The entry scripts print an `InputError` as that one line (no traceback) and exit
 and keeps its traceback. Library code that reads user input (configs, model folders, data files, workdirs) runs
 inside `reading(...)`, which turns the ValueError / OSError / ImportError such code raises into an InputError with
 the same message.
+
+`InputError`, `ConfigError`, `check_fields` and `unknown_key` are defined in `esroll.config`, which imports nothing
+from esroll so that every module can import its configuration without a cycle; they are importable from here too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import difflib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
+from esroll.config import ConfigError, InputError, check_fields, unknown_key
 
-class InputError(ValueError):
-    """Bad input: a config key or value, a model folder or file, a data row, a workdir. The message is one line."""
-
-
-class ConfigError(InputError):
-    """A config value out of range: names the key, the value and what is expected."""
-
-    def __init__(self, key: str, value, expected: str, where: str = "config"):
-        self.key, self.value, self.expected = key, value, expected
-        super().__init__(f"{where}: invalid value for '{key}': {value!r} (expected {expected})")
-
-    def under(self, prefix: str) -> ConfigError:
-        """The same error for the key as a config file spells it (`es.` + `sigma`)."""
-        return ConfigError(prefix + self.key, self.value, self.expected)
-
-
-def check_fields(obj, checks: Iterable[tuple[str, bool, str]], where: str) -> None:
-    """Raise the ConfigError of the first failed (field, ok, expected) check of `obj` (a dotted field names a nested
-    value, e.g. "adv.horizon")."""
-    for field, ok, expected in checks:
-        if not ok:
-            value = obj
-            for part in field.split("."):
-                value = getattr(value, part)
-            raise ConfigError(field, value, expected, where=where)
+__all__ = ["ConfigError", "InputError", "check_fields", "reading", "unknown_key"]
 
 
 @contextlib.contextmanager
@@ -50,12 +29,3 @@ def reading(what: str = "") -> Iterator[None]:
     except (ValueError, OSError, ImportError) as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(f"{what}: {message}" if what else message) from e
-
-
-def unknown_key(key: str, known: Iterable[str]) -> str:
-    """'unknown key 'es.sigmaa' (did you mean 'es.sigma'?)' — the nearest known key of the same section."""
-    known = sorted(known)
-    prefix, _, name = key.rpartition(".")
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f"did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else f"known: {', '.join(known)}"
-    return f"config: unknown key '{key}' ({hint})"

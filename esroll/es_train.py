@@ -21,29 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from esroll import advantages, es, memory, parallel, sharding
-from esroll.config import ExperimentConfig, OptimConfig, make_optimizer
+from esroll.config import ESConfig, ExperimentConfig, OptimConfig, make_optimizer
 from esroll.data import Example
 from esroll.rollout import Sampling, rollout
 from esroll.task import Method, Task
 
 
-TELL_TILE_ENTRIES = 524288  # entries per leaf and tile of `tell`'s tiled update on a CPU (`tell_tile_entries`)
-
-
-def tell_tile_entries(optim: OptimConfig, mesh) -> int:
-    """`tile_entries` of the trainer's `tell` (`es.make_strategy`): tiles on a one-device CPU mesh with an optimizer
-    that acts entry by entry (no global-norm clipping), 0 (the whole-tree update) elsewhere. XLA's CPU backend runs
-    each step of the optimizer's arithmetic as its own pass over memory (no multi-output fusion), so the whole-tree
-    update moves several times the bytes of the masters and moments; tile by tile, those passes stay in cache
-    (`tell` at Qwen3-0.6B shapes: 1.1-1.5 s in place, against 3.8-9.2 s whole-tree, README). XLA's accelerator
-    backends have multi-output fusion, and a sharded update is left to the compiler's partitioner; neither was
-    measured tiled."""
-    cpu_alone = mesh.size == 1 and mesh.devices.flat[0].platform == "cpu"
-    return TELL_TILE_ENTRIES if cpu_alone and optim.max_grad_norm == 0 else 0
-
-
 @functools.cache
-def _strategy(es_cfg: es.ESConfig, optim: OptimConfig, mesh) -> es.Strategy:
+def _strategy(es_cfg: ESConfig, optim: OptimConfig, mesh) -> es.Strategy:
     """The strategy with jitted ask / tell, one per (ES config, optimizer config, mesh) in a process, so that runs of
     one process (a comparison's warm-up and its timed runs) share their compilation. `ask`'s deltas follow the
     weights' tensor-parallel layout; `tell` donates the master parameters and the state, computes each device's shard
@@ -52,9 +37,7 @@ def _strategy(es_cfg: es.ESConfig, optim: OptimConfig, mesh) -> es.Strategy:
     def constrain(tree):
         return jax.lax.with_sharding_constraint(tree, sharding.master_shardings(mesh, tree))
 
-    strategy = es.make_strategy(
-        es_cfg, make_optimizer(optim), constrain=constrain, tile_entries=tell_tile_entries(optim, mesh)
-    )
+    strategy = es.make_strategy(es_cfg, make_optimizer(optim), constrain=constrain)
 
     def ask(state, params):
         deltas = strategy.ask(state, params)
@@ -62,9 +45,7 @@ def _strategy(es_cfg: es.ESConfig, optim: OptimConfig, mesh) -> es.Strategy:
 
     # jit pairs each donated input buffer with the first output of its shape and dtype, in order. `tell` takes
     # (state, params) and returns (params, state): jitted as it is, each new master would be written into an old
-    # moment's buffer and each moment into another's, and the in-place tiled update would copy every one of them on
-    # entry and on exit (`tell` at Qwen3-0.6B shapes on a CPU: 2.2 s against 1.2-1.5 s, README). Taking the
-    # parameters first pairs every buffer with its own.
+    # moment's buffer and each moment into another's. Taking the parameters first pairs every buffer with its own.
     in_place = jax.jit(lambda params, state, fitness_M: strategy.tell(state, params, fitness_M), donate_argnums=(0, 1))
 
     def tell(state, params, fitness_M):
@@ -74,7 +55,7 @@ def _strategy(es_cfg: es.ESConfig, optim: OptimConfig, mesh) -> es.Strategy:
     return strategy._replace(ask=jax.jit(ask), tell=tell)
 
 
-def state_shardings(es_cfg: es.ESConfig, optim: OptimConfig, mesh, params) -> es.ESState:
+def state_shardings(es_cfg: ESConfig, optim: OptimConfig, mesh, params) -> es.ESState:
     """Where an ES state lives: optimizer moments like the master weights they mirror, step and key replicated."""
     optimizer = make_optimizer(optim)
     train = es.trainable(es_cfg, params)
@@ -119,7 +100,7 @@ def estimate_rows_per_device(cfg: ExperimentConfig, model_cfg, prompt_len: int, 
     )
 
 
-def strategy_config(es_cfg: es.ESConfig) -> es.ESConfig:
+def strategy_config(es_cfg: ESConfig) -> ESConfig:
     """`es_cfg` without how rewards become fitness (host-side): runs that differ only there share one compiled
     strategy, and the planner compiles the trainer's program."""
     return dataclasses.replace(es_cfg, samples=1, sample_reduce="mean", prompt_shaping="raw")

@@ -26,13 +26,16 @@ Memory (the update's temporaries): each layer of the policy's forward is remater
 pass keeps O(L·b·T·D) activations in the model dtype rather than every layer's float32 attention scores, and the
 log-probabilities come from the completion positions only, `logprob_chunk` at a time (`sequence_logprobs`), so no
 [b, T, V] float32 logits buffer exists.
+
+The settings, `GRPOConfig`, live in `esroll.config` with every other config (importable from here); the names they
+hold are checked against the registries by `check_names`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,125 +44,41 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import advantages, parallel, sharding
+from esroll.config import (
+    AdvantageConfig,
+    ConfigError,
+    ExperimentConfig,
+    GRPOConfig,
+    OptimConfig,
+    check_fields,
+    make_optimizer,
+)
 from esroll.data import Example, cluster_key
-from esroll.errors import check_fields
 from esroll.models import STACKED
 from esroll.models.transformer import REMAT_POLICIES
 from esroll.rollout import Sampling, rollout
 from esroll.sampling import sequence_logprobs
 from esroll.task import Method, Task
 
-if TYPE_CHECKING:  # esroll.config imports GRPOConfig from here
-    from esroll.config import ExperimentConfig, OptimConfig
-
 Array = jax.Array
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "constant_length")
 
 
-@dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-    """GRPO settings (a config file's `grpo` section). Each step samples `group_size` completions per prompt at
-    `temperature`, then takes `inner_iterations` (μ) passes of `minibatches` optimizer steps each; a minibatch's
-    gradient is summed over `microbatches` (a memory knob only, except under ACPO, whose bounds are per microbatch). advantage: an estimator of `esroll.advantages`
-    (`ESTIMATORS`: "grpo" is TRL's scale_rewards="group"; rloo, dr_grpo, agrae, bv_blend, gmae, maxpo, lampo, ntf,
-    ddrl, ...), with its options in `adv` (`esroll.advantages.AdvantageConfig`); group_size 1 only for the
-    single-rollout estimators (ntf). aggregation: see `token_weights`; beta: weight of the k3 KL to the initial
-    policy (0 keeps no reference model).
-
-    Token-level methods (both off by default, and then the loss is bit-identical to plain GRPO's):
-    STARE (`esroll.advantages.stare_token_weights`): with stare_quantile q > 0, the completion tokens whose surprisal
-    −log π_old is above the batch's q-quantile get their advantage scaled by 1 + stare_alpha·sign(A) (entropy-raising
-    credit up, entropy-lowering credit down; as a token weight, so with β > 0 it scales their KL term too) while the
-    gate is open (it starts closed); the gate opens when the previous step's measured
-    policy entropy is ≤ stare_entropy_low and closes when it is ≥ stare_entropy_high (`stare_gate`).
-    Progress advantage: with progress_coef η > 0, every token's advantage gets + η·(log π_θ − log π_ref) (no gradient
-    through it; π_ref the initial policy, kept as with β > 0): zero at the reference, so it adds to the advantage and
-    never scales it; its token mean is logged as `progress_mean` whenever the reference is kept.
-    ACPO (`acpo_bounds`): with acpo, the clip range of each token is 1 ± ε_k of its group k (tokens grouped by
-    π_old at acpo_edges), ε_k = clip(acpo_scale·std_k(ρ), acpo_min, acpo_max), the ratios' spread in that group of the
-    microbatch; epsilon_low / epsilon_high are then unused. Ratios leave 1 only off-policy (μ ≥ 2 or several
-    minibatches), so on-policy every ε_k is acpo_min and nothing changes. The bounds are logged (acpo_eps_<k>).
-
-    Memory knobs (the update is the same whatever their values, to float rounding): remat, what the backward pass
-    keeps of each decoder layer ("none": everything, including every layer's float32 attention scores; "full": only
-    its input, the residual stream, recomputing the layer; "dots": that and the weight matmuls' outputs; see
-    `esroll.models.transformer.REMAT_POLICIES`); logprob_chunk, the completion positions whose [rows, chunk, vocab]
-    float32 logits exist at once when scoring (0 = all max_new_tokens at once)."""
-
-    group_size: int = 8
-    advantage: str = "grpo"
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    inner_iterations: int = 1
-    minibatches: int = 1
-    microbatches: int = 1
-    beta: float = 0.0
-    aggregation: str = "seq_mean_token_mean"
-    temperature: float = 1.0
-    remat: str = "full"
-    logprob_chunk: int = 64
-    adv: advantages.AdvantageConfig = advantages.AdvantageConfig()
-    stare_quantile: float = 0.0
-    stare_alpha: float = 0.5
-    stare_entropy_low: float = 0.3
-    stare_entropy_high: float = 0.6
-    progress_coef: float = 0.0
-    acpo: bool = False
-    acpo_edges: tuple[float, ...] = (0.1, 0.5, 0.9)
-    acpo_scale: float = 2.0
-    acpo_min: float = 0.1
-    acpo_max: float = 0.4
-
-    def __post_init__(self):
-        single = self.advantage in advantages.SINGLE_ROLLOUT
-        checks = [
-            ("group_size", self.group_size >= (1 if single else 2), ">= 1" if single else ">= 2"),
-            ("advantage", self.advantage in advantages.ESTIMATORS, f"one of {', '.join(advantages.ESTIMATORS)}"),
-            (
-                "group_size",
-                self.advantage != "maxpo" or self.group_size > self.adv.maxpo_k,
-                f"> adv.maxpo_k = {self.adv.maxpo_k} (MaxPO's leave-two-out baseline)",
-            ),
-            (
-                "adv.horizon",
-                self.advantage != "agrae" or self.adv.horizon >= 1,
-                ">= 1 for agrae (its schedules' length)",
-            ),
-            ("stare_quantile", 0 <= self.stare_quantile < 1, "in [0, 1) (0: STARE off)"),
-            ("stare_alpha", 0 <= self.stare_alpha <= 1, "in [0, 1]"),
-            ("stare_entropy_low", self.stare_entropy_low >= 0, ">= 0"),
-            ("stare_entropy_high", self.stare_entropy_high > self.stare_entropy_low, "> stare_entropy_low"),
-            ("progress_coef", self.progress_coef >= 0, ">= 0"),
-            (
-                "acpo_edges",
-                all(0 < e < 1 for e in self.acpo_edges) and list(self.acpo_edges) == sorted(set(self.acpo_edges)),
-                "increasing probabilities in (0, 1)",
-            ),
-            ("acpo_scale", self.acpo_scale > 0, "> 0"),
-            ("acpo_min", 0 < self.acpo_min <= self.acpo_max, "in (0, acpo_max]"),
-            ("acpo_max", self.acpo_max < 1, "< 1 (the lower bound 1 − ε must stay positive)"),
-            ("aggregation", self.aggregation in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),
-            ("temperature", self.temperature > 0, "> 0"),
-            ("epsilon_low", 0 <= self.epsilon_low < 1, "in [0, 1)"),
-            ("epsilon_high", self.epsilon_high >= 0, ">= 0"),
-            ("inner_iterations", self.inner_iterations >= 1, ">= 1"),
-            ("minibatches", self.minibatches >= 1, ">= 1"),
-            ("microbatches", self.microbatches >= 1, ">= 1"),
-            ("beta", self.beta >= 0, ">= 0"),
-            (
-                "remat",
-                isinstance(self.remat, str) and self.remat in REMAT_POLICIES,
-                f"one of {', '.join(REMAT_POLICIES)}",
-            ),
-            (
-                "logprob_chunk",
-                isinstance(self.logprob_chunk, int)
-                and not isinstance(self.logprob_chunk, bool)
-                and self.logprob_chunk >= 0,
-                "an integer >= 0 (0 = all positions at once)",
-            ),
-        ]
-        check_fields(self, checks, "GRPOConfig")
+def check_names(g: GRPOConfig) -> None:
+    """Raise the one-line ConfigError of the first name in `g` that names no implementation (its advantage estimator,
+    `esroll.advantages.ESTIMATORS`; its aggregation, `AGGREGATIONS`; its remat policy,
+    `esroll.models.transformer.REMAT_POLICIES`), or of a group size the estimator cannot use (>= 2, but for the
+    single-rollout estimators, `esroll.advantages.SINGLE_ROLLOUT`). `GRPOConfig` (in `esroll.config`) checks
+    everything else when it is built but cannot see these registries; `make_update` and `make_grpo_method` run this,
+    so that a config built by hand is refused before anything runs."""
+    single = g.advantage in advantages.SINGLE_ROLLOUT
+    checks = [
+        ("advantage", g.advantage in advantages.ESTIMATORS, f"one of {', '.join(advantages.ESTIMATORS)}"),
+        ("group_size", single or g.group_size >= 2, ">= 2"),
+        ("aggregation", g.aggregation in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),
+        ("remat", isinstance(g.remat, str) and g.remat in REMAT_POLICIES, f"one of {', '.join(REMAT_POLICIES)}"),
+    ]
+    check_fields(g, checks, "GRPOConfig")
 
 
 # ---- the loss: a pure function of log-probabilities
@@ -330,8 +249,6 @@ def init_state(grpo: GRPOConfig, optimizer, params) -> GRPOState:
 def state_shardings(grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, params) -> GRPOState:
     """Where a GRPO state lives: the optimizer moments like the master weights they mirror, the reference policy like
     the masters, step counts replicated."""
-    from esroll.config import make_optimizer  # esroll.config imports this module
-
     optimizer = make_optimizer(optim)
     masters = sharding.master_shardings(mesh, params)
     abstract = jax.eval_shape(optimizer.init, params)
@@ -365,15 +282,11 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
     With `compute_dtype`, the loss runs on the gathered parameters cast to it (the masters keep their dtype, and the
     gradient arrives in it).
     Parameters and state come out FSDP-sharded, whatever their input sharding. One per (model, GRPO config,
-    optimizer config, mesh) in a process, so that runs of one process share their compilation.
+    optimizer config, mesh) in a process, so that runs of one process share their compilation. A name in `grpo`
+    that no module implements is refused first (`check_names`).
     """
-    from esroll.config import make_optimizer  # esroll.config imports this module
-
+    check_names(grpo)
     optimizer = make_optimizer(optim)
-    # On a CPU mesh that does not split the weights' columns: q/k/v and gate/up as one GEMM each, and, without remat,
-    # the layers unrolled (see `forward`). The mesh's devices name the platform, so a deviceless TPU plan compiled on
-    # a CPU host keeps the accelerator's form.
-    cpu_form = mesh.devices.flat[0].platform == "cpu" and mesh.shape.get(parallel.MODEL, 1) == 1
 
     def micro_loss(params, ref_params, micro: Rollouts, on_policy):
         def logprobs(p, with_entropy):
@@ -393,8 +306,6 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
                 chunk=grpo.logprob_chunk,
                 with_entropy=with_entropy,
                 layer_params=functools.partial(_gather_layer, mesh),
-                fuse=cpu_form,
-                unroll=cpu_form and grpo.remat == "none",
             )
 
         # The policy's per-token entropy comes from the same forward (a metric: no gradient).
@@ -496,7 +407,7 @@ def update_config(g: GRPOConfig) -> GRPOConfig:
     """`g` without what acts only on the host (the estimator, STARE, the group size): runs that differ only there
     share one compiled update, and the planner compiles the trainer's program."""
     return dataclasses.replace(
-        g, advantage="grpo", adv=advantages.AdvantageConfig(), group_size=2, stare_quantile=0.0, stare_alpha=0.5
+        g, advantage="grpo", adv=AdvantageConfig(), group_size=2, stare_quantile=0.0, stare_alpha=0.5
     )
 
 
@@ -504,8 +415,13 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     """The GRPO method; sampling decodes `rows_per_device` rows per device at once (as `esroll.plan` chose them),
     else `parallel.rows_per_device` (0: all of a device's share). `step` expects the masters as `esroll.task.load_task`
     places them on `mesh` and the state as `init` (or a restore into its layout) leaves it; the update returns both in
-    that layout, so it compiles once."""
+    that layout, so it compiles once. A name in `cfg.grpo` that no module implements is refused first
+    (`check_names`, naming the key as a config file spells it)."""
     g = cfg.grpo
+    try:
+        check_names(g)
+    except ConfigError as e:
+        raise e.under("grpo.") from None
     X, M = cfg.train.prompts_per_step, g.group_size
     n_mini, n_micro = g.minibatches, g.microbatches
     b = X * M // (n_mini * n_micro)  # rows per microbatch
@@ -517,8 +433,6 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     sample_key = jax.random.key(cfg.seed + 1)
     rows_per_device = rows_per_device or cfg.parallel.rows_per_device
     sampling = Sampling.of(cfg.train.max_new_tokens, g.temperature, cfg.parallel, rows_per_device)
-    from esroll.config import make_optimizer  # esroll.config imports this module
-
     step_update = make_update(task.cfg, update_config(g), cfg.optimizer, mesh, cfg.model.dtype)
     optimizer = make_optimizer(cfg.optimizer)
 

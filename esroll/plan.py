@@ -5,8 +5,7 @@ A GRPO step (`plan_grpo`) runs the cast, `generate` (the step's completions, in 
 minibatch, and evaluation's `generate`. An ES step (`plan_es`) runs five programs: `cast` (master weights → the decoding copy), `ask` (this step's low-rank factors),
 `generate` (one chunk of the population's rows, perturbed), `tell` (estimate and optimizer update of the masters,
 donated), and held-out evaluation's `generate` (greedy, unperturbed). Each is compiled exactly as the trainer
-runs it — from the same functions, shardings and settings, with the platform taken from the target rather than from
-the host — and its per-device memory is read from the compiler (`memory_analysis`: arguments, outputs, temporaries,
+runs it — from the same functions, shardings and settings, on the target's devices — and its per-device memory is read from the compiler (`memory_analysis`: arguments, outputs, temporaries,
 aliased donations). Buffers that live through the step but are not a program's arguments (the masters and optimizer
 state while decoding) are added to that program's figure; the step's peak is the largest sum.
 
@@ -28,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from esroll import es_train, memory, parallel, sharding
-from esroll.config import ExperimentConfig
+from esroll import es_train, grpo, memory, parallel, sharding
+from esroll.config import ExperimentConfig, make_optimizer
 from esroll.models import ModelConfig, Perturbation, param_shapes
 from esroll.sampling import lower_generate
 
@@ -203,7 +202,6 @@ class _Target:
         perturb = None
         if deltas is not None:
             perturb = Perturbation(deltas, jax.ShapeDtypeStruct((chunk,), jnp.int32, sharding=rows))
-        layers = None if self.cfg.parallel.decode_layers == "auto" else self.cfg.parallel.decode_layers
         return lower_generate(
             self.model_cfg,
             self.compute,
@@ -214,9 +212,8 @@ class _Target:
             eos_ids=self.eos_ids,
             prompt_mask=mask,
             perturb=perturb,
-            layers=layers,
             phases=self.cfg.parallel.decode_phases,
-            platform=self.platform,
+            unroll=self.cfg.parallel.scan_unroll,
         )
 
     def fit_rows(self, name: str, per_device: int, temperature: float, beside: int, deltas=None):
@@ -304,9 +301,6 @@ def plan_grpo(
     """Compile a GRPO step of `cfg` for `mesh` and measure it: the cast of the sharded masters to the decoding
     copy, sampling the step's X·G completions (`generate`, in chunks as for ES), one optimizer update on one minibatch
     (`esroll.grpo.make_update`: gradient accumulated over its microbatches), and evaluation's `generate`."""
-    from esroll import grpo
-    from esroll.config import make_optimizer
-
     t = _Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
     g = cfg.grpo
     params = _abstract(t.shapes, cfg.model.master_dtype, sharding.master_shardings(mesh, t.shapes))

@@ -30,27 +30,26 @@ PAD = -1  # in a row → example map: a padding row
 
 class Sampling(NamedTuple):
     """How rows are decoded: temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. rows_per_device:
-    rows each device decodes at once (0: all of its share in one call); layers / phases: `generate`'s decode form
-    (None: the platform's default) and decode phases."""
+    rows each device decodes at once (0: all of its share in one call); phases / unroll: `generate`'s decode phases
+    and layers per scan iteration."""
 
     max_new_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     rows_per_device: int = 0
-    layers: str | None = None
     phases: int = 4
+    unroll: int = 1
 
     @classmethod
     def of(cls, max_new_tokens: int, temperature: float, parallel_cfg, rows_per_device: int = 0) -> Sampling:
-        """Sampling settings with a config's `parallel` section (decode form, phases) and a chosen row count."""
-        layers = None if parallel_cfg.decode_layers == "auto" else parallel_cfg.decode_layers
+        """Sampling settings with a config's `parallel` section (phases, scan unroll) and a chosen row count."""
         return cls(
             max_new_tokens,
             temperature,
             rows_per_device=rows_per_device,
-            layers=layers,
             phases=parallel_cfg.decode_phases,
+            unroll=parallel_cfg.scan_unroll,
         )
 
 
@@ -127,7 +126,7 @@ def rollout(
             perturb=perturb,
             pad_id=task.pad_id,
             row_offset=start,
-            layers=sampling.layers,
+            unroll=sampling.unroll,
             phases=sampling.phases,
         )
         idx, tokens = parallel.local_rows(gen.tokens)

@@ -4,8 +4,8 @@ Rows may belong to different ES population members: `perturb` (an `esroll.models
 forward, prefill and decode alike, so each row sees its member's weights in every matmul of every step. The factors
 are whatever the caller built, once per call; nothing here draws or rebuilds them.
 
-Shapes (batch, padded prompt length, `max_new_tokens`), the sampling settings and the decode form (`layers`, `fuse`,
-`phases`) are static; parameters, factors, keys, EOS ids, the pad id and the row offset are traced. A training run
+Shapes (batch, padded prompt length, `max_new_tokens`), the sampling settings, `phases` and `unroll` are static;
+parameters, factors, keys, EOS ids, the pad id and the row offset are traced. A training run
 thus compiles `generate` once per prompt-length bucket (`pad_prompts`) and chunk size, not once per step or chunk.
 
 Shape letters (see `esroll`): B rows, P padded prompt length, N new tokens, T positions, S cache slots, V vocabulary.
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from esroll.models import STACKED, KVCache, ModelConfig, Perturbation, forward, init_cache, unstack_layers
-from esroll.models.layers import fuse_matmuls
+from esroll.models import KVCache, ModelConfig, Perturbation, forward, init_cache
+from esroll.models.transformer import head
 
 Array = jax.Array
 
@@ -82,44 +82,20 @@ def generate(
     perturb: Perturbation | None = None,
     pad_id: int = 0,
     cache_dtype=None,
-    fuse: bool | None = None,
-    layers: str | None = None,
     phases: int = 4,
     row_offset: int | Array = 0,
-    platform: str | None = None,
-    upcast: bool | None = None,
+    unroll: int = 1,
 ) -> Generation:
     """Sample up to `max_new_tokens` per row after left-padded prompts (`prompt_mask` False on pads).
 
     temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. A row finishes at its first token in
     `eos_ids`; the loop exits when all rows have. Rows whose prompt is all padding count as finished from the start.
-    The KV cache is kept in `cache_dtype` (default: the embedding's dtype, float32 when upcasting).
+    The KV cache is kept in `cache_dtype` (default: the embedding's dtype).
 
-    `upcast` decodes from a float32 copy of bfloat16 / float16 weights, made once per call: XLA's CPU dots in bfloat16
-    run below their float32 rate at decode's row counts (`realshape_step`'s roofline, 64 × 1024 × 3072: 76–133 against
-    107–216 GFLOP/s in three runs), so on a CPU the copy pays for itself (64 rows at Qwen3-0.6B shapes: 63 decode
-    steps in 46–76 s instead of 90–103 s). It costs the weights' size again in memory. None (default) picks True on
-    the CPU and False elsewhere. The tokens are those of the weights as stored, computed at higher precision (so they
-    can differ from bfloat16 compute by rounding).
-
-    `fuse` chooses how the decode loop runs its matmuls: True prepares fused weights once per call
-    (`esroll.models.layers.fuse_matmuls`: projections that share an input side by side), which pays on a CPU, where
-    per-GEMM overhead dominates a decode step of a small model; False runs every weight as it is stored (no extra
-    copies of the weights, the accelerator path). Either way low-rank perturbations are per-row terms. None (default)
-    picks True on the CPU and False elsewhere. Both give the same tokens up to float rounding.
-
-    `layers` chooses how the layers run with the KV cache (`esroll.models.KVCache`): "unrolled" (per-layer cache
-    buffers and a Python loop over the layers, unrolled into the prefill and into each decode phase; the fastest
-    step on a CPU, but compile time grows linearly with depth) or "scan" (one layer-stacked cache, layers under
-    `lax.scan`: compile time flat in depth). None (default) picks "unrolled" on the CPU and "scan" elsewhere. "scan"
-    runs the weights as stored: `fuse` None then means False, and fuse=True is refused (`fuse_matmuls` prepares
-    per-layer weights, which a scan over stacked ones cannot take). Both layouts give the same tokens up to float
-    rounding.
-
-    `platform` ("cpu", "tpu", "gpu"; default `jax.default_backend()`) is the platform those defaults are chosen for:
-    an ahead-of-time compile for an accelerator on a CPU host (`lower_generate` with a deviceless topology's mesh)
-    must pass the target's, since the host's backend is "cpu". `phases` is the number of decode phases the cache
-    grows in (see `_phase_ends`).
+    `phases` is the number of decode phases the cache grows in (see `_phase_ends`); `unroll` the layers per iteration
+    of the model's layer scan (`esroll.models.forward`: a speed knob, the tokens do not depend on it). Every platform
+    runs the same program: one layer-stacked cache, the layers under `lax.scan`, each row's low-rank factors gathered
+    once per call (`Perturbation.per_row`), the weights as stored.
 
     Sampling noise is drawn per (key, global row index, step), the global index of row b being `row_offset` + b: a
     caller that decodes rows [o, o + B) of a larger batch in chunks passes row_offset=o and gets exactly the tokens
@@ -148,12 +124,9 @@ def generate(
         perturb=perturb,
         pad_id=pad_id,
         cache_dtype=cache_dtype,
-        fuse=fuse,
-        layers=layers,
         phases=phases,
         row_offset=row_offset,
-        platform=platform,
-        upcast=upcast,
+        unroll=unroll,
     )
     return _generate(*args, **kwargs)
 
@@ -164,7 +137,7 @@ def lower_generate(cfg: ModelConfig, params: dict, prompt_BxP, key, **kwargs) ->
     Takes what `generate` takes (its keyword arguments included), and also `jax.ShapeDtypeStruct`s in place of
     arrays (params, prompt, mask, key, perturbation, row_offset), with their shardings: how the rows are split, and
     whether by a "model" axis, is read from the prompt's sharding as `generate` reads it. For a deviceless target
-    (`jax.experimental.topologies`) pass a mesh of the topology's devices in the shardings and `platform`.
+    (`jax.experimental.topologies`) pass a mesh of the topology's devices in the shardings.
     """
     bound = inspect.signature(generate).bind(cfg, params, prompt_BxP, key, **kwargs)
     bound.apply_defaults()  # generate's defaults, declared once
@@ -172,20 +145,7 @@ def lower_generate(cfg: ModelConfig, params: dict, prompt_BxP, key, **kwargs) ->
     return _generate.lower(*args, **kw)
 
 
-LAYERS = ("unrolled", "scan")
 MODEL_AXIS = "model"  # the mesh axis parameters are split over (tensor parallelism), see `esroll.parallel`
-
-
-def decode_settings(platform: str, fuse: bool | None = None, layers: str | None = None) -> tuple[bool, str]:
-    """(fuse, layers) as `generate` resolves them for `platform` (see there)."""
-    layers = ("unrolled" if platform == "cpu" else "scan") if layers is None else layers
-    if layers not in LAYERS:
-        raise ValueError(f"layers={layers!r}: expected one of {LAYERS}")
-    if layers == "scan":
-        if fuse:
-            raise ValueError('fuse=True needs layers="unrolled": fused weights are prepared per layer')
-        return False, layers
-    return (platform == "cpu" if fuse is None else bool(fuse)), layers
 
 
 def _arguments(
@@ -203,19 +163,12 @@ def _arguments(
     perturb,
     pad_id,
     cache_dtype,
-    fuse,
-    layers,
     phases,
     row_offset,
-    platform,
-    upcast,
+    unroll,
 ) -> tuple[tuple, dict]:
     """`_generate`'s arguments (traced ones positional, static ones by keyword) from `generate`'s."""
     B, P = prompt_BxP.shape
-    platform = platform or jax.default_backend()
-    fuse, layers = decode_settings(platform, fuse, layers)
-    upcast = platform == "cpu" if upcast is None else bool(upcast)
-    upcast = upcast and any(_low_precision(x) for x in jax.tree.leaves(params))
     mesh, axis = _row_split(prompt_BxP)
     model_mesh = _model_split(prompt_BxP)
     if model_mesh is not None:  # GSPMD: `axis` is where the rows are (if anywhere), for the cache's constraints
@@ -242,25 +195,14 @@ def _arguments(
         "temperature": float(temperature),
         "top_p": float(top_p),
         "top_k": int(top_k),
-        "cache_dtype": jnp.dtype(cache_dtype or (jnp.float32 if upcast else params["embed"].dtype)),
-        "fuse": fuse,
-        "upcast": upcast,
-        "layers": layers,
+        "cache_dtype": jnp.dtype(cache_dtype or params["embed"].dtype),
         "phases": int(phases),
+        "unroll": int(unroll),
         "mesh": mesh,
         "axis": axis,
         "tensor_parallel": model_mesh is not None,
     }
     return args, kwargs
-
-
-def _low_precision(x) -> bool:
-    return jnp.dtype(x.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def _upcast(tree):
-    """bfloat16 / float16 leaves of `tree` in float32; others as they are."""
-    return jax.tree.map(lambda x: x.astype(jnp.float32) if _low_precision(x) else x, tree)
 
 
 def _traced(x, dtype):
@@ -299,10 +241,8 @@ _STATIC = (
     "top_p",
     "top_k",
     "cache_dtype",
-    "fuse",
-    "upcast",
-    "layers",
     "phases",
+    "unroll",
     "mesh",
     "axis",
     "tensor_parallel",
@@ -326,10 +266,8 @@ def _generate(
     top_p,
     top_k,
     cache_dtype,
-    fuse,
-    upcast,
-    layers,
     phases,
+    unroll,
     mesh,
     axis,
     tensor_parallel,
@@ -349,10 +287,8 @@ def _generate(
         top_p=top_p,
         top_k=top_k,
         cache_dtype=cache_dtype,
-        fuse=fuse,
-        upcast=upcast,
-        layers=layers,
         phases=phases,
+        unroll=unroll,
         axis=None if tensor_parallel else axis,
         constrain=constrain,
     )
@@ -385,10 +321,9 @@ def _constrain_cache(cache: KVCache, *, cfg, mesh, rows) -> KVCache:
     row_names = rows if isinstance(rows, tuple) else (rows,)
     split = cfg.num_kv_heads % mesh.shape[MODEL_AXIS] == 0 and MODEL_AXIS not in row_names
     heads = MODEL_AXIS if split else None
-    spec = ((None,) if cache.stacked else ()) + (rows, heads, None, None)  # [(L,) B, K, H or S, S or H]
     at = functools.partial(_constrain, mesh=mesh)
-    k, v = (jax.tree.map(lambda x: at(x, *spec), kv) for kv in (cache.k, cache.v))  # an array, or a tuple of L
-    return KVCache(k, v, valid_BxS=at(cache.valid_BxS, rows, None), index=cache.index)
+    spec = (None, rows, None, heads, None)  # [L, B, S, K, H]
+    return KVCache(at(cache.k, *spec), at(cache.v, *spec), valid_BxS=at(cache.valid_BxS, rows, None), index=cache.index)
 
 
 def _decode(
@@ -407,42 +342,31 @@ def _decode(
     top_p,
     top_k,
     cache_dtype,
-    fuse,
-    upcast,
-    layers,
     phases,
+    unroll,
     axis,
     constrain,
 ) -> Generation:
     """Prefill and decode loop over the rows at hand: all of them, or (under `shard_map` over `axis`) one device's
     share, which is the `axis_index`-th block of B rows. `constrain` (or None) places each new cache (GSPMD)."""
     B, P = prompt_BxP.shape
-    if upcast:  # each device its own float32 copy, made once per call (see `generate`)
-        params = _upcast(params)
     N = max_new_tokens
     constrain = constrain or (lambda cache: cache)
     # Global row indices, which key each row's sampling noise: the split hands device i rows [i·B, (i+1)·B) of the
     # caller's, which are themselves rows [row_offset, row_offset + B·devices) of a larger batch.
     rows_B = jnp.arange(B, dtype=jnp.int32) + row_offset + (0 if axis is None else jax.lax.axis_index(axis) * B)
-    stacked = layers == "scan"
-    if not stacked:
-        # Per-layer weights and factors, sliced (and fused) once here rather than in every decode step.
-        deltas = {} if perturb is None else perturb.deltas
-        layer_deltas = deltas.get(STACKED) or {}
-        per_layer = unstack_layers(params[STACKED], cfg.num_layers)
-        params = {**params, STACKED: [fuse_matmuls(p) if fuse else p for p in per_layer]}
-        deltas = {**deltas, STACKED: list(unstack_layers(layer_deltas, cfg.num_layers))}
-        if perturb is not None:  # each row's factors gathered here once, not in every decode step
-            perturb = perturb._replace(deltas=deltas).per_row()
-    cache = constrain(init_cache(cfg, B, P - 1, cache_dtype, stacked=stacked))
+    if perturb is not None:  # each row's factors gathered here once, not in every layer of every decode step
+        perturb = perturb.per_row()
+    run = functools.partial(forward, cfg, params, perturb=perturb, unroll=unroll)
+    cache = constrain(init_cache(cfg, B, P - 1, cache_dtype))
     # Prefill all but the last prompt token; its logits go unused, so XLA drops the [B, P, V] head. The last prompt
     # token is the first decode step's input (left padding makes it real in every non-empty row).
-    _, cache = forward(cfg, params, prompt_BxP[:, :-1], mask_BxT=mask_BxP[:, :-1], cache=cache, perturb=perturb)
+    _, cache = run(prompt_BxP[:, :-1], mask_BxT=mask_BxP[:, :-1], cache=cache)
     cache = constrain(cache)
 
     def step(state):
         t, cache, token_B, tokens_BxN, logprobs_BxN, length_B, done_B = state
-        logits_Bx1xV, cache = forward(cfg, params, token_B[:, None], cache=cache, perturb=perturb)
+        logits_Bx1xV, cache = run(token_B[:, None], cache=cache)
         cache = constrain(cache)
         logits_BxV = logits_Bx1xV[:, 0]
         max_B = logits_BxV.max(-1)
@@ -484,8 +408,7 @@ def _phase_ends(n: int, phases: int = 4, shortest: int = 16) -> list[int]:
 
 
 def _grow(cache: KVCache, slots: int) -> KVCache:
-    """The cache with room for `slots` slots (new ones empty), in either layout: the slots are the last axis of the
-    keys and the second to last of the values ([(L,) B, K, H, S] and [(L,) B, K, S, H])."""
+    """The cache with room for `slots` slots (new ones empty): axis 2 of the keys and values [L, B, S, K, H]."""
     extra = slots - cache.valid_BxS.shape[1]
 
     def pad(x, axis):
@@ -493,9 +416,7 @@ def _grow(cache: KVCache, slots: int) -> KVCache:
         widths[axis] = (0, extra)
         return jnp.pad(x, widths)
 
-    k = jax.tree.map(lambda x: pad(x, -1), cache.k)  # an array, or a tuple of L
-    v = jax.tree.map(lambda x: pad(x, -2), cache.v)
-    return KVCache(k, v, valid_BxS=pad(cache.valid_BxS, -1), index=cache.index)
+    return KVCache(pad(cache.k, 2), pad(cache.v, 2), valid_BxS=pad(cache.valid_BxS, 1), index=cache.index)
 
 
 def _sample(logits_BxV: Array, max_B: Array, keys_B: Array, temperature: float, top_k: int, top_p: float) -> Array:
@@ -505,7 +426,7 @@ def _sample(logits_BxV: Array, max_B: Array, keys_B: Array, temperature: float, 
     key per row, so that a row's draw does not depend on which other rows share its batch.
     """
     if temperature == 0:
-        return _argmax(logits_BxV, max_B)
+        return jnp.argmax(logits_BxV, -1).astype(jnp.int32)
     logits_BxV = logits_BxV / temperature
     if top_k:
         kth_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
@@ -521,20 +442,7 @@ def _sample(logits_BxV: Array, max_B: Array, keys_B: Array, temperature: float, 
     # The Gumbel-max trick, as jax.random.categorical draws.
     gumbel = functools.partial(jax.random.gumbel, shape=logits_BxV.shape[1:], dtype=logits_BxV.dtype)
     perturbed_BxV = logits_BxV + jax.vmap(gumbel)(keys_B)
-    return _argmax(perturbed_BxV, perturbed_BxV.max(-1))
-
-
-def _argmax(x_BxV: Array, max_B: Array) -> Array:
-    """The first index of each row's maximum, as jnp.argmax, from two plain reductions.
-
-    XLA's CPU backend compiles jnp.argmax (one reduction over value-index pairs) into a scalar loop that costs as much
-    as a quarter of a small model's decode step; a max and a min over indices vectorise.
-    """
-    V = x_BxV.shape[-1]
-    # Indices as float32 (exact below 2**24) so that the min is a float reduction, which XLA's CPU backend hands to
-    # a vectorised library kernel; integer ones it does not.
-    iota_V = jnp.arange(V, dtype=jnp.float32)
-    return jnp.min(jnp.where(x_BxV == max_B[:, None], iota_V, float(V)), -1).astype(jnp.int32)
+    return jnp.argmax(perturbed_BxV, -1).astype(jnp.int32)
 
 
 def sequence_logprobs(
@@ -550,8 +458,7 @@ def sequence_logprobs(
     chunk: int = 0,
     with_entropy: bool = False,
     layer_params=None,
-    fuse: bool = False,
-    unroll: bool = False,
+    unroll: int = 1,
 ) -> Array | tuple[Array, Array]:
     """Log-probability [B, N] of each completion token given its prefix, from one full forward over prompt+completion;
     with `with_entropy`, also the entropy [B, N] of the whole next-token distribution at each completion position.
@@ -565,7 +472,7 @@ def sequence_logprobs(
     forward and in the backward pass (which recomputes a chunk's logits instead of keeping them). At V ~ 150k this is
     what the whole-sequence [B, T, V] float32 logits and log-softmax used to dominate. `remat` is the decoder's
     per-layer rematerialisation (`esroll.models.transformer.REMAT_POLICIES`), `layer_params` its per-layer map of the
-    weights, `fuse` and `unroll` its fused projections and unrolled layers (`forward`; CPU knobs). The entropy is a
+    weights, `unroll` its layers per scan iteration (`forward`). The entropy is a
     metric: it carries no gradient.
     """
     P, N = prompt_BxP.shape[1], completion_BxN.shape[1]
@@ -580,7 +487,6 @@ def sequence_logprobs(
         remat=remat,
         return_hidden=True,
         layer_params=layer_params,
-        fuse=fuse,
         unroll=unroll,
     )
     # The hidden state at position P-1+j predicts completion token j.
@@ -605,8 +511,6 @@ def _completion_logprobs(
     """log softmax(head(h))[token] and, with_entropy, the entropy of softmax(head(h)), [B, N] each, over chunks of
     `chunk` positions (a `lax.map`; N is zero-padded up to a multiple, and the padding sliced off). Each chunk runs
     under `jax.checkpoint`, so only its hidden states and outputs outlive it."""
-    from esroll.models.transformer import head  # the LM head as `forward` applies it (tied or not, perturbed or not)
-
     B, N, D = hidden_BxNxD.shape
     C = max(1, min(chunk, N))
     n_chunks = -(-N // C)

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from esroll import sharding
 from esroll.advantages import answer_id
+from esroll.config import ExperimentConfig
 from esroll.data import Example, eval_scores, format_prompt, parse_answer, score
 from esroll.models import load_hf, param_shapes
 from esroll.models.hf import resolve
-
-if TYPE_CHECKING:  # esroll.config imports esroll.grpo, which imports this module
-    from esroll.config import ExperimentConfig
 
 
 class Task(NamedTuple):
@@ -63,8 +62,6 @@ def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Exampl
     """The task and the model's parameters in `model.master_dtype`: on `mesh`, each device reads only its shard of
     each weight (`esroll.sharding.master_shardings`); without a mesh, host arrays in `model.dtype`."""
     from transformers import AutoTokenizer
-
-    from esroll import sharding
 
     try:
         path = resolve(cfg.model.path)

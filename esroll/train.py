@@ -21,13 +21,16 @@ from tqdm.auto import tqdm
 
 from esroll import curriculum, memory, parallel, sharding
 from esroll.checkpoint import Checkpointer, check_workdir, claim_workdir, workdir_path
-from esroll.config import ExperimentConfig
+from esroll.config import ExperimentConfig, make_schedule
 from esroll.data import Example, batch_indices, cluster_key, make_splits
 from esroll.errors import InputError, reading
+from esroll.es_train import make_es_method
+from esroll.experiment import check_names
+from esroll.grpo import make_grpo_method
 from esroll.metrics import MetricsWriter, first_eval, last_eval, plot_eval_curve, read_metrics
 from esroll.models import save_hf
+from esroll.plan import plan_step
 from esroll.rollout import PAD, Sampling, rollout
-from esroll.schedules import make_schedule
 from esroll.task import Task, load_task
 
 
@@ -140,9 +143,11 @@ def train_and_evaluate(
     as an interruption would (used by resumption tests).
 
     Nothing is written to `workdir` until the data, the model and the method have been built: a run that cannot
-    start leaves the workdir as it was. A finished run is reported and left untouched.
+    start leaves the workdir as it was; a config naming no registered method, shaping, estimator, task, ... is
+    refused before anything else (`esroll.experiment.check_names`). A finished run is reported and left untouched.
     """
     # ---- setup
+    check_names(cfg)
     parallel.maybe_initialize_distributed(cfg.distributed)
     workdir = workdir_path(workdir)  # a local path made absolute, or a URL (gs://...) kept as it is
     config_dict = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
@@ -172,12 +177,8 @@ def train_and_evaluate(
     # ---- method (on devices that report their memory, only once the step is known to fit them)
     plan = preflight(cfg, task, mesh)
     if cfg.method == "grpo":
-        from esroll.grpo import make_grpo_method
-
         method = make_grpo_method(cfg, task, mesh, rows_per_device=plan.rows_per_device if plan else None)
     else:
-        from esroll.es_train import make_es_method
-
         method = make_es_method(cfg, task, mesh, rows_per_device=plan.rows_per_device if plan else None)
     state = method.init(params, jax.random.key(cfg.seed))
     batches = Curriculum(cfg, train, task.tokenizer, mesh)  # what each step trains on (ADS, AdaPrefix)
@@ -286,8 +287,6 @@ def preflight(cfg: ExperimentConfig, task: Task, mesh):
     skipped: CPUs)."""
     if memory.device_memory_bytes(mesh.devices.flat[0]) is None:
         return None
-    from esroll.plan import plan_step
-
     plan = plan_step(
         cfg, task.cfg, mesh, platform=jax.default_backend(), prompt_len=task.prompt_multiple, eos_ids=task.eos_ids
     )

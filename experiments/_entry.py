@@ -1,4 +1,4 @@
-"""What the absl entry scripts share: huge pages for XLA's CPU buffers, one CPU device per core, quiet orbax logs, a
+"""What the absl entry scripts share: one CPU device per core, quiet orbax logs, a
 `--help` that lists the config's variants and keys, and expected errors printed as one line.
 
     if __name__ == "__main__":
@@ -28,42 +28,9 @@ from esroll.models import ModelConfig, count_params
 _DEBUG = flags.DEFINE_bool("debug", False, "Show the traceback of expected errors (bad config, model, data, workdir).")
 
 
-HUGE_PAGES = "glibc.malloc.hugetlb=1"
-
-
-def huge_page_malloc() -> None:
-    """Restart this process once with glibc's malloc asking for transparent huge pages for its large blocks
-    (GLIBC_TUNABLES=glibc.malloc.hugetlb=1), where the kernel gives them only on request (THP "madvise", the usual
-    default). XLA on a CPU allocates each program's temporaries and outputs afresh, and faulting those in 4 KiB at a
-    time cost more than the arithmetic on them: measured on 2 cores, a fresh 352 MB elementwise output took 0.10 s
-    (86,000 page faults) against 0.05 s (680) with the tunable (a one-off script), and `realshape_step`'s ES update
-    (`tell` at Qwen3-0.6B shapes) 2.7-3.6 s against 3.6-4.4 s without it. Does nothing off Linux or glibc, when THP is "never" or "always", when GLIBC_TUNABLES already
-    sets it, or with ESROLL_HUGE_PAGES=0. Call first in an entry script: the process starts again from its command
-    line (`sys.orig_argv`)."""
-    import platform
-
-    if sys.platform != "linux" or os.environ.get("ESROLL_HUGE_PAGES", "1") == "0":
-        return
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.hugetlb" in tunables or platform.libc_ver()[0] != "glibc":
-        return
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            if "[madvise]" not in f.read():
-                return
-    except OSError:
-        return
-    env = dict(os.environ, GLIBC_TUNABLES=f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-
-
 def run(main, model_path: Callable[[], str] | None = None) -> None:
-    """`app.run(main)` with this module's help and error handling, in a process with huge pages for XLA's buffers
-    (`huge_page_malloc`). `model_path()` (read once the flags are parsed) names the model the run loads: a large one
+    """`app.run(main)` with this module's help and error handling. `model_path()` (read once the flags are parsed) names the model the run loads: a large one
     keeps one CPU device (`parallel.use_cpu_cores_as_devices`)."""
-    huge_page_malloc()
     argv = sys.argv
     if any(a in ("-h", "--help", "-help", "--helpshort", "--helpfull") for a in argv[1:]):
         print(help_text(argv))

@@ -22,7 +22,6 @@ import jax
 
 import experiments.benchmarks as benchmarks_pkg
 from esroll import parallel
-from experiments._entry import huge_page_malloc
 
 
 def registry() -> dict:
@@ -35,8 +34,6 @@ def registry() -> dict:
 
 
 def main(argv=None) -> dict:
-    if argv is None:  # run as a script: as the entry scripts run, with huge pages for XLA's buffers
-        huge_page_malloc()
     reg = registry()
     parser = argparse.ArgumentParser(
         description=__doc__,

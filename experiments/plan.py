@@ -23,6 +23,7 @@ from ml_collections import config_flags
 
 from esroll.config import from_config_dict
 from esroll.errors import InputError
+from esroll.experiment import check_names
 from experiments._entry import run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:variant]).")
@@ -60,7 +61,7 @@ def main(argv):
     from esroll import parallel
     from esroll.plan import plan_step, topology_mesh
 
-    cfg = from_config_dict(_CONFIG.value.to_dict())
+    cfg = check_names(from_config_dict(_CONFIG.value.to_dict()))
     model_cfg, source = model_shapes(cfg.model.path)
     if _TOPOLOGY.value == "local":
         mesh, platform = parallel.make_mesh(model=cfg.parallel.model), jax.default_backend()

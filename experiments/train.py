@@ -12,6 +12,7 @@ from ml_collections import config_flags
 
 from esroll.config import from_config_dict, method_switch_error
 from esroll.errors import InputError
+from esroll.experiment import check_names
 from esroll.train import train_and_evaluate
 from experiments._entry import load_config, override_values, run
 
@@ -24,7 +25,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     check_method_switch()
-    cfg = from_config_dict(_CONFIG.value.to_dict())
+    cfg = check_names(from_config_dict(_CONFIG.value.to_dict()))
     train_and_evaluate(cfg, _WORKDIR.value, overwrite=_OVERWRITE.value, mesh_devices=_MESH_DEVICES.value)
 
 

@@ -11,9 +11,6 @@ os.environ.setdefault(
     "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The entry scripts the tests start would restart themselves once to get huge pages (`experiments._entry.
-# huge_page_malloc`): give them the tunable up front (test_entry checks the restart itself).
-os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
 # One persistent compilation cache for the test session, inherited by the pytest-xdist workers and by the processes
 # the tests start (the entry-script, SIGKILL, notebook and two-process tests compile the same programs in each new
 # process); removed when the session ends. A cached program is the same executable, so no result depends on it.

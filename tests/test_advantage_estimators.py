@@ -307,6 +307,7 @@ def test_every_estimator_gives_float32_of_the_rewards_shape():
 def test_options_are_checked():
     from configs.default import get_config
     from esroll.config import from_config_dict
+    from esroll.experiment import check_names
 
     cd = get_config("grpo_quick")
     cd.grpo.advantage = "agrae"  # no horizon declared
@@ -318,9 +319,13 @@ def test_options_are_checked():
     with pytest.raises(ConfigError, match="grpo.group_size"):
         from_config_dict(cd.to_dict())
     cd.data.reward = "gold"
-    cd.grpo.update(advantage="ddrl", group_size=4)
-    with pytest.raises(ConfigError, match="grpo.advantage"):
-        from_config_dict(cd.to_dict())
+    cd.grpo.update(advantage="ddrl", group_size=4)  # label-free only: a registry's property, checked by check_names
+    with pytest.raises(
+        ConfigError, match=r"^config: invalid value for 'grpo.advantage': 'ddrl' \(expected an estimator"
+    ):
+        check_names(from_config_dict(cd.to_dict()))
+    cd.data.reward = "majority"
+    check_names(from_config_dict(cd.to_dict()))
     with pytest.raises(ConfigError, match="ddrl_high"):
         A.AdvantageConfig(ddrl_high=0.5)
     with pytest.raises(ConfigError, match="agrae_focus"):

@@ -64,8 +64,15 @@ def test_ads_weights_move_toward_the_boundary_cluster():
 
 
 def test_options_are_checked():
-    with pytest.raises(ConfigError, match="prefix_source"):
-        C.CurriculumConfig(prefix_source="answer")
+    from esroll.config import ExperimentConfig
+    from esroll.experiment import check_names
+
+    cfg = ExperimentConfig(curriculum=C.CurriculumConfig(prefix_source="answer"))  # a name: checked by check_names
+    with pytest.raises(
+        ConfigError,
+        match=r"^config: invalid value for 'curriculum.prefix_source': 'answer' \(expected one of solution, target\)$",
+    ):
+        check_names(cfg)
     with pytest.raises(ConfigError, match="ads_decay"):
         C.CurriculumConfig(ads_decay=1.0)
 

@@ -19,8 +19,9 @@ from jax.sharding import PartitionSpec
 
 from configs.default import get_config
 from esroll import parallel
-from esroll.config import OptimConfig, from_config_dict, make_optimizer
+from esroll.config import ConfigError, OptimConfig, from_config_dict, make_optimizer
 from esroll.data import get_batch, make_splits
+from esroll.experiment import check_names
 from esroll.grpo import (
     AGGREGATIONS,
     GRPOConfig,
@@ -229,14 +230,28 @@ def test_config_errors():
     with pytest.raises(ValueError, match="invalid value for 'grpo.minibatches': 3"):
         from_config_dict(cd.to_dict())
     cd = get_config("grpo_quick")
-    cd.grpo.aggregation = "sum"
-    with pytest.raises(ValueError, match="invalid value for 'grpo.aggregation'"):
+    cd.grpo.logprob_chunk = -1
+    with pytest.raises(ValueError, match="invalid value for 'grpo.logprob_chunk'"):
         from_config_dict(cd.to_dict())
-    for field, value in (("remat", "some"), ("logprob_chunk", -1)):
+    # Names are checked against the registries once the config is built (`check_names`), and by the factories.
+    for field, value in (("aggregation", "sum"), ("remat", "some"), ("advantage", "nope")):
         cd = get_config("grpo_quick")
         cd.grpo[field] = value
-        with pytest.raises(ValueError, match=f"invalid value for 'grpo.{field}'"):
-            from_config_dict(cd.to_dict())
+        cfg = from_config_dict(cd.to_dict())
+        with pytest.raises(
+            ConfigError, match=rf"^config: invalid value for 'grpo.{field}': '{value}' \(expected one of "
+        ):
+            check_names(cfg)
+        with pytest.raises(ConfigError, match=rf"^GRPOConfig: invalid value for '{field}': '{value}'"):
+            make_update(None, cfg.grpo, cfg.optimizer, None)
+        with pytest.raises(ConfigError, match=rf"^config: invalid value for 'grpo.{field}': '{value}'"):
+            make_grpo_method(cfg, None, parallel.make_mesh(1))
+    cd = get_config("grpo_quick")
+    cd.grpo.group_size = 1  # one completion has no group to compare with, but for the single-rollout estimators
+    with pytest.raises(ConfigError, match=r"^config: invalid value for 'grpo.group_size': 1 \(expected >= 2"):
+        check_names(from_config_dict(cd.to_dict()))
+    cd.grpo.advantage = "ntf"
+    check_names(from_config_dict(cd.to_dict()))
 
 
 # ---- the memory knobs: per-layer remat and chunked completion log-probabilities
@@ -274,17 +289,13 @@ def full_softmax_logprobs(cfg, params, prompt, prompt_mask, completion, completi
     return jnp.where(completion_mask, logp, 0.0), jnp.where(completion_mask, entropy, 0.0)
 
 
-# Every policy and every kind of chunking (one chunk; chunks of 1; of 3, N = 7 not a multiple), and the CPU form of
-# GRPO's update (fused projections with two of them, unrolled layers with the one without remat); 3 compilations a
-# model (compile time is most of these tests' time).
-@pytest.mark.parametrize(
-    "remat,chunk,fuse,unroll", [("dots", 0, False, False), ("none", 1, True, True), ("full", 3, True, False)]
-)
-def test_remat_and_chunks_keep_loss_and_gradient(tiny, remat, chunk, fuse, unroll):
+# Every policy and every kind of chunking (one chunk; chunks of 1; of 3, N = 7 not a multiple), and the layer scan
+# unrolled with and without remat; 3 compilations a model (compile time is most of these tests' time).
+@pytest.mark.parametrize("remat,chunk,unroll", [("dots", 0, 1), ("none", 1, 2), ("full", 3, 2)])
+def test_remat_and_chunks_keep_loss_and_gradient(tiny, remat, chunk, unroll):
     """A GRPO-like loss (advantage-weighted log-probabilities) and its gradient in every parameter: per-layer remat,
-    chunked completion log-probabilities, fused q/k/v and gate/up GEMMs (the gradient reaching each weight through
-    the concatenation) and unrolled layers, as GRPO's update runs on a CPU, against the full forward + log-softmax over
-    all positions, with the weights as stored and the layers scanned."""
+    chunked completion log-probabilities and the layer scan's `unroll`, against the full forward + log-softmax over
+    all positions, one layer per scan iteration."""
     cfg, params = tiny
     rows = scored_rows(cfg.vocab_size)
     weight = np.random.default_rng(1).normal(size=rows[3].shape).astype(np.float32)
@@ -293,17 +304,10 @@ def test_remat_and_chunks_keep_loss_and_gradient(tiny, remat, chunk, fuse, unrol
         return jax.jit(jax.value_and_grad(lambda p: (weight * logprobs(p)).sum()))(params)
 
     ref_loss, ref_grad = loss_of(lambda p: full_softmax_logprobs(cfg, p, *rows)[0])
-    loss, grad = loss_of(lambda p: sequence_logprobs(cfg, p, *rows, remat=remat, chunk=chunk, fuse=fuse, unroll=unroll))
+    loss, grad = loss_of(lambda p: sequence_logprobs(cfg, p, *rows, remat=remat, chunk=chunk, unroll=unroll))
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for g, r in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5 * float(np.abs(r).max()))
-
-
-def test_unrolled_layers_are_refused_with_remat(tiny):
-    """Unrolled, XLA could merge a layer's recomputation with its forward pass and undo the remat: refused."""
-    cfg, params = tiny
-    with pytest.raises(ValueError, match="unroll applies to the cache-free path without remat only"):
-        sequence_logprobs(cfg, params, *scored_rows(cfg.vocab_size), remat="full", unroll=True)
 
 
 @pytest.mark.parametrize("chunk", [0, 3])

@@ -240,13 +240,10 @@ def test_sharded_checkpoint(tmp_path):
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), params, ref)
 
 
-def test_fused_matmuls_equal_explicit(tiny_model):
-    """The decode-time weight preparation (fused projections, each weight's low-rank term added to its share), with the
-    factors gathered per member or per row up front, gives each row its member's explicitly built weights (a
-    perturbed norm scale included), in a cached forward as `generate` runs it."""
-    from esroll.models import unstack_layers
-    from esroll.models.layers import fuse_matmuls
-
+def test_perturbed_cached_forward_equals_explicit(tiny_model):
+    """A cached forward with member-level factors, or with every row's factors gathered once up front (as `generate`
+    does before its decode loop), gives each row its member's explicitly built weights (a perturbed norm scale
+    included)."""
     _, folder, _ = tiny_model
     cfg, params = load_hf(folder)
     tokens, mask = padded_batch(cfg.vocab_size)
@@ -260,30 +257,23 @@ def test_fused_matmuls_equal_explicit(tiny_model):
         deltas["lm_head"] = lowrank((), *params["lm_head"].shape)
     norm = params["layers"]["attn_norm"]  # a perturbed vector leaf too: [L, M, D]
     deltas["layers"]["attn_norm"] = 0.1 * jax.random.normal(next(keys), (norm.shape[0], 3, norm.shape[1]))
-    fused = {
-        **params,
-        "layers": [fuse_matmuls(p) for p in unstack_layers(params["layers"], cfg.num_layers)],
-    }
-    fused_deltas = {**deltas, "layers": list(unstack_layers(deltas["layers"], cfg.num_layers))}
-    assert {k for k in fused["layers"][0] if k.startswith("fused:")} == {"fused:q+k+v", "fused:gate+up"}
-
     cache = init_cache(cfg, batch=3, max_len=tokens.shape[1])
     ours, _ = forward(
         cfg,
-        fused,
+        params,
         jnp.asarray(tokens),
         mask_BxT=jnp.asarray(mask),
         cache=cache,
-        perturb=Perturbation(fused_deltas, member),
+        perturb=Perturbation(deltas, member),
     )
     # the same with every row's factors gathered once up front, as `generate` does before its decode loop
     per_row, _ = forward(
         cfg,
-        fused,
+        params,
         jnp.asarray(tokens),
         mask_BxT=jnp.asarray(mask),
         cache=init_cache(cfg, batch=3, max_len=tokens.shape[1]),
-        perturb=Perturbation(fused_deltas, member).per_row(),
+        perturb=Perturbation(deltas, member).per_row(),
     )
     np.testing.assert_allclose(np.asarray(per_row), np.asarray(ours), rtol=1e-6, atol=1e-6)
     for m in range(3):

@@ -1,12 +1,12 @@
 """Generation: greedy parity with transformers, log-probabilities, sampling properties, per-member perturbations.
 
-Most calls share one shape (4 prompts in a 16-wide bucket, N_NEW new tokens) so that they share compilations. The
-parity checks run both decode paths (`fuse`): fused matmuls, the CPU default, and the unfused path accelerators take.
+Most calls share one shape (4 prompts in a 16-wide bucket, N_NEW new tokens) so that they share compilations.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +25,6 @@ seq_logprobs = jax.jit(sequence_logprobs, static_argnums=0)
 full_logits = jax.jit(
     lambda cfg, params, tokens, mask: forward(cfg, params, tokens, mask_BxT=mask)[0], static_argnums=0
 )
-# Both ways `generate` runs its decode matmuls: fused (the CPU default) and unfused (the accelerator default).
-both_decode_paths = pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -83,13 +81,12 @@ def generated_mask(out):
     return np.arange(N_NEW)[None] < np.asarray(out.lengths)[:, None]
 
 
-@both_decode_paths
-def test_greedy_matches_transformers(sharp_model, fuse):
+def test_greedy_matches_transformers(sharp_model):
     cfg, params, model = sharp_model
     tokens, mask = prompts(cfg.vocab_size)
     # An EOS that row 0 emits at step 2 (the others may emit it later or never): rows stop at different steps.
     eos = (int(hf_greedy(model, tokens, mask, ())[0, 2]),)
-    ours = greedy(cfg, params, tokens, mask, eos_ids=eos, fuse=fuse)
+    ours = greedy(cfg, params, tokens, mask, eos_ids=eos)
     np.testing.assert_array_equal(np.asarray(ours.tokens), hf_greedy(model, tokens, mask, eos))
     lengths = np.asarray(ours.lengths)
     assert lengths[0] == 3 and lengths.max() == int(ours.steps) == N_NEW
@@ -164,8 +161,7 @@ def test_empty_rows_are_finished(qwen3):
     np.testing.assert_array_equal(np.asarray(out.tokens)[:3], np.asarray(full.tokens)[:3])
 
 
-@both_decode_paths
-def test_perturbed_rows_equal_explicit_weights(qwen3, fuse):
+def test_perturbed_rows_equal_explicit_weights(qwen3):
     """Rows of three members generate exactly what each member's explicitly built weights W + a bᵀ generate."""
     cfg, params = qwen3
     tokens, mask = prompts(cfg.vocab_size, seed=4)
@@ -181,21 +177,20 @@ def test_perturbed_rows_equal_explicit_weights(qwen3, fuse):
     matrices = {n: w.shape for n, w in params["layers"].items() if w.ndim == 3}
     deltas = {"layers": {n: rank1((L, 3), d_in, d_out) for n, (L, d_in, d_out) in matrices.items()}}
     deltas["lm_head"] = rank1((3,), cfg.hidden_size, cfg.vocab_size)
-    ours = greedy(cfg, params, tokens, mask, perturb=Perturbation(deltas, member), fuse=fuse)
-    assert (np.asarray(ours.tokens) != np.asarray(greedy(cfg, params, tokens, mask, fuse=fuse).tokens)).any()
+    ours = greedy(cfg, params, tokens, mask, perturb=Perturbation(deltas, member))
+    assert (np.asarray(ours.tokens) != np.asarray(greedy(cfg, params, tokens, mask).tokens)).any()
     for m in range(3):
         explicit = {**params, "layers": dict(params["layers"])}
         for name, d in deltas["layers"].items():
             explicit["layers"][name] = params["layers"][name] + jnp.einsum("lir,lor->lio", d.a[:, m], d.b[:, m])
         explicit["lm_head"] = params["lm_head"] + deltas["lm_head"].a[m] @ deltas["lm_head"].b[m].T
-        ref = greedy(cfg, explicit, tokens, mask, fuse=fuse)
+        ref = greedy(cfg, explicit, tokens, mask)
         rows = np.asarray(member) == m
         np.testing.assert_array_equal(np.asarray(ours.tokens)[rows], np.asarray(ref.tokens)[rows])
         np.testing.assert_allclose(np.asarray(ours.logprobs)[rows], np.asarray(ref.logprobs)[rows], atol=1e-4)
 
 
-@both_decode_paths
-def test_sharded_generation_equals_unsharded(qwen3, fuse):
+def test_sharded_generation_equals_unsharded(qwen3):
     """Rows split over 8 devices (each decoding its own in shard_map) give the single-device result, sampled and
     perturbed; and a row's draw depends only on its own prompt, key and index, not on the other rows."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -213,7 +208,7 @@ def test_sharded_generation_equals_unsharded(qwen3, fuse):
             for n, (L, i, o) in matrices.items()
         }
     }
-    kw = dict(max_new_tokens=N_NEW, fuse=fuse, **NUCLEUS)
+    kw = dict(max_new_tokens=N_NEW, **NUCLEUS)
     one = generate(cfg, params, tokens, jax.random.key(9), prompt_mask=mask, perturb=Perturbation(deltas, member), **kw)
 
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
@@ -231,7 +226,7 @@ def test_sharded_generation_equals_unsharded(qwen3, fuse):
     assert many.tokens.sharding.spec[0] == "data"
     for field in ("tokens", "lengths", "steps"):
         np.testing.assert_array_equal(np.asarray(getattr(one, field)), np.asarray(getattr(many, field)))
-    # Float32 rounding differs between the GEMM shapes of 8 rows and of 1 row per device (by ~1e-5 unfused).
+    # Float32 rounding differs between the GEMM shapes of 8 rows and of 1 row per device (by ~1e-5).
     np.testing.assert_allclose(np.asarray(one.logprobs), np.asarray(many.logprobs), atol=1e-4)
 
     # Row 0 alone, its batch mates replaced by other prompts: the same tokens.
@@ -275,22 +270,9 @@ def rank1_deltas(params, members: int, seed: int, head: bool = False) -> dict:
     return deltas
 
 
-def test_decode_settings():
-    """The defaults follow the platform `generate` compiles for; the scan layout runs the weights as stored."""
-    from esroll.sampling import decode_settings
-
-    assert decode_settings("cpu") == (True, "unrolled") and decode_settings("tpu") == (False, "scan")
-    assert decode_settings("cpu", layers="scan") == (False, "scan")
-    assert decode_settings("tpu", fuse=True, layers="unrolled") == (True, "unrolled")
-    with pytest.raises(ValueError, match="fuse=True"):
-        decode_settings("cpu", fuse=True, layers="scan")
-    with pytest.raises(ValueError, match="layers="):
-        decode_settings("cpu", layers="loop")
-
-
-def test_stacked_cache_forward_equals_per_layer(qwen3):
-    """A prefill and two decode steps with the layer-stacked cache (layers under scan) give the per-layer cache's
-    logits and the same keys and values, stacked; perturbed rows included."""
+def test_cached_forward_equals_cache_free(qwen3):
+    """A prefill into the layer-stacked cache and two decode steps give the logits of one cache-free forward over
+    the whole sequence, and the cache holds every layer's keys at their slots; perturbed rows included."""
     from esroll.models import init_cache
 
     cfg, params = qwen3
@@ -299,27 +281,25 @@ def test_stacked_cache_forward_equals_per_layer(qwen3):
     step = jax.jit(
         lambda params, tokens, mask, cache: forward(cfg, params, tokens, mask_BxT=mask, cache=cache, perturb=perturb)
     )
-    outs = {}
-    for stacked in (False, True):
-        cache = init_cache(cfg, batch=4, max_len=tokens.shape[1] + 2, stacked=stacked)
-        logits, cache = step(params, tokens, mask, cache)
-        steps = [logits[:, -1]]
-        for _ in range(2):
-            logits, cache = step(params, jnp.argmax(logits[:, -1:], -1), np.ones((4, 1), bool), cache)
-            steps.append(logits[:, -1])
-        outs[stacked] = np.stack(steps, 1), cache
-    (ref, per_layer), (ours, stacked) = outs[False], outs[True]
-    assert stacked.k.shape == (cfg.num_layers, *per_layer.k[0].shape) and int(stacked.index) == int(per_layer.index)
-    np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(stacked.k), np.stack(per_layer.k), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(stacked.v), np.stack(per_layer.v), atol=1e-5)
-    np.testing.assert_array_equal(stacked.valid_BxS, per_layer.valid_BxS)
+    cache = init_cache(cfg, batch=4, max_len=tokens.shape[1] + 2)
+    assert cache.k.shape == (cfg.num_layers, 4, tokens.shape[1] + 2, cfg.num_kv_heads, cfg.head_dim)
+    logits, cache = step(params, tokens, mask, cache)
+    steps, seq, seq_mask = [logits[:, -1]], tokens, mask
+    for _ in range(2):
+        new = jnp.argmax(logits[:, -1:], -1).astype(jnp.int32)
+        seq, seq_mask = jnp.concatenate([seq, new], 1), np.concatenate([seq_mask, np.ones((4, 1), bool)], 1)
+        logits, cache = step(params, new, np.ones((4, 1), bool), cache)
+        steps.append(logits[:, -1])
+    full, _ = forward(cfg, params, seq, mask_BxT=seq_mask, perturb=perturb)
+    np.testing.assert_allclose(np.stack(steps, 1), np.asarray(full)[:, -3:], atol=1e-5, rtol=1e-5)
+    assert int(cache.index) == seq.shape[1]
+    np.testing.assert_array_equal(cache.valid_BxS, seq_mask)
 
 
 @pytest.mark.parametrize("perturbed", [False, True], ids=["plain", "perturbed"])
-def test_scan_layers_equal_unrolled(qwen3, perturbed):
-    """The layer-stacked decode (layers under scan, the accelerator default) gives the per-layer one's greedy tokens
-    exactly, and its log-probabilities, across a decode-phase boundary (the stacked cache grows too)."""
+def test_scan_unroll_changes_nothing(qwen3, perturbed):
+    """The layer scan's `unroll` is a speed knob: all layers unrolled into one iteration give the one-layer scan's
+    greedy tokens exactly, and its log-probabilities, across a decode-phase boundary (the cache grows too)."""
     from esroll.sampling import _phase_ends
 
     assert _phase_ends(32, phases=2) == [16, 32]
@@ -329,10 +309,20 @@ def test_scan_layers_equal_unrolled(qwen3, perturbed):
     run = functools.partial(
         generate, cfg, params, tokens, jax.random.key(0), max_new_tokens=32, temperature=0.0, prompt_mask=mask
     )
-    ref = run(perturb=perturb, fuse=False, layers="unrolled", phases=2)
-    ours = run(perturb=perturb, layers="scan", phases=2)
+    ref = run(perturb=perturb, phases=2)
+    ours = run(perturb=perturb, phases=2, unroll=cfg.num_layers)
     np.testing.assert_array_equal(np.asarray(ours.tokens), np.asarray(ref.tokens))
     np.testing.assert_allclose(np.asarray(ours.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+
+
+def test_greedy_token_of_a_nan_row_is_in_the_vocabulary():
+    """Greedy decoding picks `jnp.argmax`'s index: a row whose logits hold a NaN gets the NaN's index (a real token
+    id), never an id outside the vocabulary."""
+    from esroll.sampling import _sample
+
+    logits = jnp.array([[0.0, 3.0, 1.0, 2.0], [0.0, jnp.nan, 5.0, 1.0]])
+    keys = jax.random.split(jax.random.key(0), 2)
+    np.testing.assert_array_equal(np.asarray(_sample(logits, logits.max(-1), keys, 0.0, 0, 1.0)), [1, 1])
 
 
 @pytest.mark.parametrize("perturbed", [False, True], ids=["plain", "perturbed"])
@@ -370,7 +360,7 @@ def test_row_offset_chunks_equal_whole(qwen3, perturbed):
 
 @pytest.fixture(scope="module")
 def model_axis_case(qwen3):
-    """8 prompts, 4 members' rank-1 factors, and their greedy generation on one device (unfused, per-layer)."""
+    """8 prompts, 4 members' rank-1 factors, and their greedy generation on one device."""
     cfg, params = qwen3
     tokens, mask = (np.tile(x, (2, 1)) for x in prompts(cfg.vocab_size, seed=11))
     member, deltas = np.arange(8) % 4, rank1_deltas(params, 4, seed=12)
@@ -383,19 +373,15 @@ def model_axis_case(qwen3):
         temperature=0.0,
         prompt_mask=mask,
         perturb=Perturbation(deltas, member),
-        fuse=False,
-        layers="unrolled",
     )
     return tokens, mask, member, deltas, one
 
 
-@pytest.mark.parametrize(
-    "model, layers", [(2, "unrolled"), (2, "scan"), (1, "scan")], ids=["tp-unrolled", "tp-scan", "model1-scan"]
-)
-def test_model_axis_generation_equals_one_device(qwen3, model_axis_case, model, layers):
+@pytest.mark.parametrize("model", [2, 1], ids=["tp", "model1"])
+def test_model_axis_generation_equals_one_device(qwen3, model_axis_case, model):
     """On an (8 / model) x model ("data", "model") mesh, with heads, MLP columns and their low-rank factors split over
-    "model", greedy perturbed generation gives the one-device result: one GSPMD program in both layouts when the
-    model axis has 2 devices, and the per-device shard_map loop (here the layer-stacked one) when it has 1."""
+    "model", greedy perturbed generation gives the one-device result: one GSPMD program when the model axis has 2
+    devices, and the per-device shard_map loop when it has 1."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     cfg, params = qwen3
@@ -423,7 +409,7 @@ def test_model_axis_generation_equals_one_device(qwen3, model_axis_case, model, 
     rows = functools.partial(jax.device_put, device=at("data"))
     args = (cfg, sharded, rows(tokens), jax.random.key(0))
     perturb = Perturbation(sharded_deltas, rows(member))
-    kw = {"max_new_tokens": N_NEW, "temperature": 0.0, "prompt_mask": rows(mask), "perturb": perturb, "layers": layers}
+    kw = {"max_new_tokens": N_NEW, "temperature": 0.0, "prompt_mask": rows(mask), "perturb": perturb}
     many = generate(*args, **kw)
     # shard_map (a manual computation) only without a model axis: with one, a single GSPMD-partitioned program.
     assert ("manual_computation" in lower_generate(*args, **kw).as_text()) == (model == 1)
@@ -433,10 +419,9 @@ def test_model_axis_generation_equals_one_device(qwen3, model_axis_case, model, 
     np.testing.assert_allclose(np.asarray(many.logprobs), np.asarray(one.logprobs), atol=1e-4)
 
 
-def test_upcast_decodes_low_precision_weights_in_float32(qwen3):
-    """On a CPU, bfloat16 weights decode from a float32 copy by default (`upcast`): the same tokens and
-    log-probabilities, bit for bit, as generating from the float32 cast of those weights, perturbed rows included, and
-    not those of bfloat16 compute (upcast=False). An ahead-of-time lowering for a TPU keeps the weights as stored."""
+def test_low_precision_weights_decode_in_their_dtype(qwen3):
+    """bfloat16 weights decode in bfloat16 on every platform (no float32 copy): the cache is bfloat16, and the tokens
+    are bfloat16 compute's, not those of the float32 cast of the same weights."""
     cfg, params = qwen3
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     widened = jax.tree.map(lambda x: x.astype(jnp.float32), bf16)
@@ -445,13 +430,7 @@ def test_upcast_decodes_low_precision_weights_in_float32(qwen3):
     kw = dict(max_new_tokens=N_NEW, prompt_mask=mask, perturb=perturb, **NUCLEUS)
     ours = generate(cfg, bf16, tokens, jax.random.key(1), **kw)
     ref = generate(cfg, widened, tokens, jax.random.key(1), **kw)
-    np.testing.assert_array_equal(np.asarray(ours.tokens), np.asarray(ref.tokens))
-    np.testing.assert_array_equal(np.asarray(ours.logprobs), np.asarray(ref.logprobs))
-    low = generate(cfg, bf16, tokens, jax.random.key(1), upcast=False, **kw)
-    assert not np.array_equal(np.asarray(low.logprobs), np.asarray(ref.logprobs))
-    hlo = lower_generate(cfg, bf16, tokens, jax.random.key(1), platform="tpu", **kw).as_text()
-    cpu = lower_generate(cfg, bf16, tokens, jax.random.key(1), **kw).as_text()
-    # the float32 cache (and so float32 keys) is there on the CPU only
-    cache = f"tensor<4x{cfg.num_kv_heads}x{cfg.head_dim}x"
-    assert any(cache in line and "xf32>" in line.split(cache, 1)[1][:12] for line in cpu.splitlines())
-    assert not any(cache in line and "xf32>" in line.split(cache, 1)[1][:12] for line in hlo.splitlines())
+    assert not np.array_equal(np.asarray(ours.logprobs), np.asarray(ref.logprobs))
+    text = lower_generate(cfg, bf16, tokens, jax.random.key(1), **kw).as_text()
+    cache = re.findall(rf"tensor<{cfg.num_layers}x4x\d+x{cfg.num_kv_heads}x{cfg.head_dim}x(\w+)>", text)  # [L, B, S, K, H]
+    assert cache and set(cache) == {"bf16"}

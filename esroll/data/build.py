@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from esroll.config import DataConfig
 from esroll.data.batching import split_examples
 from esroll.data.gsm8k import load_gsm8k
 from esroll.data.gsm_symbolic import make_gsm_symbolic_splits
 from esroll.data.synthetic import make_arithmetic, make_countdown
 from esroll.data.tasks import Example
-
-if TYPE_CHECKING:  # esroll.config imports the task names from here
-    from esroll.config import DataConfig
 
 
 def make_splits(cfg: DataConfig) -> tuple[list[Example], list[Example]]:

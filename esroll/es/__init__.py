@@ -2,12 +2,11 @@
 
 `strategy` is the entry point (`ESConfig`, `make_strategy` → init / ask / tell); `noise` draws the factors,
 `estimators` turns fitness into an update, `theory` holds the variance predictions and Monte-Carlo helpers used by
-tests and notebooks.
+tests and notebooks. `ESConfig` and `ESSettings` are defined in `esroll.config`, with every other config.
 """
 
+from esroll.config import ESConfig, ESSettings
 from esroll.es.strategy import (
-    ESConfig,
-    ESSettings,
     ESState,
     Strategy,
     estimate,
@@ -15,7 +14,6 @@ from esroll.es.strategy import (
     make_strategy,
     member_deltas,
     step_factors,
-    tile_counts,
 )
 
 __all__ = [
@@ -28,5 +26,4 @@ __all__ = [
     "make_strategy",
     "member_deltas",
     "step_factors",
-    "tile_counts",
 ]

@@ -13,12 +13,13 @@ a low-rank perturbation of a vocabulary table moves every token's embedding), pe
 freeze vectors (norm scales, biases: few parameters, and they rescale whole activations); opt vectors in with e.g.
 dense_patterns=(".*norm", ".*bias").
 
-Keys: key → fold_in(step) → fold_in(crc32(path)) → fold_in(layer) → fold_in(direction) → fold_in(block b); the draw
-of one (leaf, layer, direction) is its blocks of BLOCK numbers, block b being `jax.random.normal(k_b, (BLOCK,))`
-as JAX draws it with `jax_threefry_partitionable` on (its default; the noise does not read that flag), concatenated
-and cut to [in + out, r] (row-major: the first `in` rows are A, the rest B) or to [dim]. No draw depends on the
-device count, the batch layout, chunking or sharding, or the order of the leaves, and adding a leaf does not change
-the others.
+Keys: the draw of one (leaf, layer, direction) has the key key → fold_in(step) → fold_in(crc32(path) mod 2³¹) →
+fold_in(layer) → fold_in(direction) (layer 0 for a single leaf), and is `jax.random.normal(k, (in + out, r),
+jnp.float32)` for a lowrank leaf (the first `in` rows are A, the rest B) or `jax.random.normal(k, (dim,),
+jnp.float32)` for a dense one: the numbers are whatever `jax.random` draws for that key, so they follow its settings
+(`jax_threefry_partitionable`, on by default). Keys must be threefry2x32 (JAX's default), whose draws are the same
+under `vmap` as one by one and on any device. No draw depends on the device count, the batch layout, chunking or
+sharding, or the order of the leaves, and adding a leaf does not change the others.
 
 Shape letters (see `esroll`): L layers, E directions, M population members, R rank.
 """
@@ -33,13 +34,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from esroll.models import STACKED, LowRank
 
 Array = jax.Array
 LOWRANK, DENSE = "lowrank", "dense"
-BLOCK = 128  # noise is drawn in blocks of this many numbers (part of the definition of the stream)
 
 
 def _is_leaf(x) -> bool:
@@ -102,95 +101,38 @@ def factors(key: Array, step, params: dict, kinds: dict[str, str], rank: int, di
     """Unscaled N(0, 1) noise of directions `directions_E` (int array), generated once per step, float32.
 
     Mirrors `params` for perturbed leaves: LowRank(a [L, E, in, R], b [L, E, out, R]) or ε [L, E, dim] for stacked
-    leaves, without the L axis for single leaves. Block b of a draw holds `jax.random.normal(k_b, (BLOCK,))` for its
-    key k_b (the module docstring), bit for bit. The blocks' keys come from one vmapped chain of `jax.random.fold_in`
-    over all blocks of all leaves; the numbers are drawn straight into each factor's layout by `_draws` (the hash
-    unrolled into XLA's fused loops, no block buffer written and cut afterwards).
+    leaves, without the L axis for single leaves. Each (layer, direction) is one `jax.random.normal` draw under its
+    own key (the module docstring), vmapped over the leaf's (layer, direction) pairs.
     """
+    step_key = jax.random.fold_in(key, step)
+    if jax.random.key_data(step_key).shape != (2,):
+        raise ValueError(f"ES noise is drawn with threefry2x32 keys (JAX's default), got {jax.random.key_impl(key)}")
     flat = flatten(params)
-    leaves = []  # (path, layers, draw shape, blocks per draw)
+    out = {}
     for path, kind in kinds.items():
         shape = flat[path].shape
         layers, per_layer = (shape[0], shape[1:]) if is_stacked(path) else (1, shape)
-        draw = (per_layer[0] + per_layer[1], rank) if kind == LOWRANK else tuple(per_layer)  # A: first `in` rows
-        leaves.append((path, layers, draw, -(-math.prod(draw) // BLOCK)))
-    # One row per (leaf, layer, direction, block), leaf-major; one flat vmap (nested vmaps compile slowly on CPU).
-    E = directions_E.shape[0]
-    ids = []
-    for path, layers, _, nb in leaves:
-        shape = (layers, E, nb)
-        leaf = jnp.full(shape, zlib.crc32(path.encode()) & 0x7FFFFFFF, jnp.int32)
-        layer = jnp.broadcast_to(jnp.arange(layers)[:, None, None], shape)
-        direction = jnp.broadcast_to(directions_E[None, :, None], shape)
-        block = jnp.broadcast_to(jnp.arange(nb)[None, None, :], shape)
-        ids.append(jnp.stack([leaf, layer, direction, block], -1).reshape(-1, 4))
-    step_key = jax.random.fold_in(key, step)
-
-    def block_key(ids_4: Array) -> Array:
-        k = step_key
-        for i in range(4):
-            k = jax.random.fold_in(k, ids_4[i])
-        return jax.random.key_data(k)
-
-    if jax.random.key_data(step_key).shape != (2,):
-        raise ValueError(f"ES noise is drawn with threefry2x32 keys (JAX's default), got {jax.random.key_impl(key)}")
-    keys = jax.vmap(block_key)(jnp.concatenate(ids))  # [rows of ids, 2] uint32
-
-    out, x = {}, 0
-    for path, layers, draw, nb in leaves:
-        k = keys[x : x + layers * E * nb].reshape(layers, E, nb, 2)
-        x += layers * E * nb
-        if kinds[path] == LOWRANK:
-            (m, o), r = flat[path].shape[-2:], draw[1]  # A is the draw's first m·r numbers, B the rest
-            v = LowRank(_draws(k, 0, (m, r)), _draws(k, m * r, (o, r)))
-        else:
-            v = _draws(k, 0, draw)
+        draw = (per_layer[0] + per_layer[1], rank) if kind == LOWRANK else tuple(per_layer)
+        leaf_key = jax.random.fold_in(step_key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
+        x = _normals(leaf_key, layers, directions_E, draw)  # [layers, E, *draw]
+        v = LowRank(x[:, :, : per_layer[0]], x[:, :, per_layer[0] :]) if kind == LOWRANK else x
         out[path] = v if is_stacked(path) else jax.tree.map(lambda a: a[0], v)
     return unflatten(out)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))  # one program, not op-by-op dispatch, when called eagerly
-def _draws(keys: Array, start: int, shape: tuple) -> Array:
-    """Numbers start … start + prod(shape) − 1 of each draw whose blocks have keys `keys` [..., blocks, 2], as
-    [..., *shape]: number j is entry j mod BLOCK of `jax.random.normal(key of block j // BLOCK, (BLOCK,))`.
+@functools.partial(jax.jit, static_argnums=(1, 3))  # one program, not op-by-op dispatch, when called eagerly
+def _normals(leaf_key: Array, layers: int, directions_E: Array, shape: tuple) -> Array:
+    """[layers, E, *shape]: entry (l, e) is `jax.random.normal(fold_in(fold_in(leaf_key, l), directions_E[e]), shape)`,
+    one flat vmap over the (layer, direction) pairs."""
+    E = directions_E.shape[0]
+    layer_N = jnp.repeat(jnp.arange(layers), E)
+    direction_N = jnp.tile(directions_E, layers)
 
-    That is the threefry-2x32 hash of counter (0, j mod BLOCK) under the block's key, its two words xor-ed
-    (`jax.random.bits` with `jax_threefry_partitionable`, the default), turned into a normal as `jax.random.normal`
-    does (a uniform on (−1, 1) from the top 23 bits, then √2·erfinv); the tests check it against `jax.random.normal`
-    bit for bit. Written out here because XLA's CPU backend gets JAX's threefry as a loop of five passes over the
-    whole array (its CPU lowering rolls the rounds up): at Qwen3-0.6B shapes (20.2M numbers, 2 cores, README) the
-    factors took a median of 303 ms that way and 96 ms as one fusion per factor (alternating calls, one process).
-    """
-    count = math.prod(shape)
-    blocks = keys.shape[-2]
-    # Each block's key repeated over its BLOCK numbers, then cut to this factor's numbers (all fused: no copies).
-    k1, k2 = (
-        jnp.broadcast_to(keys[..., i, None], keys.shape[:-1] + (BLOCK,)).reshape(keys.shape[:-2] + (blocks * BLOCK,))[
-            ..., start : start + count
-        ]
-        for i in (0, 1)
-    )
-    counter = jnp.arange(start, start + count, dtype=jnp.uint32) % BLOCK
-    hi, lo = _threefry2x32(k1, k2, jnp.zeros_like(counter), counter)
-    bits = hi ^ lo
-    one = jnp.float32(1.0)
-    unit = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - one  # [0, 1)
-    low = jnp.float32(np.nextafter(np.float32(-1.0), np.float32(0.0)))
-    uniform = jnp.maximum(low, unit * (one - low) + low)
-    return (jnp.float32(np.sqrt(2)) * jax.lax.erf_inv(uniform)).reshape(keys.shape[:-2] + tuple(shape))
+    def one(layer, direction):
+        k = jax.random.fold_in(jax.random.fold_in(leaf_key, layer), direction)
+        return jax.random.normal(k, shape, jnp.float32)
 
-
-def _threefry2x32(k1: Array, k2: Array, x1: Array, x2: Array) -> tuple[Array, Array]:
-    """The threefry-2x32 block cipher (20 rounds) of counters (x1, x2) under keys (k1, k2), uint32, unrolled."""
-    rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
-    ks = (k1, k2, k1 ^ k2 ^ jnp.uint32(0x1BD11BDA))
-    x1, x2 = x1 + ks[0], x2 + ks[1]
-    for i in range(5):
-        for r in rotations[i % 2]:
-            x1 = x1 + x2
-            x2 = x1 ^ ((x2 << r) | (x2 >> (32 - r)))
-        x1, x2 = x1 + ks[(i + 1) % 3], x2 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
-    return x1, x2
+    return jax.vmap(one)(layer_N, direction_N).reshape((layers, E) + tuple(shape))
 
 
 def member_deltas(factors_tree: dict, params: dict, direction_M: Array, scale_M: Array, rank: int) -> dict:

@@ -20,13 +20,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from esroll.config import ESConfig
 from esroll.es import noise, strategy
 from esroll.models import LowRank
 
 Array = jax.Array
 
 
-def per_sample_mse(cfg: strategy.ESConfig, params: dict, grad: dict) -> tuple[Array, Array]:
+def per_sample_mse(cfg: ESConfig, params: dict, grad: dict) -> tuple[Array, Array]:
     """(V at cfg.rank, V_dense) for gradient `grad` restricted to the leaves cfg perturbs."""
     flat_g = noise.flatten(grad)
     dim, sq, excess = 0, 0.0, 0.0
@@ -104,7 +105,7 @@ def materialize(params: dict, deltas: dict) -> dict:
 
 
 def sample_estimates(
-    cfg: strategy.ESConfig,
+    cfg: ESConfig,
     params: dict,
     fitness_fn: Callable[[dict], Array],
     key: Array,

@@ -4,7 +4,7 @@ from esroll.models.config import ModelConfig
 from esroll.models.hf import count_params, load_hf, param_shapes, save_hf
 from esroll.models.layers import LowRank, Perturbation, linear
 from esroll.models.presets import PRESETS, model_config, num_params, preset_config
-from esroll.models.transformer import STACKED, KVCache, forward, init_cache, unstack_layers
+from esroll.models.transformer import STACKED, KVCache, forward, init_cache
 
 __all__ = [
     "STACKED",
@@ -23,5 +23,4 @@ __all__ = [
     "param_shapes",
     "preset_config",
     "save_hf",
-    "unstack_layers",
 ]

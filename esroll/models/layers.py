@@ -14,6 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 Array = jax.Array
+# The top-level key of the layer-stacked parameters: every leaf under it has a leading layer axis L (and a
+# perturbation's deltas under it carry L before the member axis). Declared once; `esroll.models.transformer`,
+# `esroll.es.noise` and the checkpoint loaders read it from here.
+STACKED = "layers"
 
 
 class LowRank(NamedTuple):
@@ -38,11 +42,13 @@ class Perturbation(NamedTuple):
     member_B: Array | None  # [B] int32: row -> population member; None: `deltas` are already per row (leading B)
 
     def per_row(self) -> Perturbation:
-        """The same perturbation with every row's factors gathered once (leading axis B instead of M): a decode loop
-        that runs many steps over the same rows then does no gather per step."""
+        """The same perturbation with every row's factors gathered once (leading axis B instead of M; layer-stacked
+        factors [L, B, ...]): a decode loop that runs many steps over the same rows then does no gather per step,
+        and the layer scan slices each layer's per-row factors from its inputs."""
         if self.member_B is None:
             return self
-        return Perturbation(jax.tree.map(lambda x: x[self.member_B], self.deltas), None)
+        rows = {k: jax.tree.map(lambda x: jnp.take(x, self.member_B, axis=int(k == STACKED)), v) for k, v in self.deltas.items()}
+        return Perturbation(rows, None)
 
 
 def linear(x_BxTxI: Array, w_IxO: Array, delta: LowRank | None = None, member_B: Array | None = None) -> Array:
@@ -55,7 +61,7 @@ def linear(x_BxTxI: Array, w_IxO: Array, delta: LowRank | None = None, member_B:
     return y if delta is None else y + lowrank_term(x_BxTxI, delta, member_B)
 
 
-def lowrank_term(x_BxTxI: Array, delta: LowRank, member_B: Array) -> Array:
+def lowrank_term(x_BxTxI: Array, delta: LowRank, member_B: Array | None = None) -> Array:
     """(x·a)·bᵀ with each row's member's factors (`member_B` None: factors already per row): the perturbation's share
     of x·(W + a·bᵀ)."""
     a_BxIxR = (delta.a if member_B is None else delta.a[member_B]).astype(x_BxTxI.dtype)
@@ -64,51 +70,7 @@ def lowrank_term(x_BxTxI: Array, delta: LowRank, member_B: Array) -> Array:
     return jnp.einsum("btr,bor->bto", xa_BxTxR, b_BxOxR)
 
 
-def linears(x_BxTxI: Array, p: dict, d: dict, names: tuple[str, ...], member_B: Array | None) -> list[Array]:
-    """`linear` for the weights `names` that read the same input, as one GEMM when `fuse_matmuls` prepared them:
-    p[fused_key(names)] then holds [W₁ | … | W_n] side by side, and each weight's low-rank term (if any) is added to
-    its share of the output. Unprepared groups go through `linear` one weight at a time.
-
-    (An earlier version also added a fused group's terms at once, (x·[a₁ … a_n]) · blockdiag(b₁ᵀ … b_nᵀ), as two
-    batched matmuls. XLA's CPU backend ran those as plain dots, while it fuses each weight's own rank-r term with the
-    split of the GEMM's output into one YNNPACK call: in paired rounds of `es_generate_vs_plain` at hidden 256 the
-    per-weight terms gave 0.889 of plain generation against 0.818 for the grouped ones, and at hidden 1024 no
-    measurable difference, 0.939 against 0.944 (README), so the grouped form was removed.)"""
-    fused = fused_key(names)
-    if fused not in p:
-        return [linear(x_BxTxI, p[n], d.get(n), member_B) for n in names]
-    widths = [p[n].shape[-1] for n in names]
-    y = jnp.einsum("bti,io->bto", x_BxTxI, p[fused])
-    outs = jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
-    return [o if d.get(n) is None else o + lowrank_term(x_BxTxI, d[n], member_B) for o, n in zip(outs, names)]
-
-
-FUSED = (("q", "k", "v"), ("gate", "up"))  # the projections that read the same input
-
-
-def fused_key(names: tuple[str, ...]) -> str:
-    return "fused:" + "+".join(names)
-
-
-def fuse_matmuls(p: dict) -> dict:
-    """One layer's weights prepared for `linears`: projections that share an input (q, k, v; gate, up) also stored
-    side by side, so a decode step runs one GEMM where it ran several (low-rank terms stay per weight). The prepared
-    copies take memory beside the originals, so `generate` builds them only on a CPU (where per-GEMM overhead
-    dominates a decode step of a small model), once per call, outside the decode loop; the training forward
-    (`forward(fuse=True)`, GRPO's update on a CPU) builds one layer's inside its layer scan.
-
-    (An earlier version also folded small populations' factors into the fused GEMM, [x | x·a] · [W ; blockdiag(bᵀ)].
-    In interleaved runs of `es_generate_vs_plain` it was slower than the per-row terms: 0.81-0.84 of plain generation
-    against 0.86-0.90 without it at hidden 256, 0.94 and 0.96 against 0.96-0.97 at hidden 1024; so it was removed.)
-    """
-    p = dict(p)
-    for names in FUSED:
-        if all(n in p and p[n].ndim == 2 for n in names):
-            p[fused_key(names)] = jnp.concatenate([p[n] for n in names], axis=-1)
-    return p
-
-
-def row_vector(v: Array, delta: Array | None, member_B: Array | None) -> Array:
+def row_vector(v: Array, delta: Array | None, member_B: Array | None = None) -> Array:
     """A vector leaf [n] (norm scale, bias) as seen by each row: [1, 1, n] unperturbed, [B, 1, n] perturbed."""
     if delta is None:
         return v[None, None]

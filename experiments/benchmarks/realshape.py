@@ -8,8 +8,7 @@ completions at temperature 1, its microbatches, remat and chunked log-probabilit
     prefill   `generate` with one new token: the prompt's forward into the KV cache, and the first decode step
     decode    `generate` with 64 new tokens minus the above: the other 63 decode steps (every row runs to the end:
               no end-of-sequence token is given)
-    update    ES: `tell` (the estimator's low-rank sums and Adam on the float32 masters, tile by tile on a CPU:
-              `esroll.es_train.tell_tile_entries`);
+    update    ES: `tell` (the estimator's low-rank sums and Adam on the float32 masters);
               GRPO: one optimizer step (forward and backward over prompt + completion, AdamW)
 
 The roofline is measured in the same run: peak matmul FLOP/s (the best of bf16 and float32 matmuls at the model's
@@ -225,7 +224,6 @@ def _es_phases(cfg, masters, mesh, rows, prompt, new, reps) -> tuple[dict, dict]
         "es_prompts": X,
         "es_method": c.method,
         "es_optimizer": c.optimizer.name,
-        "es_tell_tile_entries": es_train.tell_tile_entries(c.optimizer, mesh),  # 0: the whole-tree update
         "es_update_calls_s": update_s,
     }
     return {"prefill": prefill, "decode": decode, "update": update}, work | {"settings": settings}

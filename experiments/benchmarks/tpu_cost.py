@@ -1,0 +1,705 @@
+"""Per-chip cost of a training step's accelerator programs, from the TPU compiler's cost model, without a TPU.
+
+    python -m experiments.benchmarks.tpu_cost [--quick] [--cases 0.6b,8b] [--json PATH]
+
+Each program is compiled ahead of time for a deviceless TPU topology (`jax.experimental.topologies`, as
+`esroll.plan.topology_mesh` does; needs libtpu) and its `compiled.cost_analysis()` is read: `flops`, `bytes accessed`
+and `optimal_seconds` of the per-device SPMD program, so every figure is per chip. Parameters, caches, factors and
+batches are `jax.ShapeDtypeStruct`s with the trainer's shardings (`esroll.sharding`): the decoding copy in
+`model.dtype` (bfloat16) under the compute rules for decoding, float32 masters and moments under the master rules
+for `tell` and the update. Programs:
+
+    decode_plain      one decode step: `forward` of 1 token per row over the layer-stacked KV cache of prompt + new
+                      slots (donated, written in place), as `generate` runs it: under `shard_map` over the rows when
+                      the mesh has no model axis, else partitioned by GSPMD with the cache's rows over "data" and its
+                      kv heads over "model";
+    decode_perturbed  the same step with every row's low-rank factors of its ES member, gathered per row
+                      (`Perturbation.per_row`, leading axis the rows, split over "data" with them) as `generate`
+                      gathers them once per call and hands them to every step;
+    prefill           the prompt's forward into a fresh cache of prompt - 1 slots, perturbed as ES rolls out: the
+                      members' factors (`strategy.ask`'s) gathered per row, then the forward;
+    tell              the ES strategy's `tell` (estimate and optimizer update of the donated masters and moments);
+    update            GRPO's `make_update` on one microbatch of the trainer's rows, the completions scored at once
+                      (microbatches 1, logprob_chunk 0: memory knobs, the same arithmetic per row), so that no loop
+                      but the layer scans is left in the program; the trainer's update of a minibatch sums
+                      `microbatches` such gradients before its one optimizer step. Where a chip cannot hold that
+                      program (the compiler refuses it), it is compiled at r and r/2 rows, r the trainer's halved
+                      until it fits, and extrapolated linearly in the rows (`_update_program`).
+
+The layouts of what stays on the chip across `generate`'s decode loop (weights, cache, factors) and of the cache the
+prefill hands to it are the compiler's choice (`Layout.AUTO`), as inside that loop: with default entry layouts a
+lone step would convert the whole cache on entry and exit. `tell` and the update run as their own programs in the
+trainer and keep the default layouts.
+
+A while loop's body is counted once by the cost model, whatever its trip count. Hence one program per step above,
+and the layer scan (`lax.scan` over the stacked layers, `parallel.scan_unroll` layers per iteration: 1 in these
+configs) is resolved by compiling each program at three depths, 0, d and L layers (d = 4; 3 and 4 for a model of
+at most 4 layers; at 2 the compiler keeps the small stacks in on-chip memory, a different program): the model is
+cost(depth) = a + b·depth + c·[depth > 0] (a: what runs once, b·depth: what runs once but grows with depth, such
+as the optimizer over the layers' leaves, c: one iteration of the layer loop), and the figure reported is
+a + b·L + c·L. `tell` has no loop and is compiled once. The cost model gives -1 s to each ConcatBitcast (buffers
+joined in place) in the entry and in loop bodies; those are added back (`uncosted_ops`). `valid` marks a figure
+whose programs kept no loop but the layer scan, one layer per iteration, and no negative time.
+
+Rows and shapes: the real configs (configs/gsm8k_qwen3.py: model axis, population, prompts per step, GRPO's group
+size and microbatches) at the rows per device the planner chose (docs/plans/*_v5e-*.json), prompt 256 and 512 new
+tokens as the plans use. Cases: Qwen3-0.6B on v5e:2x2 and Qwen3-8B on v5e:8x8; --quick: a Qwen3 of 2 layers,
+narrowed (hidden 256, vocabulary 1024, untied head), on v5e:2x2 (mesh 2 x 2) with a few rows, short prompts
+and a small population.
+
+Against the roofline of a v5e chip (819e9 B/s HBM, 197e12 bf16 FLOP/s): roofline_s = max(must_move_bytes / 819e9,
+flops / 197e12), flops the program's own (as above), and `roofline_ratio` = optimal_seconds / roofline_s. The bytes
+that must move, per device (each tensor's shard as its sharding gives it):
+
+    decode     the weights the step reads (layers, final norm, the head: the embedding when tied, else lm_head; the
+               embedding rows gathered are left out), the KV cache read (every slot), and, perturbed, the factors of
+               the distinct members among the device's rows (rows are member-major, prompts x samples per member);
+    prefill    the layers' weights (the head's logits are unused) and the cache written, plus those factors;
+    tell       the perturbed leaves' masters and their optimizer moments, each read once and written once;
+    update     the masters and moments, read and written, and the gradient (the masters' size), written and read.
+
+Per decode step also `bytes_over_weights_kv` = bytes accessed / (weights + KV cache read), and per case
+`perturbed_over_plain` = plain optimal_seconds / perturbed optimal_seconds (the goal: >= 0.95; EGGROLL's anchor is
+0.91 of inference on an H100). `BENCHMARKS` for `experiments.bench`: the headline `tpu_cost` is the smallest
+perturbed_over_plain over the cases run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib
+import json
+import math
+import os
+import re
+import time
+from pathlib import Path
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.layout import Format, Layout
+from jax.sharding import NamedSharding, PartitionSpec
+
+from esroll import es, es_train, grpo, parallel, sharding
+from esroll.config import from_config_dict, make_optimizer
+from esroll.models import STACKED, KVCache, Perturbation, forward, init_cache, model_config, param_shapes
+
+REPO = Path(__file__).resolve().parents[2]
+HBM_BYTES_PER_S = 819e9  # TPU v5e
+PEAK_FLOPS = 197e12  # TPU v5e, bfloat16
+PROMPT, NEW_TOKENS = 256, 512
+FIELDS = ("flops", "bytes_accessed", "optimal_seconds")
+DATA, MODEL = parallel.DATA, parallel.MODEL
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    preset: str
+    topology: str
+    config: str  # configs/gsm8k_qwen3.py's argument (the ES variant; ",grpo" is appended for GRPO)
+    es_plan: str | None  # docs/plans/<...>.json: the planner's rows per device for ES decoding
+    layers: int | None = None  # None: the preset's depth
+    widths: tuple = ()  # (ModelConfig field, value) replacing the preset's
+    rows_per_device: int = 0  # 0: the plan's
+    prompt: int = PROMPT
+    overrides: tuple = ()  # (dotted config key, value), applied to both configs
+
+
+CASES = {
+    "0.6b": Case("0.6b", "qwen3-0.6b", "v5e:2x2", "0.6b", "docs/plans/0.6b_v5e-2x2.json"),
+    "8b": Case("8b", "qwen3-8b", "v5e:8x8", "8b", "docs/plans/8b_v5e-8x8.json"),
+}
+QUICK = Case(
+    "quick",
+    "qwen3-0.6b",
+    "v5e:2x2",
+    "0.6b",
+    None,
+    layers=2,
+    widths=(
+        ("hidden_size", 256),
+        ("intermediate_size", 768),
+        ("num_heads", 4),
+        ("num_kv_heads", 2),
+        ("head_dim", 64),
+        ("vocab_size", 1024),
+        ("tie_word_embeddings", False),
+    ),
+    rows_per_device=2,
+    prompt=16,
+    overrides=(
+        ("parallel.model", 2),
+        ("es.population", 4),
+        ("train.prompts_per_step", 1),
+        ("train.max_new_tokens", 16),
+        ("grpo.group_size", 2),
+        ("grpo.microbatches", 1),
+    ),
+)
+
+
+def _config(case: Case, method: str | None = None):
+    get_config = importlib.import_module("configs.gsm8k_qwen3").get_config
+    c = get_config(case.config + (f",{method}" if method else ""))
+    for key, value in case.overrides:
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return from_config_dict(c.to_dict())
+
+
+def _device_bytes(tree) -> int:
+    """Bytes one device holds of `tree` (ShapeDtypeStructs with shardings)."""
+    return sum(
+        math.prod(x.sharding.shard_shape(tuple(x.shape))) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+def _sds(shape, dtype, mesh, *spec):
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+def _shardings(tree):
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def _auto(tree):
+    """The shardings of `tree`'s leaves with their layouts left to the compiler."""
+    return jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding), tree)
+
+
+def _abstract(model_cfg, dtype, shardings_of):
+    shapes = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype)),
+        param_shapes(model_cfg),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings_of(shapes))
+
+
+def _trip_counts(hlo: str) -> list[int]:
+    """The trip count of every while loop of an optimized HLO module (-1 where its condition is not `i < constant`)."""
+    computations = dict(re.findall(r"^%?(\S+) \(.*?\{\n(.*?)^\}", hlo, re.MULTILINE | re.DOTALL))
+    counts = []
+    for condition in re.findall(r"\bwhile\(.*?condition=%?([\w.\-]+)", hlo):
+        body = computations.get(condition, "")
+        found = re.search(r"constant\((\d+)\)", body)
+        counts.append(int(found.group(1)) if found and "direction=LT" in body else -1)
+    return counts
+
+
+def _uncosted(hlo: str) -> int:
+    """ConcatBitcast custom calls (buffers joined in place, no data moved) in the computations whose cost the model
+    sums, the entry and the while bodies: it gives each -1 s (conditional branches' are not summed)."""
+    bodies = set(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo))
+    count, current = 0, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) \(", line)
+        if head:
+            current = "ENTRY" if head.group(1) else head.group(2)
+        elif 'custom_call_target="ConcatBitcast"' in line and (current == "ENTRY" or current in bodies):
+            count += 1
+    return count
+
+
+def _cost(lowered) -> dict:
+    """The cost model's figures of the compiled program (absent keys: 0), the trip counts of its while loops and its
+    compile time."""
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - t0
+    ca = compiled.cost_analysis()
+    ca = (ca[0] if ca else {}) if isinstance(ca, (list, tuple)) else (ca or {})
+    hlo = compiled.as_text()
+    raw, uncosted = float(ca.get("optimal_seconds", 0.0)), _uncosted(hlo)
+    return {
+        "flops": float(ca.get("flops", 0.0)),
+        "bytes_accessed": float(ca.get("bytes accessed", 0.0)),
+        "optimal_seconds": raw + uncosted,
+        "optimal_seconds_raw": raw,
+        "uncosted_ops": uncosted,
+        "trip_counts": _trip_counts(hlo),
+        "compile_s": round(seconds, 1),
+    }
+
+
+def _depths(layers: int) -> tuple[int, int, int]:
+    return (0, 3, 4) if layers <= 4 else (0, 4, layers)
+
+
+def _through_layers(lower, layers: int, known: dict | None = None) -> dict:
+    """`lower(depth)` compiled at `_depths(layers)` (but for the depths `known` already holds the cost of) and
+    resolved to `layers` layers (the module docstring); `counted` keeps each depth's own figures. `valid`: every loop
+    left is a layer scan of one layer per iteration (trip count = depth, none at depth 0) and every optimal_seconds
+    is non-negative (the cost model gives -1 s for an op it cannot cost)."""
+    depths = _depths(layers)
+    costs = {d: (known or {}).get(d) or _cost(lower(d)) for d in depths}
+    d0, d1, d2 = depths
+    out = {}
+    for f in FIELDS:
+        a = costs[d0][f]
+        b = (costs[d2][f] - costs[d1][f]) / (d2 - d1)
+        c = costs[d1][f] - a - b * d1
+        out[f] = a + b * layers + c * layers
+        out[f"{f}_once"], out[f"{f}_per_layer_outside_loop"], out[f"{f}_layer_body"] = a, b, c
+    out["counted"] = costs
+    out["trip_counts"] = {d: costs[d]["trip_counts"] for d in depths}
+    out["valid"] = all(
+        all(n == d for n in costs[d]["trip_counts"]) and (d == 0) == (not costs[d]["trip_counts"]) for d in depths
+    ) and all(costs[d]["optimal_seconds"] >= 0 for d in depths)
+    out["compile_s"] = sum(costs[d]["compile_s"] for d in depths)
+    return out
+
+
+def _once(lowered) -> dict:
+    """A program without loops, compiled once; `valid` as in `_through_layers`."""
+    out = _cost(lowered)
+    out["valid"] = not out["trip_counts"] and out["optimal_seconds"] >= 0
+    return out
+
+
+def _roofline(program: dict, must_move: int, **parts) -> dict:
+    roofline = max(must_move / HBM_BYTES_PER_S, program["flops"] / PEAK_FLOPS)
+    return {
+        **program,
+        "must_move_bytes": must_move,
+        **{f"must_move_{k}_bytes": v for k, v in parts.items()},
+        "roofline_s": roofline,
+        "roofline_ratio": program["optimal_seconds"] / roofline,
+    }
+
+
+def _cache_config(model_cfg):
+    """The config a cache is built for: a model of 0 layers gets a cache of 1 (left untouched), since the layer
+    scan's body is traced even when it runs no iteration."""
+    return dataclasses.replace(model_cfg, num_layers=max(1, model_cfg.num_layers))
+
+
+class _Target:
+    """One case's mesh, configs, row counts and shapes."""
+
+    def __init__(self, case: Case):
+        from esroll.plan import topology_mesh
+
+        self.case = case
+        self.cfg = _config(case)
+        self.grpo_cfg = _config(case, "grpo")
+        self.model_cfg = dataclasses.replace(model_config(case.preset, case.layers), **dict(case.widths))
+        self.mesh, _ = topology_mesh(case.topology, self.cfg.parallel.model)
+        self.data, self.model = parallel.data_size(self.mesh), parallel.model_size(self.mesh)
+        self.tensor_parallel = self.model > 1
+        per_device = case.rows_per_device
+        if not per_device:
+            per_device = json.loads((REPO / case.es_plan).read_text())["rows_per_device"]
+        self.rows_per_device = per_device
+        self.rows = self.data * per_device  # one chunk of the population's rows
+        self.new_tokens = self.cfg.train.max_new_tokens
+        self.slots = case.prompt + self.new_tokens
+        self.members = self.cfg.es.population
+        self.rows_per_member = self.cfg.train.prompts_per_step * self.cfg.es.samples
+        self.dtype = jnp.dtype(self.cfg.model.dtype)
+        self.key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=parallel.replicated(self.mesh))
+
+    def at_depth(self, depth: int):
+        return dataclasses.replace(self.model_cfg, num_layers=depth)
+
+    def compute(self, model_cfg):
+        return _abstract(model_cfg, self.dtype, lambda s: sharding.compute_shardings(self.mesh, s))
+
+    def masters(self, model_cfg, dtype):
+        return _abstract(model_cfg, dtype, lambda s: sharding.master_shardings(self.mesh, s))
+
+    @functools.cached_property
+    def strategy(self):
+        return es_train._strategy(es_train.strategy_config(self.cfg.es_config), self.cfg.optimizer, self.mesh)
+
+    def es_state(self, masters):
+        es_cfg = self.cfg.es_config
+        shardings = es_train.state_shardings(es_cfg, self.cfg.optimizer, self.mesh, masters)
+        state = jax.eval_shape(self.strategy.init, masters, self.key)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+
+    def member_deltas(self, model_cfg, compute):
+        masters = self.masters(model_cfg, self.cfg.model.master_dtype)
+        deltas = jax.eval_shape(self.strategy.ask, self.es_state(masters), compute)
+        shardings = sharding.delta_shardings(self.mesh, deltas, compute)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), deltas, shardings)
+
+    def members_per_device(self) -> int:
+        """The most distinct members among one device's rows of the first chunk (rows member-major)."""
+        n = self.rows_per_device
+        return max(
+            (i * n + n - 1) // self.rows_per_member - (i * n) // self.rows_per_member + 1 for i in range(self.data)
+        )
+
+    # ---- the cache and the two ways `generate` partitions a step
+
+    def cache_specs(self):
+        """Keys and values [L, B, S, K, H]: rows over data, kv heads over model (where they divide)."""
+        heads = MODEL if self.tensor_parallel and self.model_cfg.num_kv_heads % self.model == 0 else None
+        kv = PartitionSpec(None, DATA, None, heads, None)
+        return KVCache(kv, kv, PartitionSpec(DATA, None), PartitionSpec())
+
+    def abstract_cache(self, model_cfg, slots):
+        c = _cache_config(model_cfg)
+        kv = (c.num_layers, self.rows, slots, c.num_kv_heads, c.head_dim)
+        specs = self.cache_specs()
+        return KVCache(
+            _sds(kv, self.dtype, self.mesh, *specs.k),
+            _sds(kv, self.dtype, self.mesh, *specs.v),
+            _sds((self.rows, slots), bool, self.mesh, *specs.valid_BxS),
+            _sds((), jnp.int32, self.mesh),
+        )
+
+    def constrain_cache(self, cache):
+        if not self.tensor_parallel:
+            return cache
+        specs = self.cache_specs()
+        return jax.tree.map(
+            lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, s)),
+            cache,
+            specs,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+
+    def logits_sharding(self):
+        vocab = MODEL if self.tensor_parallel and self.model_cfg.vocab_size % self.model == 0 else None
+        return NamedSharding(self.mesh, PartitionSpec(DATA, None, vocab))
+
+    def per_device(self, fn, in_specs, out_specs):
+        """`fn` as `generate` runs it: per device under `shard_map` over the rows without a model axis, else as
+        written (GSPMD)."""
+        if self.tensor_parallel:
+            return fn
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    # ---- the programs
+
+    def perturbation(self, model_cfg, compute):
+        member_B = _sds((self.rows,), jnp.int32, self.mesh, DATA)
+        return Perturbation(self.member_deltas(model_cfg, compute), member_B)
+
+    def perturbation_spec(self):
+        return Perturbation(PartitionSpec(), PartitionSpec(DATA))
+
+    def per_row(self, perturb):
+        """`perturb`'s factors gathered for every row (`Perturbation.per_row`), as `generate` hands them to each
+        decode step: the member axis becomes the rows, split over data like them."""
+
+        def rows(path, x):
+            axis = int(path[0].key == STACKED)  # [L, M, ...] stacked, [M, ...] single
+            shape = (*x.shape[:axis], self.rows, *x.shape[axis + 1 :])
+            spec = list(x.sharding.spec) + [None] * (len(shape) - len(x.sharding.spec))
+            spec[axis] = DATA
+            return _sds(shape, x.dtype, self.mesh, *spec)
+
+        return Perturbation(jax.tree_util.tree_map_with_path(rows, perturb.deltas), None)
+
+    def lower_decode(self, depth: int, perturbed: bool):
+        cfg = self.at_depth(depth)
+        params = self.compute(cfg)
+        cache = self.abstract_cache(cfg, self.slots)
+        token = _sds((self.rows,), jnp.int32, self.mesh, DATA)
+        perturb = self.per_row(self.perturbation(cfg, params)) if perturbed else None
+        unroll = self.cfg.parallel.scan_unroll
+
+        def step(params, cache, token_B, perturb):
+            logits, cache = forward(cfg, params, token_B[:, None], cache=cache, perturb=perturb, unroll=unroll)
+            return logits, self.constrain_cache(cache)
+
+        specs = self.cache_specs()
+        perturb_spec = None if perturb is None else jax.tree.map(lambda x: x.sharding.spec, perturb)
+        run = self.per_device(
+            step, (PartitionSpec(), specs, PartitionSpec(DATA), perturb_spec), (PartitionSpec(DATA), specs)
+        )
+        # Layouts of what lives in `generate`'s loop (weights, cache, factors) are the compiler's choice, as they are
+        # inside that loop: with the default entry layouts a lone step converts the whole cache on entry and exit.
+        cache_formats = _auto(cache)
+        return jax.jit(
+            run,
+            donate_argnums=(1,),
+            in_shardings=(_auto(params), cache_formats, token.sharding, _auto(perturb)),
+            out_shardings=(self.logits_sharding(), cache_formats),
+        ).lower(params, cache, token, perturb)
+
+    def lower_prefill(self, depth: int):
+        cfg = self.at_depth(depth)
+        params = self.compute(cfg)
+        prompt = _sds((self.rows, self.case.prompt), jnp.int32, self.mesh, DATA)
+        mask = _sds((self.rows, self.case.prompt), bool, self.mesh, DATA)
+        perturb = self.perturbation(cfg, params)
+        unroll = self.cfg.parallel.scan_unroll
+
+        def prefill(params, prompt_BxP, mask_BxP, perturb):
+            B, P = prompt_BxP.shape
+            cache = self.constrain_cache(init_cache(_cache_config(cfg), B, P - 1, self.dtype))
+            _, cache = forward(
+                cfg,
+                params,
+                prompt_BxP[:, :-1],
+                mask_BxT=mask_BxP[:, :-1],
+                cache=cache,
+                perturb=perturb.per_row(),  # each row's factors gathered once, as `generate` does before prefilling
+                unroll=unroll,
+            )
+            return self.constrain_cache(cache)
+
+        run = self.per_device(
+            prefill,
+            (PartitionSpec(), PartitionSpec(DATA), PartitionSpec(DATA), self.perturbation_spec()),
+            self.cache_specs(),
+        )
+        cache_formats = _auto(self.abstract_cache(cfg, self.case.prompt - 1))  # as it enters the decode loop
+        return jax.jit(
+            run,
+            in_shardings=(_shardings(params), prompt.sharding, mask.sharding, _shardings(perturb)),
+            out_shardings=cache_formats,
+        ).lower(params, prompt, mask, perturb)
+
+    def lower_tell(self):
+        masters = self.masters(self.model_cfg, self.cfg.model.master_dtype)
+        state = self.es_state(masters)
+        fitness = _sds((self.members,), jnp.float32, self.mesh)
+        return self.strategy.tell.lower(state, masters, fitness), masters, state
+
+    def update_rows(self) -> int:
+        g, train = self.grpo_cfg.grpo, self.grpo_cfg.train
+        b = train.prompts_per_step * g.group_size // (g.minibatches * g.microbatches)
+        return b + -b % self.data
+
+    def update_settings(self):
+        """GRPO's settings for one microbatch scored at once (see the module docstring)."""
+        return dataclasses.replace(self.grpo_cfg.grpo, microbatches=1, logprob_chunk=0)
+
+    def grpo_state(self, model_cfg):
+        """GRPO's masters and state (optimizer moments; no reference policy at beta 0), with their shardings."""
+        c, g = self.grpo_cfg, self.update_settings()
+        masters = self.masters(model_cfg, c.model.master_dtype)
+        state = jax.eval_shape(functools.partial(grpo.init_state, g, make_optimizer(c.optimizer)), masters)
+        shardings = grpo.state_shardings(g, c.optimizer, self.mesh, masters)
+        return masters, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
+
+    def lower_update(self, depth: int, rows: int):
+        c, g = self.grpo_cfg, self.update_settings()
+        cfg = self.at_depth(depth)
+        masters, state = self.grpo_state(cfg)
+        b, P, N = rows, self.case.prompt, c.train.max_new_tokens
+
+        def field(shape, dtype):
+            return _sds((1, b, *shape), dtype, self.mesh, None, DATA)
+
+        batch = grpo.Rollouts(
+            prompt=field((P,), jnp.int32),
+            prompt_mask=field((P,), bool),
+            completion=field((N,), jnp.int32),
+            completion_mask=field((N,), bool),
+            logp_old=field((N,), jnp.float32),
+            advantage=field((), jnp.float32),
+            weight=field((N,), jnp.float32),
+        )
+        on_policy = _sds((), bool, self.mesh)
+        update = grpo.make_update(cfg, grpo.update_config(g), c.optimizer, self.mesh, c.model.dtype)
+        return update.lower(masters, state, batch, on_policy)
+
+    # ---- bytes that must move
+
+    def decode_weights_bytes(self) -> int:
+        params = self.compute(self.model_cfg)
+        head = "embed" if self.model_cfg.tie_word_embeddings else "lm_head"
+        return _device_bytes([params[STACKED], params["final_norm"], params[head]])
+
+    def layer_weights_bytes(self) -> int:
+        return _device_bytes(self.compute(self.model_cfg)[STACKED])
+
+    def factor_bytes(self) -> int:
+        """The factors of the distinct members among one device's rows."""
+        compute = self.compute(self.model_cfg)
+        per_member = _device_bytes(self.member_deltas(self.model_cfg, compute)) / self.members
+        return int(per_member * self.members_per_device())
+
+    def cache_bytes(self, slots: int) -> int:
+        cache = self.abstract_cache(self.model_cfg, slots)
+        return _device_bytes([cache.k, cache.v])
+
+
+def _update_program(t: _Target, layers: int, log) -> dict:
+    """The update's figures at the trainer's microbatch rows b. When b rows do not fit a chip unchunked (the TPU
+    compiler refuses the program), the rows are halved until they do, r, and the figures are extrapolated linearly
+    in the rows from r and r/2 to b (a microbatch's work is linear in its rows; the optimizer step is constant)."""
+    b = rows = t.update_rows()
+    while True:
+        try:
+            full = _cost(t.lower_update(layers, rows))
+            break
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e) or rows // 2 % t.data or rows < 2 * t.data:
+                raise
+            log(f"  update: {rows} rows do not fit unchunked ({str(e).splitlines()[0][:120]}); halving", flush=True)
+            rows //= 2
+    program = _through_layers(lambda d: t.lower_update(d, rows), layers, known={layers: full})
+    program["rows_compiled"] = [rows]
+    if rows == b:
+        return program
+    half = _through_layers(lambda d: t.lower_update(d, rows // 2), layers)
+    for f in FIELDS:
+        program[f] = program[f] + (b - rows) * (program[f] - half[f]) / (rows - rows // 2)
+    program["rows_compiled"] = [rows, rows // 2]
+    program["counted_half_rows"] = half["counted"]
+    program["valid"] = program["valid"] and half["valid"]
+    program["compile_s"] += half["compile_s"]
+    return program
+
+
+def run_case(case: Case, log=print) -> dict:
+    t = _Target(case)
+    c = t.model_cfg
+    L = c.num_layers
+    log(
+        f"{case.name}: {case.preset} ({L} layers) on {case.topology}, mesh {dict(t.mesh.shape)}, "
+        f"{t.rows_per_device} rows per device ({t.rows} per chunk), population {t.members}, "
+        f"prompt {case.prompt} + {t.new_tokens} new",
+        flush=True,
+    )
+    weights, layers = t.decode_weights_bytes(), t.layer_weights_bytes()
+    kv, factors = t.cache_bytes(t.slots), t.factor_bytes()
+    programs = {}
+
+    def record(name, program, must_move, **parts):
+        programs[name] = _roofline(program, must_move, **parts)
+        p = programs[name]
+        log(f"  {name}: {p['optimal_seconds'] * 1e3:.3f} ms, compiled in {p['compile_s']:.0f} s", flush=True)
+
+    record(
+        "decode_plain",
+        _through_layers(lambda d: t.lower_decode(d, perturbed=False), L),
+        weights + kv,
+        weights=weights,
+        kv_cache=kv,
+    )
+    record(
+        "decode_perturbed",
+        _through_layers(lambda d: t.lower_decode(d, perturbed=True), L),
+        weights + kv + factors,
+        weights=weights,
+        kv_cache=kv,
+        factors=factors,
+    )
+    written = t.cache_bytes(case.prompt - 1)
+    record(
+        "prefill",
+        _through_layers(t.lower_prefill, L),
+        layers + written + factors,
+        weights=layers,
+        kv_cache_written=written,
+        factors=factors,
+    )
+    lowered, masters, state = t.lower_tell()
+    trained = _device_bytes(es.trainable(t.cfg.es_config, masters))
+    moments = _device_bytes(state.opt_state)
+    record("tell", _once(lowered), 2 * (trained + moments), masters=2 * trained, moments=2 * moments)
+    program = _update_program(t, L, log)
+    masters, state = t.grpo_state(t.model_cfg)
+    m, s = _device_bytes(masters), _device_bytes(state.opt_state)
+    record("update", program, 2 * m + 2 * s + 2 * m, masters=2 * m, moments=2 * s, gradients=2 * m)
+    for name in ("decode_plain", "decode_perturbed"):
+        programs[name]["bytes_over_weights_kv"] = programs[name]["bytes_accessed"] / (weights + kv)
+    # What the perturbed step receives per device (every row's factors), beside the distinct members' it must read.
+    programs["decode_perturbed"]["factor_argument_bytes"] = _device_bytes(t.per_row(t.perturbation(c, t.compute(c))))
+    ratio = programs["decode_plain"]["optimal_seconds"] / programs["decode_perturbed"]["optimal_seconds"]
+    return {
+        "topology": case.topology,
+        "device_kind": getattr(t.mesh.devices.flat[0], "device_kind", ""),
+        "mesh": dict(t.mesh.shape),
+        "model": case.preset,
+        "shapes": {
+            "layers": c.num_layers,
+            "hidden": c.hidden_size,
+            "intermediate": c.intermediate_size,
+            "heads": c.num_heads,
+            "kv_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "vocab": c.vocab_size,
+            "tied_embedding": c.tie_word_embeddings,
+            "dtype": str(t.dtype),
+            "master_dtype": t.cfg.model.master_dtype,
+            "rows_per_device": t.rows_per_device,
+            "rows": t.rows,
+            "population": t.members,
+            "rows_per_member": t.rows_per_member,
+            "members_per_device": t.members_per_device(),
+            "rank": t.cfg.es.rank,
+            "prompt": case.prompt,
+            "new_tokens": t.new_tokens,
+            "decode_cache_slots": t.slots,
+            "update_rows": t.update_rows(),
+            "update_completion_tokens": t.grpo_cfg.train.max_new_tokens,
+            "grpo_microbatches_per_update": t.grpo_cfg.grpo.microbatches,
+            "depths_compiled": list(_depths(c.num_layers)),
+        },
+        "programs": programs,
+        "perturbed_over_plain": ratio,
+    }
+
+
+def table(results: dict) -> str:
+    """One row per (case, program)."""
+    head = (
+        f"{'case':<6}{'program':<18}{'optimal ms':>11}{'roofline ms':>12}{'ratio':>7}{'GFLOP':>10}"
+        f"{'GB accessed':>12}{'GB must move':>13}{'acc/(w+kv)':>11}"
+    )
+    lines = [head]
+    for name, r in results.items():
+        for prog, p in r["programs"].items():
+            extra = f"{p['bytes_over_weights_kv']:>11.3f}" if "bytes_over_weights_kv" in p else f"{'':>11}"
+            lines.append(
+                f"{name:<6}{prog:<18}{p['optimal_seconds'] * 1e3:>11.3f}{p['roofline_s'] * 1e3:>12.3f}"
+                f"{p['roofline_ratio']:>7.2f}{p['flops'] / 1e9:>10.1f}{p['bytes_accessed'] / 1e9:>12.3f}"
+                f"{p['must_move_bytes'] / 1e9:>13.3f}{extra}"
+            )
+        lines.append(f"{name:<6}perturbed/plain decode (plain s / perturbed s): {r['perturbed_over_plain']:.3f}")
+    return "\n".join(lines)
+
+
+def measure(quick: bool, cases=None, log=print) -> dict:
+    chosen = [QUICK] if quick else [CASES[n] for n in (cases or list(CASES))]
+    results = {case.name: run_case(case, log) for case in chosen}
+    log(table(results), flush=True)
+    return {
+        "tpu_cost": min(r["perturbed_over_plain"] for r in results.values()),
+        "jax_version": jax.__version__,
+        "hbm_bytes_per_s": HBM_BYTES_PER_S,
+        "peak_flops": PEAK_FLOPS,
+        "cases": results,
+    }
+
+
+def tpu_cost(args) -> dict:
+    return measure(args.quick)
+
+
+BENCHMARKS = {"tpu_cost": tpu_cost}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 layers at Qwen3-0.6B's widths, a few rows")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args(argv)
+    results = measure(args.quick, [c for c in args.cases.split(",") if c])
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+    return results
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_platforms", "cpu")  # compiled for the topology; keep JAX off any local accelerator
+    main()

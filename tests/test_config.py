@@ -1,0 +1,193 @@
+"""esroll.config is a leaf: it imports nothing from esroll, and no order of importing the package's modules meets a
+cycle. Structure and ranges are checked when a config is built; registered names by `esroll.experiment.check_names`
+(and the factories of configs built by hand), each refusal one line naming the key."""
+
+from __future__ import annotations
+
+import ast
+import random
+import subprocess
+import sys
+
+import optax
+import pytest
+
+from configs.default import get_config
+from esroll import advantages, config, curriculum, errors, es, experiment, grpo, schedules
+from esroll.config import ConfigError, ExperimentConfig, InputError, from_config_dict
+from esroll.es import estimators
+from esroll.experiment import check_names
+
+from conftest import REPO
+
+PACKAGE = REPO / "esroll"
+
+
+def esroll_modules() -> list[str]:
+    """Every module of the package, by dotted name (a package by its own name)."""
+    names = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+# ---- the leaf and the cycle
+
+
+def test_config_imports_nothing_from_esroll():
+    """Not at the top, not in a function, not under TYPE_CHECKING: only the standard library, optax (and
+    ml_collections, which only `config_dict` needs)."""
+    tree = ast.parse((PACKAGE / "config.py").read_text())
+    imported = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"relative import at line {node.lineno}"
+            imported.append(node.module)
+    roots = {name.split(".")[0] for name in imported}
+    assert "esroll" not in roots, imported
+    allowed = set(sys.stdlib_module_names) | {"__future__", "optax", "ml_collections"}
+    assert roots <= allowed, roots - allowed
+
+
+def test_config_and_errors_do_not_import_jax():
+    """What reads only configs, errors and workdirs (`esroll.report`) imports them without JAX."""
+    code = "import sys, esroll.config, esroll.errors; assert 'jax' not in sys.modules, sorted(sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("order", ["sorted", "reversed", "shuffled0", "shuffled1"])
+def test_every_module_imports_in_any_order(order):
+    """A fresh interpreter imports every module of esroll/ one after another, in sorted, reverse and shuffled
+    orders: an import cycle shows as an ImportError (a name read from a partly initialised module) in some order."""
+    modules = esroll_modules()
+    if order == "reversed":
+        modules.reverse()
+    elif order.startswith("shuffled"):
+        random.Random(int(order[-1])).shuffle(modules)
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    proc = subprocess.run([sys.executable, "-c", code, *modules], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_module_imports_first():
+    """Each module imported into an interpreter that holds no esroll module yet (the rest dropped from sys.modules
+    between imports): whichever module of a cycle comes first, its import must complete."""
+    code = (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    for loaded in [m for m in sys.modules if m == 'esroll' or m.startswith('esroll.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    importlib.import_module(name)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *esroll_modules()], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_the_implementations_reexport_their_configs():
+    assert es.ESConfig is config.ESConfig and es.ESSettings is config.ESSettings
+    assert grpo.GRPOConfig is config.GRPOConfig and advantages.AdvantageConfig is config.AdvantageConfig
+    assert curriculum.CurriculumConfig is config.CurriculumConfig
+    assert schedules.make_schedule is config.make_schedule and schedules.SCHEDULES is config.SCHEDULES
+    for name in ("InputError", "ConfigError", "check_fields", "unknown_key"):
+        assert getattr(errors, name) is getattr(config, name)
+    assert es.ESConfig(method="eggroll", population=8).num_directions == 4
+    assert es.ESConfig(population=8).num_directions == 8
+
+
+# ---- structure and ranges: from_config_dict
+
+
+def test_parallel_scan_unroll():
+    cd = get_config("quick")
+    assert from_config_dict(cd.to_dict()).parallel.scan_unroll == 1
+    cd.parallel.scan_unroll = 4
+    assert from_config_dict(cd.to_dict()).parallel.scan_unroll == 4
+    cd.parallel.scan_unroll = 0
+    with pytest.raises(ConfigError, match=r"^config: invalid value for 'parallel.scan_unroll': 0 \(expected >= 1\)$"):
+        from_config_dict(cd.to_dict())
+    d = get_config("quick").to_dict()
+    d["parallel"]["decode_layers"] = "scan"
+    with pytest.raises(InputError, match=r"^config: unknown key 'parallel.decode_layers'"):
+        from_config_dict(d)
+
+
+# ---- registered names: check_names
+
+
+NAMES = [
+    ("quick", "method", "cma"),
+    ("quick", "data.task", "chess"),
+    ("quick", "data.template", "fancy"),
+    ("quick", "es.shaping", "foo"),
+    ("quick", "es.prompt_shaping", "foo"),
+    ("grpo_quick", "grpo.advantage", "foo"),
+    ("grpo_quick", "grpo.aggregation", "sum"),
+    ("grpo_quick", "grpo.remat", "some"),
+    ("quick", "curriculum.prefix_source", "answer"),
+]
+
+
+@pytest.mark.parametrize("variant, key, value", NAMES)
+def test_a_name_no_registry_holds_is_refused_in_one_line(variant, key, value):
+    """from_config_dict takes the name (it cannot see the registries); check_names refuses it, naming the key."""
+    cd = get_config(variant)
+    section, _, field = key.rpartition(".")
+    (cd[section] if section else cd)[field] = value
+    cfg = from_config_dict(cd.to_dict())
+    with pytest.raises(ConfigError) as e:
+        check_names(cfg)
+    message = str(e.value)
+    assert message.startswith(f"config: invalid value for '{key}': '{value}' (expected one of "), message
+    assert "\n" not in message
+
+
+def test_names_that_depend_on_what_they_implement():
+    cd = get_config("quick")
+    cd.data.update(task="countdown", reward="majority")  # a vote needs numeric answers
+    with pytest.raises(ConfigError, match=r"^config: invalid value for 'data.reward': 'majority' \(expected 'gold'"):
+        check_names(from_config_dict(cd.to_dict()))
+
+
+@pytest.mark.parametrize("variant", ["looroll", "eggroll", "grpo", "quick", "grpo_quick"])
+def test_the_shipped_configs_name_registered_implementations(variant):
+    cfg = from_config_dict(get_config(variant).to_dict())
+    assert check_names(cfg) is cfg
+    assert check_names(ExperimentConfig()) == ExperimentConfig()
+
+
+def test_the_trainer_refuses_a_bad_name_before_writing(tmp_path):
+    from esroll.train import train_and_evaluate
+
+    cd = get_config("quick")
+    cd.es.shaping = "foo"
+    workdir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"^config: invalid value for 'es.shaping': 'foo'"):
+        train_and_evaluate(from_config_dict(cd.to_dict()), workdir, progress=False)
+    assert not workdir.exists()
+
+
+def test_a_comparison_refuses_a_bad_name():
+    from configs.compare import get_config as compare_config
+    from esroll.compare import comparison_from_dict
+
+    d = compare_config("quick").to_dict()
+    d["overrides"]["eggroll"]["es"] = {"shaping": "foo"}
+    with pytest.raises(ConfigError, match=r"^config: invalid value for 'es.shaping': 'foo'"):
+        comparison_from_dict(d)
+
+
+def test_the_factories_refuse_configs_built_by_hand():
+    """ESConfig and GRPOConfig built directly skip check_names: their factories look the names up."""
+    with pytest.raises(ConfigError, match=r"^ESConfig: invalid value for 'method': 'bogus' \(expected one of "):
+        es.make_strategy(es.ESConfig(method="bogus"), optax.sgd(1.0))
+    with pytest.raises(ConfigError, match=r"^GRPOConfig: invalid value for 'aggregation': 'sum'"):
+        grpo.make_update(None, config.GRPOConfig(aggregation="sum"), config.OptimConfig(), None)
+    with pytest.raises(ConfigError, match=r"^config: invalid value for 'grpo.advantage': 'foo'"):
+        grpo.make_grpo_method(ExperimentConfig(grpo=config.GRPOConfig(advantage="foo")), None, None)
+    assert experiment.METHODS == (*estimators.METHODS, "grpo")

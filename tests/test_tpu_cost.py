@@ -1,0 +1,70 @@
+"""experiments.benchmarks.tpu_cost --quick: a training step's programs compiled for a TPU v5e 2x2 slice that is not
+there (deviceless AOT, libtpu from the `plan` extra, which the `test` extra installs), and the cost model's figures
+against the roofline."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("libtpu")
+
+from experiments.benchmarks import tpu_cost
+
+PROGRAMS = ("decode_plain", "decode_perturbed", "prefill", "tell", "update")
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
+
+
+@pytest.fixture(scope="module")
+def quick():
+    return tpu_cost.measure(quick=True, log=lambda *args, **kwargs: None)
+
+
+def test_every_program_has_finite_positive_figures(quick):
+    case = quick["cases"]["quick"]
+    assert case["topology"] == "v5e:2x2" and case["device_kind"] == "TPU v5 lite"
+    assert case["mesh"] == {"data": 2, "model": 2}
+    assert quick["jax_version"] and case["shapes"]["layers"] == 2
+    assert tuple(case["programs"]) == PROGRAMS
+    for name, p in case["programs"].items():
+        assert p["valid"], name  # only layer scans left, one layer per iteration; no op the model could not cost
+        for field in ("flops", "bytes_accessed", "optimal_seconds", "must_move_bytes", "roofline_s", "roofline_ratio"):
+            assert math.isfinite(p[field]) and p[field] > 0, (name, field, p[field])
+
+
+def test_roofline_fields_are_the_quotients_of_the_reported_numbers(quick):
+    case = quick["cases"]["quick"]
+    hbm, peak = quick["hbm_bytes_per_s"], quick["peak_flops"]
+    assert (hbm, peak) == (819e9, 197e12)
+    for name, p in case["programs"].items():
+        parts = [v for k, v in p.items() if k.startswith("must_move_") and k != "must_move_bytes"]
+        assert parts and sum(parts) == p["must_move_bytes"], name
+        assert close(p["roofline_s"], max(p["must_move_bytes"] / hbm, p["flops"] / peak)), name
+        assert close(p["roofline_ratio"], p["optimal_seconds"] / p["roofline_s"]), name
+    programs = case["programs"]
+    for name in ("decode_plain", "decode_perturbed"):
+        p = programs[name]
+        read = p["must_move_weights_bytes"] + p["must_move_kv_cache_bytes"]
+        assert close(p["bytes_over_weights_kv"], p["bytes_accessed"] / read), name
+    assert programs["decode_perturbed"]["must_move_factors_bytes"] > 0
+    ratio = programs["decode_plain"]["optimal_seconds"] / programs["decode_perturbed"]["optimal_seconds"]
+    assert close(case["perturbed_over_plain"], ratio)
+    assert quick["tpu_cost"] == min(c["perturbed_over_plain"] for c in quick["cases"].values())
+
+
+def test_layer_figures_resolve_the_scan_by_depth(quick):
+    """Each figure is a + b·L + c·L from the programs compiled at depths 0, d and D (the module docstring)."""
+    for name in ("decode_plain", "decode_perturbed", "prefill", "update"):
+        p = quick["cases"]["quick"]["programs"][name]
+        d0, d1, d2 = sorted(p["counted"])
+        assert d0 == 0 and p["trip_counts"][d0] == [] and all(n == d2 for n in p["trip_counts"][d2]), name
+        for f in tpu_cost.FIELDS:
+            a, b, c = p[f"{f}_once"], p[f"{f}_per_layer_outside_loop"], p[f"{f}_layer_body"]
+            assert close(a, p["counted"][d0][f]), (name, f)
+            assert math.isclose(a + b * d1 + c, p["counted"][d1][f], rel_tol=1e-9), (name, f)
+            assert math.isclose(a + b * d2 + c, p["counted"][d2][f], rel_tol=1e-9), (name, f)
+            assert math.isclose(p[f], a + (b + c) * 2, rel_tol=1e-9), (name, f)
