@@ -91,7 +91,7 @@ from esroll.models import STACKED, KVCache, Perturbation, forward, init_cache, m
 REPO = Path(__file__).resolve().parents[2]
 HBM_BYTES_PER_S = 819e9  # TPU v5e
 PEAK_FLOPS = 197e12  # TPU v5e, bfloat16
-PROMPT, NEW_TOKENS = 256, 512
+PROMPT = 256  # prompt tokens, as the plans use (new tokens: the config's train.max_new_tokens)
 FIELDS = ("flops", "bytes_accessed", "optimal_seconds")
 DATA, MODEL = parallel.DATA, parallel.MODEL
 
@@ -532,7 +532,9 @@ class _Target:
 def _update_program(t: _Target, layers: int, log) -> dict:
     """The update's figures at the trainer's microbatch rows b. When b rows do not fit a chip unchunked (the TPU
     compiler refuses the program), the rows are halved until they do, r, and the figures are extrapolated linearly
-    in the rows from r and r/2 to b (a microbatch's work is linear in its rows; the optimizer step is constant)."""
+    in the rows from r and r/2 to b (a microbatch's work is linear in its rows; the optimizer step is constant). The
+    depth components (`*_once`, `*_layer_body`, ...) and `counted` are then those of r rows, `counted_half_rows`
+    those of r/2."""
     b = rows = t.update_rows()
     while True:
         try:
