@@ -93,7 +93,7 @@ def generate(
     The KV cache is kept in `cache_dtype` (default: the embedding's dtype).
 
     `phases` is the number of decode phases the cache grows in (see `_phase_ends`); `unroll` the layers per iteration
-    of the model's layer scan (`esroll.models.forward`: a speed knob, the tokens do not depend on it). Every platform
+    of the model's layer scan (`esroll.models.forward`: a speed knob; the values do not depend on it beyond float rounding). Every platform
     runs the same program: one layer-stacked cache, the layers under `lax.scan`, each row's low-rank factors gathered
     once per call (`Perturbation.per_row`), the weights as stored.
 

@@ -432,5 +432,7 @@ def test_low_precision_weights_decode_in_their_dtype(qwen3):
     ref = generate(cfg, widened, tokens, jax.random.key(1), **kw)
     assert not np.array_equal(np.asarray(ours.logprobs), np.asarray(ref.logprobs))
     text = lower_generate(cfg, bf16, tokens, jax.random.key(1), **kw).as_text()
-    cache = re.findall(rf"tensor<{cfg.num_layers}x4x\d+x{cfg.num_kv_heads}x{cfg.head_dim}x(\w+)>", text)  # [L, B, S, K, H]
+    cache = re.findall(
+        rf"tensor<{cfg.num_layers}x4x\d+x{cfg.num_kv_heads}x{cfg.head_dim}x(\w+)>", text
+    )  # [L, B, S, K, H]
     assert cache and set(cache) == {"bf16"}

@@ -47,7 +47,10 @@ class Perturbation(NamedTuple):
         and the layer scan slices each layer's per-row factors from its inputs."""
         if self.member_B is None:
             return self
-        rows = {k: jax.tree.map(lambda x: jnp.take(x, self.member_B, axis=int(k == STACKED)), v) for k, v in self.deltas.items()}
+        rows = {
+            k: jax.tree.map(lambda x: jnp.take(x, self.member_B, axis=int(k == STACKED)), v)
+            for k, v in self.deltas.items()
+        }
         return Perturbation(rows, None)
 
 
