@@ -93,9 +93,9 @@ def generate(
     The KV cache is kept in `cache_dtype` (default: the embedding's dtype).
 
     `phases` is the number of decode phases the cache grows in (see `_phase_ends`); `unroll` the layers per iteration
-    of the model's layer scan (`esroll.models.forward`: a speed knob; the values do not depend on it beyond float rounding). Every platform
-    runs the same program: one layer-stacked cache, the layers under `lax.scan`, each row's low-rank factors gathered
-    once per call (`Perturbation.per_row`), the weights as stored.
+    of the model's layer scan (`esroll.models.forward`: a speed knob; the values do not depend on it beyond float
+    rounding). Every platform runs the same program: one layer-stacked cache, the layers under `lax.scan`, each row's
+    low-rank factors gathered once per call (`Perturbation.per_row`), the weights as stored.
 
     Sampling noise is drawn per (key, global row index, step), the global index of row b being `row_offset` + b: a
     caller that decodes rows [o, o + B) of a larger batch in chunks passes row_offset=o and gets exactly the tokens
