@@ -18,7 +18,7 @@ rate (GRPO arms: log-uniform 3e-5 to 3e-4; ES arms: 1e-4 to 2e-3 and σ 0.002 to
 split's ceiling in 19-26 s (configs/compare.py:tuned_hard, measured): a longer budget would score every estimator at
 100% and leave only the AUC to tell them apart. The default task has no such ceiling (GRPO 88% at 120 s); it gets the
 same 30 s so that both gold variants fit the ~2-hour budget, and its results describe early training. Sizes on
-2 CPU cores, measured 2026-12-01: `hard` 39 min (11 arms × 190 s of training, plus compilation and evaluation),
+2 CPU cores, measured: `hard` 39 min (11 arms × 190 s of training, plus compilation and evaluation),
 `label_free` 15 min (4 arms); `default` has the same arms as `hard`.
 
 Variants:

@@ -19,21 +19,21 @@ rank 8 (not run unless named in `methods`).
 
 Variants:
   default (no argument)  The tiny shipped model on 2-digit addition, 2 CPU cores: 3 methods × 3 seeds × 150 s, 27
-                         minutes with evaluation and warm-up (measured). Measured results: docs/compare_results.md.
+                         minutes with evaluation and warm-up (measured; docs/results/compare_untuned.md).
   quick                  Seconds per run, for the test suite (looroll and eggroll, 2 seeds).
   tuned                  The tuned protocol on the default task: looroll, eggroll, looroll_r8, grpo; 4 settings × 2
-                         tuning seeds × 60 s, then 5 evaluation seeds × 120 s: 1 h 17 min on 2 CPU cores (measured
-                         2026-12-01; results in docs/tuned/).
+                         tuning seeds × 60 s, then 5 evaluation seeds × 120 s: 1 h 17 min on 2 CPU cores (measured;
+                         docs/results/tuned.md).
   tuned_hard             The tuned protocol on the hard variant of the default task (2-digit sums with two carries,
                          `data.min_difficulty = 2`; 75 held-out questions, never in the shipped model's training:
                          validation 25, test 50): the same 4 methods; 2 settings × 1 tuning seed × 45 s, then 5
-                         evaluation seeds × 90 s: 52 min on 2 CPU cores (measured; results in docs/tuned_hard/).
+                         evaluation seeds × 90 s: 52 min on 2 CPU cores (measured; docs/results/tuned_hard.md).
   es_fall                Why untuned LOO-ROLL falls after its peak: lr 1e-3 (its default) vs 3e-4, vs cosine-decayed,
-                         vs σ 0.0025; 3 seeds × 120 s (~30 min on 2 CPU cores).
+                         vs σ 0.0025; 3 seeds × 120 s, about 30 min on 2 CPU cores (docs/results/es_fall.md).
   gsm8k_qwen3_<size>     GSM8K with Qwen3 <size> in 0.6b, 1.7b, 4b, 8b (configs/gsm8k_qwen3.py, whose docstring gives
-                         the flags for model and data paths). Hardware: 0.6b and 1.7b on one 80 GB GPU (H100/H200),
-                         1 h per run (9 h for 3 × 3); 4b on 4-8 GPUs and 8b on 8 GPUs, 2 h per run.
-  countdown              Countdown with Qwen3 0.6B (configs/gsm8k_qwen3.py:0.6b,countdown), one 80 GB GPU, 1 h per run.
+                         the flags for model and data paths). Needs accelerators; not run yet on any (plan the
+                         target first: docs/scaling.md).
+  countdown              Countdown with Qwen3 0.6B (configs/gsm8k_qwen3.py:0.6b,countdown); needs an accelerator.
 """
 
 from ml_collections import ConfigDict
@@ -98,10 +98,9 @@ def _comparison(experiments: dict[str, ConfigDict]) -> ConfigDict:
 
 # The search spaces of the tuned variants: what a fair comparison tunes for each method (declared ranges, the same
 # number of draws for every method). The schedules' horizons are in steps (resume stays exact): about 0.85 of the
-# steps each method takes in the 120-s evaluation budget on 2 cores, as the first tuned run measured them
-# (2026-12-01): LOO-ROLL and EGGROLL 289-332 steps, LOO-ROLL rank 8 168-180, GRPO (group 4) 820-890. GRPO's
-# horizon was first 100, sized from an older rate (90 steps in 150 s): its chosen cosine schedule then reached lr 0
-# at step 100 (~14 s), so the GRPO arm was rerun with 700.
+# steps each method takes in the 120-s evaluation budget on 2 cores (docs/results/tuned.md): LOO-ROLL and EGGROLL
+# 289-332 steps, LOO-ROLL rank 8 168-180, GRPO (group 4) 820-890. A GRPO horizon of 100 steps ends a cosine schedule
+# at lr 0 after ~14 s of the 120 (docs/results/tuned/grpo_horizon100/).
 ES_SPACE = {
     "optimizer": {"lr": "log:1e-4:2e-3", "schedule": ["constant", "cosine"], "horizon": [250]},
     "es": {"sigma": "log:0.002:0.01"},

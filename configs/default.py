@@ -3,7 +3,7 @@
     python -m experiments.train --config configs/default.py --workdir runs/default
 
 Hardware: 2 CPU cores. Expected: held-out exact match rises by at least 10 points within 5 minutes of wall time (the
-README gives the measured numbers). Every key starts at its default in `esroll.config` (list them with
+measured numbers: docs/results/default.md). Every key starts at its default in `esroll.config` (list them with
 `python -m experiments.train --config configs/default.py --help`); this file sets what the experiment changes.
 """
 

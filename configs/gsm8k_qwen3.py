@@ -18,14 +18,14 @@ real-shape pipeline runs end to end on a CPU with no download, against a local f
     python -m experiments.train --config configs/gsm8k_qwen3.py:0.6b,looroll,cpu --workdir runs/q06_cpu \
         --config.model.path=DIR --config.data.task=gsm_symbolic
 
-Hardware, as `python -m experiments.plan --config configs/gsm8k_qwen3.py:SIZE --topology T` confirms for ES (peak
-per device from the compiled step, prompt 256 + 512 new tokens; README "Devices, pods and memory"): 0.6B on a v5e-4
-slice (v5e:2x2, 13.3 of 16 GiB) or a v5p:2x2x1 (75 of 95 GiB); 1.7B on a v5e-4 (v5e:2x2, 13.4 GiB) or v5e-8 (v5e:2x4, 13.6 GiB); 4B on a v5e-16
-(v5e:4x4, model axis 4, 14.6 GiB); 8B on a v5e-64 (v5e:8x8, model axis 8, 13.8 GiB) or a v5p:2x2x2 (79.5 of 95 GiB).
-GPUs (not planned: no GPU was available): the per-device figures suggest 0.6B and 1.7B on one 80 GB H100/H200 and
-8B on 8 of them with `--config.parallel.model=8`. Multi-host: `--config.distributed=True`, one process per host, a
-shared or gs:// workdir. GRPO (same hardware, same model axis) fits there too: 0.6B and 1.7B on a v5e:2x2 (13.6 and
-14.4 GiB), 4B on a v5e:4x4 (8.5 GiB), 8B on a v5e:8x8 (5.3 GiB).
+Hardware, as `python -m experiments.plan --config configs/gsm8k_qwen3.py:SIZE --topology T --prompt_len 256` plans
+ES (peak per device from the compiled step, prompt 256 + 512 new tokens; docs/scaling.md): 0.6B on a v5e:2x2 (13.3
+of 16 GiB) or a v5p:2x2x1 (48.9 of 95 GiB); 1.7B on a v5e:2x2 (13.2 GiB) or a v5e:2x4 (11.1 GiB); 4B on a v5e:4x4
+(model axis 4, 13.3 GiB); 8B on a v5e:8x8 (model axis 8, 14.6 GiB) or a v5p:2x2x2 (85.4 of 95 GiB). GRPO (same
+model axis) fits there too: 0.6B and 1.7B on a v5e:2x2 (13.6 and 14.5 GiB), 4B on a v5e:4x4 (8.5 GiB), 8B on a
+v5e:8x8 (5.2 GiB). GPUs are not planned; plan on the GPU host with `--topology local`. Multi-host:
+`--config.distributed=True`, one process per host, a shared or gs:// workdir. None of these configs has run on an
+accelerator.
 Reference (the LOO-ROLL paper, docs/theory.md): LOO-ROLL on GSM8K test 38.1% -> 63.0% (0.6B), 65.9% -> 80.0% (8B).
 """
 

@@ -11,9 +11,9 @@ or LOO-ROLL (the default experiment's) with one method switched on:
     grpo_adaprefix, looroll_adaprefix
                                     AdaPrefix: the direct answer's first tokens as a forced start, per-example
                                     controller at 50% success, withdrawn by the horizon (GRPO 40 steps, ES 30 steps:
-                                    sized as half of the steps of configs/advantages.py:hard's 30-s runs, 66-79 GRPO
-                                    and 56-62 LOO-ROLL; in the measured run the machine was about 3x faster, 157-174
-                                    and 113-128 steps, so assistance ended about a fifth of the way in)
+                                    half of the steps of configs/advantages.py:hard's 30-s runs, 66-79 GRPO and 56-62
+                                    LOO-ROLL; in the measured comparison the arms took 157-174 and 113-128 steps, so
+                                    assistance ended about a fifth of the way in)
     grpo_ads, looroll_ads           adaptive data scheduling; every example of the hard task has two carries, so
                                     its difficulty clusters are one and ADS acts by boundary selection only
     grpo_stare                      STARE: top 20% surprisal tokens, α 0.5; its gate opens once the policy's entropy
@@ -25,7 +25,7 @@ Budgets are configs/advantages.py:hard's: 2 settings per arm (its own and one sh
 same learning rates, every ES arm the same settings) on tuning seed 100, 20 s each, chosen by validation AUC; then 5
 evaluation seeds × 30 s on the test split. 30 s, because plain GRPO reaches the 50-question test split's ceiling in
 19-26 s (configs/compare.py:tuned_hard, measured): longer runs would score most arms at 100% and leave only the AUC.
-Measured 2026-12-01 on 2 CPU cores: 43 min for the 10 arms (results: docs/training_loop_results/, README).
+Measured on 2 CPU cores: 43 min for the 10 arms (docs/results/training_loop.md).
 
 Variants:
   default   the comparison above

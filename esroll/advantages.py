@@ -7,10 +7,11 @@ Every function maps rewards [X groups, M members] (or [members], treated as one 
 `valid` (bool, same shape) marks the entries that take part: statistics are computed over valid entries of each
 group only, and invalid entries come out as 0 whatever their value (NaN included), so a non-finite reward never
 leaks into the others. std is the population standard deviation (ddof 0) and std₁ the sample one (ddof 1, taken as
-0 for a group of one).
+0 for a group of one). A group with fewer than 2 valid entries has nothing to compare: every shaping but `raw` gives
+it 0.
 
     raw                  r                               (ES: keeps the estimators unbiased)
-    zscore               (r − mean) / (std + 1e-8)       (ES; evosax's z-score)
+    zscore               (r − mean) / (std + 1e-8)       (ES; evosax divides by √(var + 1e-8) instead)
     centered_ranks       rank / (n − 1) − 1/2, in [−1/2, 1/2], ties share their mean rank (ES; OpenAI-ES, evosax)
     grpo                 (r − mean) / (std₁ + 1e-4)      (GRPO as TRL computes it: scale_rewards="group")
     grpo_population_std  (r − mean) / (std + 1e-4)       (GRPO with the population std: √(M/(M−1)) × grpo)
@@ -40,6 +41,10 @@ estimator computes, and what its source leaves open, is written down in docs/adv
               the tokens of a negative sample that the policy already found likely
     ddrl      DDRL (label-free only): fixed ±a advantages from the group's answer consistency, ambiguous groups
               excluded, positives and negatives balanced over the batch
+
+Both registries are open: `register_shaping(name, fn)` adds a shaping (and the estimator of the same name),
+`register_advantage(name, fn, init)` an estimator. The built-ins are registered through them as a user's own would
+be (docs/extending.md).
 """
 
 from __future__ import annotations
@@ -75,6 +80,98 @@ def _grouped(fn: Callable[[Array, Array], Array]) -> Shaping:
     return shaped
 
 
+# ---- the registries: what `es.shaping`, `es.prompt_shaping` and `grpo.advantage` name
+
+Estimator = Callable[..., "Estimate"]  # fn(group: Group, options: AdvantageConfig, state: dict | None) -> Estimate
+
+SHAPINGS: dict[str, Shaping] = {}  # name -> the lifted shaping, fn(rewards, valid=None) -> shaped
+# name -> (estimator, initial state or None); every shaping is one too, under its own name
+ESTIMATORS: dict[str, tuple[Estimator, Callable[[AdvantageConfig], Any] | None]] = {}
+SINGLE_ROLLOUT: set[str] = set()  # estimators that work with one completion per prompt
+LABEL_FREE_ONLY: set[str] = set()  # estimators that need the parsed answers (data.reward = "majority")
+
+
+def register_shaping(name: str, fn: Callable[[Array, Array], Array] | None = None, *, replace: bool = False):
+    """Register the fitness shaping `es.shaping = name` / `es.prompt_shaping = name` selects; it is also the
+    stateless group-advantage estimator `grpo.advantage = name` (as every built-in shaping is).
+
+    fn(r_XxM, valid_XxM) -> [X, M]: rewards as float32 [X groups, M members] whose invalid entries (masked out, or
+    non-finite) are already 0, and the bool mask of the valid ones; compute each group's statistics over its valid
+    entries only. It is registered lifted to the public signature of this module's shapings (1-D input, default mask,
+    invalid entries of the result set to 0), which is what `get(name)` returns, and what this function returns.
+    Write it with jax.numpy: `es.shaping` is applied inside the jitted ES update, `es.prompt_shaping` and GRPO on
+    host arrays.
+
+    A name already registered (as a shaping or an estimator) is refused unless `replace` is set. Without `fn`, a
+    decorator that registers what it decorates and returns it lifted."""
+    if fn is None:
+        return lambda f: register_shaping(name, f, replace=replace)
+    _check_new(name, fn, replace, SHAPINGS, ESTIMATORS)
+    shaped = _grouped(fn)
+    SHAPINGS[name] = shaped
+    _set_estimator(name, _from_shaping(shaped), None, single_rollout=False, label_free_only=False)
+    return shaped
+
+
+def register_advantage(
+    name: str,
+    fn: Estimator | None = None,
+    init: Callable[[AdvantageConfig], dict] | None = None,
+    *,
+    single_rollout: bool = False,
+    label_free_only: bool = False,
+    replace: bool = False,
+):
+    """Register the group-advantage estimator `grpo.advantage = name` selects.
+
+    fn(group: Group, options: AdvantageConfig, state: dict | None) -> Estimate: one step's X prompts × M completions
+    (`Group`: rewards [X, M], the step, the seed, the completions' log-probabilities, the parsed answers in the
+    label-free mode) to advantages [X, M] (0 on invalid entries), optional per-token loss weights [X, M, N], the
+    running state after the step and metrics to log. It runs on the host, in numpy, once per step; `options` is the
+    config's `grpo.adv` section. init(options) -> dict: the running state of the first step, a dict of numpy arrays
+    whose shapes never change (it is checkpointed with the run); None (the default): the estimator keeps none and
+    is passed state None. single_rollout: it works with one completion per prompt (grpo.group_size 1 is then
+    allowed); label_free_only: it reads `group.answers` and needs data.reward = "majority".
+
+    A name already registered is refused unless `replace` is set. Returns `fn`; without `fn`, a decorator."""
+    if fn is None:
+        return lambda f: register_advantage(
+            name, f, init, single_rollout=single_rollout, label_free_only=label_free_only, replace=replace
+        )
+    _check_new(name, fn, replace, ESTIMATORS)
+    if init is not None and not callable(init):
+        raise TypeError(f"advantage estimator {name!r}: init must be callable, got {init!r}")
+    SHAPINGS.pop(name, None)  # a replaced shaping of that name is no longer one
+    _set_estimator(name, fn, init, single_rollout=single_rollout, label_free_only=label_free_only)
+    return fn
+
+
+def _check_new(name: str, fn, replace: bool, *registries: dict) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"registered name {name!r}: expected a non-empty string")
+    if not callable(fn):
+        raise TypeError(f"{name!r}: {fn!r} is not callable")
+    if not replace and any(name in r for r in registries):
+        raise ValueError(f"{name!r} is already registered (pass replace=True to replace it)")
+
+
+def _set_estimator(name: str, fn: Estimator, init, *, single_rollout: bool, label_free_only: bool) -> None:
+    ESTIMATORS[name] = (fn, init)
+    for flag, names in ((single_rollout, SINGLE_ROLLOUT), (label_free_only, LABEL_FREE_ONLY)):
+        if flag:
+            names.add(name)
+        else:
+            names.discard(name)
+
+
+def _from_shaping(shaping: Shaping) -> Estimator:
+    def estimate(g: Group, o: AdvantageConfig, state=None) -> Estimate:
+        return Estimate(np.asarray(shaping(g.rewards, g.valid), np.float32))
+
+    estimate.__name__, estimate.__doc__ = shaping.__name__, shaping.__doc__
+    return estimate
+
+
 def _count(valid_XxM: Array) -> Array:
     return valid_XxM.sum(-1, keepdims=True)
 
@@ -88,63 +185,55 @@ def _std(r_XxM: Array, valid_XxM: Array, ddof: int = 0) -> Array:
     return jnp.sqrt((centered**2).sum(-1, keepdims=True) / jnp.maximum(_count(valid_XxM) - ddof, 1))
 
 
-@_grouped
+@register_shaping("raw")
 def raw(r_XxM: Array, valid_XxM: Array) -> Array:
     """The rewards themselves."""
     return r_XxM
 
 
-@_grouped
+@register_shaping("zscore")
 def zscore(r_XxM: Array, valid_XxM: Array) -> Array:
     """(r − mean) / (std + 1e-8): scale-free; a group of equal rewards gives zeros."""
     return (r_XxM - _mean(r_XxM, valid_XxM)) / (_std(r_XxM, valid_XxM) + 1e-8)
 
 
-@_grouped
+@register_shaping("centered_ranks")
 def centered_ranks(r_XxM: Array, valid_XxM: Array) -> Array:
-    """Ranks scaled to [−1/2, 1/2]; robust to outliers; tied rewards get equal values (so they cancel)."""
+    """Ranks scaled to [−1/2, 1/2]; robust to outliers; tied rewards get equal values (so they cancel); 0 in a
+    group of fewer than 2 valid entries."""
     both = valid_XxM[:, :, None] & valid_XxM[:, None, :]
     below = ((r_XxM[:, None, :] < r_XxM[:, :, None]) & both).sum(-1)
     ties = ((r_XxM[:, None, :] == r_XxM[:, :, None]) & both).sum(-1)
     rank = below + (ties - 1) / 2  # mean rank among equal rewards, 0-based
-    return rank / jnp.maximum(_count(valid_XxM) - 1, 1) - 0.5
+    n = _count(valid_XxM)
+    return jnp.where(n >= 2, rank / jnp.maximum(n - 1, 1) - 0.5, 0.0)  # a lone entry has no rank to speak of
 
 
-@_grouped
+@register_shaping("grpo")
 def grpo(r_XxM: Array, valid_XxM: Array) -> Array:
     """(r − mean_g) / (std₁_g + 1e-4), the GRPO group advantage as TRL computes it (sample std, eps 1e-4)."""
     return (r_XxM - _mean(r_XxM, valid_XxM)) / (_std(r_XxM, valid_XxM, ddof=1) + 1e-4)
 
 
-@_grouped
+@register_shaping("grpo_population_std")
 def grpo_population_std(r_XxM: Array, valid_XxM: Array) -> Array:
     """(r − mean_g) / (std_g + 1e-4) with the population std (ddof 0), as some GRPO implementations divide."""
     return (r_XxM - _mean(r_XxM, valid_XxM)) / (_std(r_XxM, valid_XxM) + 1e-4)
 
 
-@_grouped
+@register_shaping("dr_grpo")
 def dr_grpo(r_XxM: Array, valid_XxM: Array) -> Array:
     """r − mean_g (Dr. GRPO drops the std division, which biases towards easy and hard groups)."""
     return r_XxM - _mean(r_XxM, valid_XxM)
 
 
-@_grouped
+@register_shaping("rloo")
 def rloo(r_XxM: Array, valid_XxM: Array) -> Array:
-    """r_i − mean_{j≠i} r_j: the baseline excludes the sample itself, so it is independent of it."""
+    """r_i − mean_{j≠i} r_j: the baseline excludes the sample itself, so it is independent of it; 0 in a group of
+    fewer than 2 valid entries (no other sample to form a baseline from)."""
     n = _count(valid_XxM)
     others = (r_XxM.sum(-1, keepdims=True) - r_XxM) / jnp.maximum(n - 1, 1)
-    return r_XxM - others
-
-
-SHAPINGS: dict[str, Shaping] = {
-    "raw": raw,
-    "zscore": zscore,
-    "centered_ranks": centered_ranks,
-    "grpo": grpo,
-    "grpo_population_std": grpo_population_std,
-    "dr_grpo": dr_grpo,
-    "rloo": rloo,
-}
+    return jnp.where(n >= 2, r_XxM - others, 0.0)
 
 
 def get(name: str) -> Shaping:
@@ -261,7 +350,12 @@ def bv_blend(g: Group, o: AdvantageConfig, state: dict) -> Estimate:
 
 def majority_rewards(answers: np.ndarray) -> np.ndarray:
     """The label-free reward: 1 where a response's answer is a modal answer of its row (ties: every tied answer),
-    0 elsewhere and for no answer (-1). answers [X, M] int -> [X, M] float32."""
+    0 elsewhere and for no answer (-1). answers [X, M] int -> [X, M] float32.
+
+    A response's reward depends on the other responses of its row. In ES (`esroll.es_train.member_fitness`) a row
+    holds every member's answers to one prompt, so member i's fitness depends on the other members' perturbations
+    and theirs on member i's: LOO-ROLL's leave-one-out baseline is then not independent of member i's direction, and
+    neither ES estimator is unbiased for the population field (docs/theory.md)."""
     a = np.asarray(answers)
     same = (a[:, :, None] == a[:, None, :]) & (a[:, None, :] >= 0)
     counts = same.sum(-1)  # how many responses of the row share each response's answer
@@ -435,7 +529,8 @@ def ddrl(g: Group, o: AdvantageConfig, state=None) -> Estimate:
     """DDRL (label-free): fixed advantages from answer consistency, ambiguous groups left out, classes balanced.
 
     A group's consistency c is the fraction of it holding its modal answer. c ≥ ddrl_high: the modal answers are
-    positive (+a), the others negative (−a); c ≤ ddrl_low: all negative (no consensus); in between: left out (0).
+    positive (+a), the others negative (−a); c ≤ ddrl_low: all negative (no consensus); in between, and a group of
+    fewer than 2 valid responses (a lone answer is no consensus, nor its absence a disagreement): left out (0).
     Then the larger class is subsampled to the size of the smaller over the whole batch (a seeded draw from
     (seed, step)), so positives and negatives carry equal weight; a batch with no positives (or no negatives) keeps
     nothing, and its update is zero."""
@@ -449,7 +544,8 @@ def ddrl(g: Group, o: AdvantageConfig, state=None) -> Estimate:
     c = counts.max(1) / np.maximum(valid.sum(1), 1)
     modal = (counts == counts.max(1, keepdims=True)) & (counts > 0)
     label = np.zeros((X, M))
-    high, low = c >= o.ddrl_high, c <= o.ddrl_low
+    enough = valid.sum(1) >= 2
+    high, low = enough & (c >= o.ddrl_high), enough & (c <= o.ddrl_low)
     label[high] = np.where(modal[high], 1.0, -1.0)
     label[low] = -1.0
     label = np.where(valid, label, 0.0)
@@ -496,26 +592,13 @@ def stare_gate(is_open: bool, entropy: float, low: float, high: float) -> bool:
     return is_open
 
 
-def _from_shaping(shaping: Shaping) -> Callable[..., Estimate]:
-    def estimate(g: Group, o: AdvantageConfig, state=None) -> Estimate:
-        return Estimate(np.asarray(shaping(g.rewards, g.valid), np.float32))
-
-    return estimate
-
-
-# name -> (estimator, initial state or None). The shapings take part under their own names.
-ESTIMATORS: dict[str, tuple[Callable[..., Estimate], Callable[[AdvantageConfig], Any] | None]] = {
-    **{name: (_from_shaping(fn), None) for name, fn in SHAPINGS.items()},
-    "agrae": (agrae, None),
-    "bv_blend": (bv_blend, bv_blend_init),
-    "gmae": (gmae, None),
-    "maxpo": (maxpo, None),
-    "lampo": (lampo, None),
-    "ntf": (ntf, ntf_init),
-    "ddrl": (ddrl, None),
-}
-SINGLE_ROLLOUT = ("ntf",)  # estimators that work with one completion per prompt
-LABEL_FREE_ONLY = ("ddrl",)  # estimators that need the parsed answers (data.reward = "majority")
+register_advantage("agrae", agrae)
+register_advantage("bv_blend", bv_blend, bv_blend_init)
+register_advantage("gmae", gmae)
+register_advantage("maxpo", maxpo)
+register_advantage("lampo", lampo)
+register_advantage("ntf", ntf, ntf_init, single_rollout=True)
+register_advantage("ddrl", ddrl, label_free_only=True)
 
 
 def init_state(name: str, options: AdvantageConfig) -> dict | None:

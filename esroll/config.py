@@ -8,11 +8,11 @@ one-line `ConfigError` naming the key.
 This module imports nothing from esroll (only the standard library and optax), so that any module of the
 library can import its configuration from here at the top of the file without an import cycle. The price: a key whose
 value names an implementation registered in another module (ES methods, fitness shapings, GRPO's advantage
-estimators, aggregations and remat policies, tasks, prompt templates, prefix sources) is not checked here, where the
-registry is out of reach, but by `esroll.experiment.check_names`, which the trainer and the entry points run right
-after `from_config_dict`, and by the factories that take a config (`esroll.es.make_strategy`, `esroll.grpo`'s
+estimators, aggregations and remat policies, tasks, rewards, prompt templates, prefix sources) is not checked here,
+where the registry is out of reach, but by `esroll.experiment.check_names`, which the trainer and the entry points run
+right after `from_config_dict`, and by the factories that take a config (`esroll.es.make_strategy`, `esroll.grpo`'s
 `make_update` and `make_grpo_method`). What is checked here is the structure, the ranges, and the choices this module
-implements itself (optimizers, schedules, dtypes, rewards, evaluation splits).
+implements itself (optimizers, schedules, dtypes, evaluation splits).
 
 The error types a user can fix (`InputError`, `ConfigError`) are defined here for the same reason; `esroll.errors`
 re-exports them with `reading`. Importing this module does not import JAX: optax (which does) is imported when a
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DTYPES = ("float32", "bfloat16")
 EVAL_SPLITS = ("test", "validation")
-REWARDS = ("gold", "majority")
 
 
 # ---- errors a user can fix
@@ -140,7 +139,8 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """task: arithmetic | countdown | gsm8k | gsm_symbolic. gsm8k reads `path` (a JSONL/Parquet file or a `datasets`
+    """task: arithmetic | countdown | gsm8k | gsm_symbolic, or a task registered with `esroll.data.register_task`
+    (which reads from this section what it needs). gsm8k reads `path` (a JSONL/Parquet file or a `datasets`
     name) and `eval_path` (empty: split `eval_size` rows off the training data). Synthetic tasks generate `n_examples`
     rows from `seed` with `digits`, `ops`, `n_terms`, `word_problems` (arithmetic) or `countdown_numbers`;
     gsm_symbolic generates `n_examples` GSM-Symbolic problems (reasoning-gym), `eval_size` of them from held-out
@@ -150,9 +150,13 @@ class DataConfig:
     held-out questions are the validation split and the rest the test split; `eval_split` (test | validation) is
     the one held-out evaluation scores (with validation_size 0, test is the whole held-out set).
     min_difficulty (-1: off) keeps only examples at least that hard in both splits (arithmetic sums: their carries).
-    reward: gold (the answer key) | majority (label-free, test-time RL: a completion is rewarded for agreeing with
-    the majority answer of the completions of its prompt; the gold answer is then used only for evaluation).
-    task and template are names of `esroll.data` (`TASKS`, `TEMPLATES`)."""
+    reward: gold (the task's own reward: its answer key or rules) | majority (label-free, test-time RL: a completion
+    is rewarded for agreeing with the majority answer of the completions of its prompt; the gold answer is then used
+    only for evaluation) | a reward function registered with `esroll.rewards.register_reward`. Held-out evaluation
+    always scores the task's own reward. In ES the majority vote is over every member's completions, so a member's
+    fitness depends on the other members' perturbations and the estimators are no longer unbiased (docs/theory.md).
+    task, reward and template are names of `esroll.data.TASKS`, `esroll.rewards.REWARDS` (and majority) and
+    `esroll.data.TEMPLATES`, checked by `esroll.experiment.check_names`."""
 
     task: str = "arithmetic"
     path: str = ""
@@ -227,6 +231,12 @@ class ESSettings:
     than 1 needs train.temperature > 0), `sample_reduce` folds the K rewards (mean, or max: max@K, pass@K on 0/1
     rewards), `prompt_shaping` (a name in `esroll.advantages.SHAPINGS`, across the members, prompt by prompt:
     GRPO's group-relative normalisation, with the population as the group; raw: none) and the mean over prompts.
+    A prompt_shaping that divides by or ranks against the members' rewards (zscore, grpo, grpo_population_std,
+    centered_ranks) makes each member's fitness depend on the other members' perturbations, which breaks the
+    independence that LOO-ROLL's unbiasedness rests on (and antithetic EGGROLL's, docs/theory.md); dr_grpo and rloo
+    shift every member's fitness alike (rloo also scales it by M/(M − 1) when every reward is finite), which leaves
+    the estimator's weights as raw gives them. Label-free rewards (data.reward = majority) couple the members the
+    same way.
     Leaf selection by path regex (see `esroll.es.noise`): defaults freeze embed / lm_head and vectors, perturb other
     matrices.
     chunk_size: directions per chunk when `tell` sums the update (0: all at once).
@@ -570,7 +580,6 @@ class ExperimentConfig:
                 ">= 0 and below data.eval_size (the rest is the test split)",
             ),
             ("data.eval_split", self.data.eval_split in EVAL_SPLITS, f"one of {', '.join(EVAL_SPLITS)}"),
-            ("data.reward", self.data.reward in REWARDS, f"one of {', '.join(REWARDS)}"),
             (
                 "method",
                 self.method == "grpo"
@@ -580,7 +589,7 @@ class ExperimentConfig:
             ),
             (
                 "grpo.group_size",
-                self.method != "grpo" or self.data.reward == "gold" or self.grpo.group_size >= 2,
+                self.method != "grpo" or self.data.reward != "majority" or self.grpo.group_size >= 2,
                 ">= 2 with data.reward='majority' (a vote needs a group)",
             ),
             (

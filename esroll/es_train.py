@@ -113,7 +113,9 @@ def member_fitness(
     and metrics. With `answer_B` (label-free), a row's reward is whether its answer is the majority answer of all
     the rows (every member, every sample) answering its prompt, and the gold reward is kept as a diagnostic. A member
     with a non-finite reward gets a non-finite fitness (the strategy's non-finite policy drops it); `reward_mean` is
-    the mean reward before any shaping."""
+    the mean reward before any shaping. The majority vote, and a `prompt_shaping` that divides by or ranks against
+    the members' rewards, make each member's fitness depend on the other members' perturbations: the estimators'
+    unbiasedness does not hold then (docs/theory.md, and `ESSettings`)."""
     K = es_settings.samples
     gold_MxXxK = np.asarray(reward_B, np.float64).reshape(M, X, K)
     broken_M = ~np.isfinite(gold_MxXxK).all(axis=(1, 2))

@@ -118,7 +118,9 @@ def grpo_loss(
     eps_BxN: Array | None = None,
 ) -> tuple[Array, dict]:
     """Clipped surrogate −min(ρA, clip(ρ, 1−ε_low, 1+ε_high)A) + β·(exp(d) − d − 1), d = log π_ref − log π_θ,
-    aggregated by `aggregation` (or by explicit `weights_BxN`, see `token_weights`).
+    aggregated by `aggregation` (or by explicit `weights_BxN`, see `token_weights`). The clip is active (its branch
+    constant, gradient zero) only where ρ is strictly outside [1−ε_low, 1+ε_high] on the side A's sign makes binding
+    (ρ < 1−ε_low with A < 0, ρ > 1+ε_high with A > 0); at ρ = 1 the gradient is the unclipped one for any ε ≥ 0.
 
     logp_ref None means no KL term (β must then be 0). Metrics are token means over this call's tokens: `kl` (the
     k3 estimate), `clip_fraction` (tokens whose clipped branch is active, so their gradient is zero).
@@ -135,14 +137,18 @@ def grpo_loss(
     ratio_BxN = jnp.exp(logp_new_BxN - logp_old_BxN)
     if eps_BxN is not None:  # per-token clip ranges (ACPO)
         eps_low, eps_high = eps_BxN, eps_BxN
-    surrogate_BxN = jnp.minimum(ratio_BxN * adv_BxN, jnp.clip(ratio_BxN, 1 - eps_low, 1 + eps_high) * adv_BxN)
+    # min(ρA, clip(ρ)A) written as a selection: the clipped (constant) branch only where ρ is strictly outside the
+    # range on the side A's sign makes binding, so a tie (ρ = 1 at ε = 0) takes the unclipped branch and its full
+    # gradient; jnp.minimum / jnp.clip would split the gradient there.
+    clipped_BxN = ((ratio_BxN < 1 - eps_low) & (adv_BxN < 0)) | ((ratio_BxN > 1 + eps_high) & (adv_BxN > 0))
+    bound_BxN = jax.lax.stop_gradient(jnp.where(adv_BxN < 0, 1 - eps_low, 1 + eps_high))
+    surrogate_BxN = jnp.where(clipped_BxN, bound_BxN * adv_BxN, ratio_BxN * adv_BxN)
     loss_BxN = -surrogate_BxN
     kl_BxN = jnp.zeros_like(loss_BxN)
     if logp_ref_BxN is not None:
         d_BxN = logp_ref_BxN - logp_new_BxN
         kl_BxN = jnp.exp(d_BxN) - d_BxN - 1
         loss_BxN = loss_BxN + beta * kl_BxN
-    clipped_BxN = ((ratio_BxN < 1 - eps_low) & (adv_BxN < 0)) | ((ratio_BxN > 1 + eps_high) & (adv_BxN > 0))
     n_tokens = jnp.maximum(mask.sum(), 1)
     metrics = {
         "kl": jnp.where(mask, kl_BxN, 0.0).sum() / n_tokens,

@@ -1,4 +1,5 @@
-"""Rule-based rewards for GSM8K-style answers and Countdown expressions.
+"""Rule-based rewards for GSM8K-style answers and Countdown expressions, and the registry of reward functions that
+`data.reward` names (`register_reward`).
 
 Pure Python: no JAX, and model output is never executed. Completions are hostile input, so every function here
 returns within bounded time and never raises on any string:
@@ -14,7 +15,7 @@ import collections
 import operator
 import re
 from fractions import Fraction
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 TAIL_CHARS = 4000
 MAX_NUMBER_DIGITS = 30
@@ -191,3 +192,47 @@ def countdown_reward(completion: str, numbers: Sequence[int], target: int, *, fo
     if value is not None and value == target:
         return 1.0
     return format_reward if tagged else 0.0
+
+
+# ---- the reward registry: the names `data.reward` takes
+
+RewardFn = Callable[[Any, str], float]
+REWARDS: dict[str, RewardFn] = {}
+LABEL_FREE = "majority"  # `data.reward`'s label-free mode: a vote among a prompt's completions, not a function
+
+
+def register_reward(name: str, fn: RewardFn | None = None, *, replace: bool = False):
+    """Make `fn` the reward that `data.reward = name` trains on (every method: ES fitness, GRPO rewards).
+
+    fn(example, completion) -> float: the reward of one completion for one `esroll.data.Example`; `completion` is
+    the example's prefix (empty unless AdaPrefix forces one) followed by the decoded generated text. Completions are
+    hostile input: read them as text, never evaluate or execute them, and return a finite float in bounded time for
+    every string without raising (as this module's functions do: search a bounded tail, linear-time regexes).
+    Held-out evaluation does not read it: it always scores the task's own reward ("gold", `esroll.data.TaskSpec`),
+    so accuracies stay comparable whatever reward trained the model.
+
+    "gold" (the task's own reward) is registered by `esroll.data`; "majority" is not a function but the label-free
+    mode and cannot be registered. A name already registered is refused unless `replace` is set, so that a typo
+    cannot silently swap a reward. Returns `fn`; without `fn`, a decorator that registers what it decorates."""
+    if fn is None:
+        return lambda f: register_reward(name, f, replace=replace)
+    if not isinstance(name, str) or not name or name == LABEL_FREE:
+        raise ValueError(f"reward name {name!r}: expected a non-empty string other than {LABEL_FREE!r}")
+    if not callable(fn):
+        raise TypeError(f"reward {name!r}: {fn!r} is not callable")
+    if name in REWARDS and not replace:
+        raise ValueError(f"reward {name!r} is already registered (pass replace=True to replace it)")
+    REWARDS[name] = fn
+    return fn
+
+
+def reward_names() -> tuple[str, ...]:
+    """Every value `data.reward` takes: the registered rewards and the label-free mode, "gold" first."""
+    return ("gold", LABEL_FREE, *(n for n in REWARDS if n != "gold"))
+
+
+def get_reward(name: str) -> RewardFn:
+    """The reward function registered as `name`."""
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r}; known: {', '.join(REWARDS)}")
+    return REWARDS[name]

@@ -85,8 +85,8 @@ def rollout(
     """Decode the rows, row b answering `examples[example_B[b]]` (with member `member_B[b]`'s perturbation when
     `deltas` are given), and score them with `task.rewards`. With `completions`, the tokens and their
     log-probabilities travel in the same exchange as the rewards; with `scores`, the evaluation scores of
-    `esroll.data.eval_scores` (the reward is their first, "accuracy"); with `answers`, each row's parsed answer as
-    an integer id (`Task.answer_ids`: what label-free rewards vote on).
+    `esroll.data.eval_scores` instead (their first, "accuracy", the task's own reward, is then `reward_B`); with
+    `answers`, each row's parsed answer as an integer id (`Task.answer_ids`: what label-free rewards vote on).
 
     Every process must pass the same arguments. The sampling noise of row b is a function of (key, b, step), so the
     result does not depend on the mesh.

@@ -469,8 +469,8 @@ def sequence_logprobs(
     Memory: the decoder runs to its final hidden states only (`forward(return_hidden=True)`), and the head is applied
     to the N positions that predict completion tokens (P-1 .. P+N-2; never the prompt's), `chunk` positions at a time
     (0 = all N at once), each chunk under `jax.checkpoint`: the largest logits buffer is [B, chunk, V] float32, in the
-    forward and in the backward pass (which recomputes a chunk's logits instead of keeping them). At V ~ 150k this is
-    what the whole-sequence [B, T, V] float32 logits and log-softmax used to dominate. `remat` is the decoder's
+    forward and in the backward pass (which recomputes a chunk's logits instead of keeping them). At V ~ 150k the
+    whole-sequence [B, T, V] float32 logits and log-softmax would dominate the step's memory. `remat` is the decoder's
     per-layer rematerialisation (`esroll.models.transformer.REMAT_POLICIES`), `layer_params` its per-layer map of the
     weights, `unroll` its layers per scan iteration (`forward`). The entropy is a
     metric: it carries no gradient.

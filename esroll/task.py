@@ -12,13 +12,15 @@ import numpy as np
 from esroll import sharding
 from esroll.advantages import answer_id
 from esroll.config import ExperimentConfig
-from esroll.data import Example, eval_scores, format_prompt, parse_answer, score
+from esroll.data import Example, eval_scores, format_prompt, parse_answer, score, task_spec
 from esroll.models import load_hf, param_shapes
 from esroll.models.hf import resolve
+from esroll.rewards import LABEL_FREE, get_reward
 
 
 class Task(NamedTuple):
-    """Everything a method needs to turn prompts into rewards."""
+    """Everything a method needs to turn prompts into rewards. `reward_fn` is the training reward (`data.reward`'s
+    function, `esroll.rewards.register_reward`); held-out evaluation scores the task's own (`eval_scores`)."""
 
     cfg: Any  # ModelConfig
     tokenizer: Any
@@ -26,11 +28,13 @@ class Task(NamedTuple):
     eos_ids: tuple[int, ...]
     pad_id: int
     prompt_multiple: int
+    reward_fn: Callable[[Example, str], float] = score
 
     def rewards(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Reward of each generated row; row j answers examples[j] (an example's prefix and the completion are scored
-        as one answer)."""
-        return np.array([score(e, s) for e, s in zip(examples, self.answers(examples, tokens, lengths))], np.float32)
+        """Training reward of each generated row; row j answers examples[j] (an example's prefix and the completion
+        are scored as one answer)."""
+        texts = self.answers(examples, tokens, lengths)
+        return np.array([self.reward_fn(e, s) for e, s in zip(examples, texts)], np.float32)
 
     def answer_ids(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """[rows] int64: each row's parsed answer (`esroll.data.parse_answer`) as `esroll.advantages.answer_id`
@@ -39,7 +43,8 @@ class Task(NamedTuple):
         return np.array([answer_id(parse_answer(e, s)) for e, s in zip(examples, texts)], np.int64)
 
     def eval_scores(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """[rows, scores]: `esroll.data.eval_scores` of each generated row (accuracy, and strict / flexible)."""
+        """[rows, scores]: `esroll.data.eval_scores` of each generated row (the task's reward as accuracy, then its
+        other eval scores)."""
         texts = self.answers(examples, tokens, lengths)
         return np.array([eval_scores(e, s) for e, s in zip(examples, texts)], np.float32).reshape(len(examples), -1)
 
@@ -82,11 +87,12 @@ def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Exampl
     def prompt_ids(examples: list[Example]) -> list[list[int]]:
         out = []
         for e in examples:
-            if e.prompt not in cache:
-                text = format_prompt(e.prompt, tokenizer, cfg.data.template, system)
-                cache[e.prompt] = tokenizer.encode(text, add_special_tokens=False)
+            question = task_spec(e.task).prompt(e)  # the task's prompt format, then the template
+            if question not in cache:
+                text = format_prompt(question, tokenizer, cfg.data.template, system)
+                cache[question] = tokenizer.encode(text, add_special_tokens=False)
             prefix = tokenizer.encode(e.prefix, add_special_tokens=False) if e.prefix else []
-            out.append(cache[e.prompt] + prefix)  # a prefix is the forced start of the answer (AdaPrefix)
+            out.append(cache[question] + prefix)  # a prefix is the forced start of the answer (AdaPrefix)
         return out
 
     eos = {tokenizer.eos_token_id, *_config_eos(model_cfg)}
@@ -96,7 +102,10 @@ def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Exampl
         longest += max(len(tokenizer.encode(source(e), add_special_tokens=False)) for e in train)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     multiple = 8 * -(-longest // 8)  # one bucket for the whole dataset: a training run compiles generate once
-    return Task(model_cfg, tokenizer, prompt_ids, tuple(sorted(e for e in eos if e is not None)), pad, multiple), params
+    # The label-free mode computes its rewards from votes; its rows still carry the gold ones (logged as diagnostics).
+    reward_fn = get_reward("gold" if cfg.data.reward == LABEL_FREE else cfg.data.reward)
+    eos_ids = tuple(sorted(e for e in eos if e is not None))
+    return Task(model_cfg, tokenizer, prompt_ids, eos_ids, pad, multiple, reward_fn), params
 
 
 def param_shapes_tree(model_cfg) -> dict:

@@ -3,7 +3,7 @@
     python -m experiments.bench [--quick] [--json PATH] [--only NAME[,NAME]] [--model SHAPE] [--dtype bfloat16]
         [--grpo_remat none]
 
-Each benchmark measures a ratio in one run (this machine is shared and noisy: both sides run interleaved in the same
+Each benchmark measures a ratio in one run (on a shared, noisy machine both sides run interleaved in the same
 process), never asserts a time. Benchmarks live in experiments/benchmarks/*.py, each exposing
 `BENCHMARKS = {name: fn(args) -> dict}`; every dict holds at least the named figure under the key `name`.
 """

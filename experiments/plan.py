@@ -5,8 +5,8 @@ and print the memory each device needs.
         [--config.parallel.model=8] [--prompt_len 256]
 
 --topology names a TPU slice ("v5e:2x2", "v5e:4x4", "v5e:8x8", "v5p:2x2x2", ...): the step is compiled by JAX's
-deviceless ahead-of-time compilation on this host, which needs libtpu (`pip install -e '.[plan]'`), not a TPU.
---topology=local compiles for this machine's own devices instead. Model shapes come from `model.path` when it is a
+deviceless ahead-of-time compilation on the host running it, which needs libtpu (`pip install -e '.[plan]'`), not a TPU.
+--topology=local compiles for the local devices instead. Model shapes come from `model.path` when it is a
 local folder with a config.json, else from the built-in presets of the published configs (`esroll.models.presets`:
 "Qwen/Qwen3-8B" is the preset qwen3-8b); nothing is downloaded. An ES step (`esroll.plan`) is the cast of the master
 weights to the decoding copy, ask, one chunk of generate, tell, and held-out evaluation's generate; a GRPO step the
@@ -27,7 +27,7 @@ from esroll.experiment import check_names
 from experiments._entry import run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:variant]).")
-_TOPOLOGY = flags.DEFINE_string("topology", "local", "A TPU topology such as v5e:8x8, or 'local' (this machine).")
+_TOPOLOGY = flags.DEFINE_string("topology", "local", "A TPU topology such as v5e:8x8, or 'local' (the local devices).")
 _JSON = flags.DEFINE_string("json", None, "Also write the plan as JSON to this path.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 256, "Padded prompt length in tokens (the data's prompt bucket).")
 flags.mark_flags_as_required(["config"])
@@ -107,7 +107,7 @@ def main(argv):
 
 
 def _deviceless() -> bool:
-    """A TPU topology is compiled for on this host's CPU backend: keep JAX off any local accelerator."""
+    """A TPU topology is compiled for on the local CPU backend: keep JAX off any local accelerator."""
     return "--topology=local" not in sys.argv and any(a.startswith("--topology") for a in sys.argv)
 
 

@@ -304,6 +304,37 @@ def test_every_estimator_gives_float32_of_the_rewards_shape():
         assert np.all(np.isfinite(out.advantage)), name
 
 
+def test_a_group_with_fewer_than_two_valid_entries_gets_zero():
+    """Nothing to compare in a group of one valid entry (or none): every estimator whose baseline is the group gives it
+    0 (docs/theory.md); the exceptions compare with something outside the group (raw: nothing; ntf: the batch or its
+    EMA; bv_blend: its cluster's history, 0 here without one). DDRL used to read a lone answer as full consensus
+    (c = 1) and could keep it as a positive (+a)."""
+    rng = np.random.default_rng(13)
+    X, M = 4, 4
+    r = np.array([[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 1.0]])
+    # rows 0 and 1: one valid entry, row 2: none, row 3: all four (every answer different: no consensus, all -a)
+    valid = np.array([[1, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
+    answers = np.array([[7, 7, 7, 7], [3, 3, 3, 3], [5, 5, 5, 5], [1, 2, 3, 4]])
+    fields = dict(
+        valid=valid,
+        seq_logp=rng.normal(size=(X, M)),
+        token_logp=np.log(rng.random((X, M, 3))),
+        token_mask=np.ones((X, M, 3), bool),
+        cluster=np.array([0, 1, 0, 1]),
+        answers=answers,
+    )
+    for name in A.ESTIMATORS:
+        if name in ("raw", "ntf"):
+            continue
+        out = est(name, r, **fields)
+        np.testing.assert_array_equal(out.advantage[:3], 0, err_msg=name)
+        assert np.all(out.advantage[~valid] == 0), name
+    # gmae's label-free branch too, and without the other group
+    np.testing.assert_array_equal(est("gmae", r[:3], valid=valid[:3], answers=answers[:3]).advantage, 0)
+    ddrl = est("ddrl", r, valid=valid, answers=answers)
+    assert ddrl.metrics["ddrl_excluded_groups"] == pytest.approx(3 / 4) and np.all(ddrl.advantage == 0)
+
+
 def test_options_are_checked():
     from configs.default import get_config
     from esroll.config import from_config_dict
@@ -374,6 +405,31 @@ def test_es_member_fitness_counterparts():
     for shaping in ("raw", "grpo"):
         fitness, extra = member_fitness(ESSettings(samples=K, prompt_shaping=shaping), broken, None, M, X)
         assert np.isnan(fitness[1]) and np.isfinite(fitness[[0, 2]]).all() and np.isfinite(extra["reward_mean"])
+
+
+@pytest.mark.parametrize("method", ["looroll", "eggroll"])
+def test_es_prompt_shaping_by_a_common_shift_leaves_the_estimate_as_raw(method):
+    """docs/theory.md: dr_grpo and rloo prompt shaping shift every member's fitness alike (rloo also scales it by
+    M/(M − 1)), which both estimators cancel; the shapings that divide by (or rank against) the members' rewards
+    change the weights member by member, coupling each member's fitness to the others' perturbations."""
+    from esroll.es.estimators import direction_weights
+    from esroll.es.strategy import ESSettings
+    from esroll.es_train import member_fitness
+
+    M, X = 6, 5
+    reward = np.random.default_rng(14).random(M * X).astype(np.float32)
+
+    def weights(prompt_shaping):
+        fitness, _ = member_fitness(ESSettings(prompt_shaping=prompt_shaping), reward, None, M, X)
+        return np.asarray(direction_weights(method, fitness, 0.1).w_E, np.float64)
+
+    raw = weights("raw")
+    assert np.any(raw != 0)
+    np.testing.assert_allclose(weights("dr_grpo"), raw, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(weights("rloo"), raw * M / (M - 1), rtol=1e-5, atol=1e-6)
+    for name in ("zscore", "grpo", "centered_ranks"):
+        w = weights(name)
+        assert not np.allclose(w * (w @ raw) / (w @ w), raw, rtol=1e-3), name  # not even proportional to raw
 
 
 def test_es_label_free_with_two_samples_per_prompt_trains(tmp_path):

@@ -191,12 +191,32 @@ def test_fully_invalid_group_is_all_zero(name):
     np.testing.assert_allclose(out[1], shaped(name, r[1]), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["grpo", "grpo_population_std", "zscore", "dr_grpo"])
+@pytest.mark.parametrize("name", CENTERED)
 def test_one_valid_entry_gets_zero_advantage(name):
-    """One valid entry: no deviation from its own mean, and the ddof-1 std is taken as 0 (not 0/0)."""
+    """A group (or a 1-D member set) with fewer than 2 valid entries has nothing to compare: every centred shaping
+    gives it 0 (docs/theory.md), the ddof-1 std taken as 0 (not 0/0). rloo used to return r itself (2.5 here) and
+    centered_ranks −1/2."""
     r = np.array([[2.5, 9.0, np.nan], [2.5, 1.0, 0.0]])
     valid = np.array([[True, False, True], [True, False, False]])
     np.testing.assert_array_equal(shaped(name, r, valid), 0)
+    np.testing.assert_array_equal(shaped(name, np.array([5.0])), 0)
+    np.testing.assert_array_equal(shaped(name, np.array([np.nan, 5.0, 1.0]), np.array([True, True, False])), 0)
+    # the other groups are shaped as before
+    two = np.array([[2.5, 9.0, np.nan], [2.5, 1.0, 0.0]])
+    np.testing.assert_allclose(shaped(name, two, valid | [[0, 0, 0], [0, 1, 0]])[1, :2], shaped(name, two[1, :2]))
+
+
+def test_zscore_and_evosax_standardize_differ_at_a_small_spread():
+    """esroll's zscore divides by std + 1e-8, evosax's (jax.nn.standardize, epsilon=1e-8) by √(var + 1e-8): equal
+    for a wide spread, apart near std 1e-4 (docs/theory.md's figures)."""
+    import jax
+
+    x = np.array([0.0, 1.0, 2.0, 3.0])
+    for scale, esroll, evosax in ((1e-4, [1.3415, 0.4472], [1.0, 1 / 3]), (1.0, [1.3416, 0.4472], [1.3416, 0.4472])):
+        ours = shaped("zscore", x * scale)
+        theirs = np.asarray(jax.nn.standardize(x * scale, epsilon=1e-8), np.float64)
+        np.testing.assert_allclose(ours, np.array([-1, -1, 1, 1]) * np.array(esroll)[[0, 1, 1, 0]], atol=1e-4)
+        np.testing.assert_allclose(theirs, np.array([-1, -1, 1, 1]) * np.array(evosax)[[0, 1, 1, 0]], atol=1e-4)
 
 
 # ---------------------------------------------------------------- lookup

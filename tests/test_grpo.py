@@ -118,6 +118,31 @@ def test_loss_and_gradient_match_reference(aggregation):
     np.testing.assert_allclose(float(metrics["kl"]), ((np.exp(d) - d - 1) * mask).sum() / mask.sum(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("eps_low, eps_high", [(0.0, EPS_HIGH), (EPS_LOW, 0.0), (0.0, 0.0), (EPS_LOW, EPS_HIGH)])
+@pytest.mark.parametrize("advantage", [1.5, -1.5])
+def test_on_policy_gradient_is_the_unclipped_one_for_any_epsilon(eps_low, eps_high, advantage):
+    """At ρ = 1 the clip is inactive whatever ε ≥ 0 (a tie takes the unclipped branch): token_mean over n = 2 tokens
+    gives ∂L/∂log p = −A/n per token exactly, both with π_old := stop_gradient(π_θ) (the on-policy update) and with
+    π_old passed as equal values. (Selecting by jnp.minimum / jnp.clip split the gradient at the ties: −0.5625 for
+    A = 1.5 with one ε = 0, −0.46875 with both, instead of −0.75.)"""
+    logp = jnp.asarray([[-0.7, -1.2]], jnp.float32)
+    mask = np.ones((1, 2), bool)
+    kw = dict(eps_low=eps_low, eps_high=eps_high, beta=0.0, aggregation="token_mean")
+    expected = np.full((1, 2), -advantage / 2)
+
+    def on_policy(new):
+        return _grpo_loss(new, jax.lax.stop_gradient(new), None, jnp.asarray([advantage]), mask, **kw)
+
+    def equal_old(new):
+        return _grpo_loss(new, logp, None, jnp.asarray([advantage]), mask, **kw)
+
+    for loss_fn in (on_policy, equal_old):
+        (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(logp)
+        np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-6)
+        np.testing.assert_allclose(float(loss), -advantage, rtol=1e-6)
+        assert float(metrics["clip_fraction"]) == 0.0
+
+
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_microbatch_losses_sum_to_minibatch_loss(aggregation):
     """Weights from the whole minibatch make the split exact, token_mean included (a mean of means would not be)."""

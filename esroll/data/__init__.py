@@ -1,28 +1,35 @@
-"""Tasks (GSM8K, GSM-Symbolic, synthetic arithmetic, Countdown), prompts, scoring, splits and resumable batching."""
+"""Tasks (GSM8K, GSM-Symbolic, synthetic arithmetic, Countdown, and any registered with `register_task`), prompts,
+scoring, splits and resumable batching."""
 
+from esroll.data import builtin_tasks  # noqa: F401  (registers the built-in tasks)
 from esroll.data.batching import batch_indices, epoch_permutation, get_batch, split_examples
 from esroll.data.build import make_splits
 from esroll.data.gsm8k import example_from_gsm8k, load_gsm8k, to_gsm8k_dict, write_jsonl
 from esroll.data.gsm_symbolic import gsm_symbolic_templates, make_gsm_symbolic, make_gsm_symbolic_splits
 from esroll.data.synthetic import make_arithmetic, make_countdown
 from esroll.data.tasks import (
-    NUMERIC_TASKS,
     PLAIN_TEMPLATE,
     TASKS,
+    TEMPLATES,
     Example,
+    TaskSpec,
     cluster_key,
     eval_score_names,
     eval_scores,
     format_prompt,
+    own_prompt,
     parse_answer,
+    register_task,
     score,
+    task_spec,
 )
 
 __all__ = [
-    "NUMERIC_TASKS",
     "PLAIN_TEMPLATE",
     "TASKS",
+    "TEMPLATES",
     "Example",
+    "TaskSpec",
     "batch_indices",
     "cluster_key",
     "epoch_permutation",
@@ -38,9 +45,12 @@ __all__ = [
     "make_gsm_symbolic",
     "make_gsm_symbolic_splits",
     "make_splits",
+    "own_prompt",
     "parse_answer",
+    "register_task",
     "score",
     "split_examples",
+    "task_spec",
     "to_gsm8k_dict",
     "write_jsonl",
 ]

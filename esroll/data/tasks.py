@@ -1,12 +1,12 @@
-"""The row type shared by every task, prompt formatting, and scoring a completion against a row."""
+"""The row type shared by every task, prompt formatting, the task registry (`register_task`), and scoring a
+completion against a row by its task's scorer."""
 
 import dataclasses
-from typing import Any, Literal, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, NamedTuple
 
 from esroll import rewards
-
-TASKS = ("gsm8k", "arithmetic", "countdown", "gsm_symbolic")
-NUMERIC_TASKS = ("gsm8k", "gsm_symbolic", "arithmetic")  # scored by the final number of the completion
+from esroll.config import DataConfig
 
 # The fixed "plain" template. The tiny shipped model is trained on synthetic arithmetic with exactly this template
 # and the completion `Example.target_text` (" 47"), so changing it invalidates that model.
@@ -18,7 +18,7 @@ TEMPLATES = ("plain", "chat")
 class Example:
     """One prompt and what counts as answering it.
 
-    task: which reward applies ("gsm8k", "gsm_symbolic" and "arithmetic": final number; "countdown": expression).
+    task: the registered task (`TASKS`) whose prompt format and scorer apply to the row.
     prompt: the question text, before any template.
     answer: the canonical gold number, e.g. "42".
     solution: a worked solution in GSM8K form ending in "#### <answer>" (Countdown: the constructing expression).
@@ -63,21 +63,113 @@ def format_prompt(
     raise ValueError(f"unknown prompt template {template!r}; expected one of {', '.join(TEMPLATES)}")
 
 
+# ---- the task registry: what `data.task` names
+
+Scorer = Callable[[Example, str], float]
+
+
+def own_prompt(example: Example) -> str:
+    """The default prompt format: the example's question text as it is."""
+    return example.prompt
+
+
+class TaskSpec(NamedTuple):
+    """What a task is: how its examples are built, how the model is asked, and how an answer is scored.
+
+    name: what `data.task` names, and the `task` field of the examples it builds (scoring dispatches on it).
+    splits(cfg: `esroll.config.DataConfig`) -> (train, held_out): lists of `Example`, built from the data section
+        (its seed, sizes, paths and task knobs) and deterministic in it, no prompt in both. `esroll.data.make_splits`
+        then applies what every task shares: `min_difficulty`, and the validation / test split of held_out.
+    reward(example, completion) -> float: the task's own reward ("gold"), what held-out accuracy reports; it reads
+        untrusted text, under the contract of `esroll.rewards.register_reward`.
+    prompt(example) -> str: the question text the prompt template wraps (`data.template`: "plain" fills
+        `PLAIN_TEMPLATE`, "chat" makes it the user message); `own_prompt` (the default) takes `example.prompt`.
+    parse_answer(example, completion) -> str | None: the canonical answer a completion gives (None: it gives none),
+        what the label-free mode (`data.reward = "majority"`) votes on; None when answers cannot be compared as
+        strings, and `esroll.experiment.check_names` then refuses the label-free mode for the task.
+    eval_scores: ((name, fn(example, completion) -> float), ...): held-out scores logged as eval_<name> next to
+        eval_accuracy (the reward).
+    """
+
+    name: str
+    splits: Callable[[DataConfig], tuple[list[Example], list[Example]]]
+    reward: Scorer
+    prompt: Callable[[Example], str] = own_prompt
+    parse_answer: Callable[[Example, str], str | None] | None = None
+    eval_scores: tuple[tuple[str, Scorer], ...] = ()
+
+
+TASKS: dict[str, TaskSpec] = {}  # name -> spec; the built-in tasks are registered by `esroll.data.builtin_tasks`
+
+
+def register_task(
+    name: str,
+    splits: Callable[[DataConfig], tuple[list[Example], list[Example]]],
+    reward: Scorer,
+    *,
+    prompt: Callable[[Example], str] = own_prompt,
+    parse_answer: Callable[[Example, str], str | None] | None = None,
+    eval_scores: Mapping[str, Scorer] | None = None,
+    replace: bool = False,
+) -> TaskSpec:
+    """Register the task `data.task = name` selects (the fields are `TaskSpec`'s) and return its spec. A name already
+    registered is refused unless `replace` is set, so that two modules cannot silently shadow each other's task."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"task name {name!r}: expected a non-empty string")
+    if name in TASKS and not replace:
+        raise ValueError(f"task {name!r} is already registered (pass replace=True to replace it)")
+    extra = tuple((eval_scores or {}).items())
+    named = {"splits": splits, "reward": reward, "prompt": prompt}
+    if parse_answer is not None:
+        named["parse_answer"] = parse_answer
+    named.update((f"eval_scores[{key!r}]", fn) for key, fn in extra)
+    for what, fn in named.items():
+        if not callable(fn):
+            raise TypeError(f"task {name!r}: {what} must be callable, got {fn!r}")
+    for key, _ in extra:
+        if not isinstance(key, str) or not key.isidentifier() or key == "accuracy":
+            raise ValueError(f"task {name!r}: eval score name {key!r} must be an identifier other than 'accuracy'")
+    spec = TaskSpec(name, splits, reward, prompt, parse_answer, extra)
+    TASKS[name] = spec
+    return spec
+
+
+def task_spec(name: str) -> TaskSpec:
+    """The registered task `name`."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
+    return TASKS[name]
+
+
 def score(example: Example, completion: str) -> float:
-    """The reward of one completion for one row, picked by `example.task`."""
-    if example.task in NUMERIC_TASKS:
-        return rewards.gsm8k_reward(completion, example.answer)
-    if example.task == "countdown":
-        return rewards.countdown_reward(completion, example.meta["numbers"], example.meta["target"])
-    raise ValueError(f"unknown task {example.task!r}; expected one of {TASKS}")
+    """The reward of one completion for one row: its task's own reward (what `data.reward = "gold"` trains on)."""
+    return float(task_spec(example.task).reward(example, completion))
 
 
 def parse_answer(example: Example, completion: str) -> str | None:
-    """The answer a completion gives, canonical (what label-free rewards vote on): the final number for numeric
-    tasks; None if there is none. Countdown has no label-free mode (its reward needs no gold answer)."""
-    if example.task in NUMERIC_TASKS:
-        return rewards.extract_answer(completion)
-    raise ValueError(f"task {example.task!r} has no parsed answer to vote on (label-free rewards: {NUMERIC_TASKS})")
+    """The answer a completion gives, canonical (what label-free rewards vote on), by the row's task's parser; None if
+    there is none. A task without a parser has no label-free mode."""
+    spec = task_spec(example.task)
+    if spec.parse_answer is None:
+        voting = [t.name for t in TASKS.values() if t.parse_answer is not None]
+        raise ValueError(f"task {example.task!r} has no parsed answer to vote on (label-free rewards: {voting})")
+    return spec.parse_answer(example, completion)
+
+
+def eval_score_names(task: str) -> tuple[str, ...]:
+    """What held-out evaluation logs per completion of `task`: the reward ("accuracy"), then the task's other eval
+    scores (numeric answers: "strict", the number after `####`, and "flexible", the last number, as GSM8K harnesses
+    report them)."""
+    return ("accuracy", *(name for name, _ in task_spec(task).eval_scores))
+
+
+def eval_scores(example: Example, completion: str) -> tuple[float, ...]:
+    """The scores `eval_score_names(example.task)` names, for one completion."""
+    spec = task_spec(example.task)
+    return (score(example, completion), *(float(fn(example, completion)) for _, fn in spec.eval_scores))
+
+
+rewards.register_reward("gold", score)
 
 
 def cluster_key(example: Example, key: str) -> str:
@@ -96,19 +188,3 @@ def cluster_key(example: Example, key: str) -> str:
             f"cluster key {key!r}: the {example.task} examples have no such meta field ({sorted(example.meta)})"
         )
     return f"{key}={example.meta[key]}"
-
-
-def eval_score_names(task: str) -> tuple[str, ...]:
-    """What held-out evaluation logs per completion of `task`: the reward ("accuracy") and, for numeric answers, the
-    two scores GSM8K harnesses report: "strict" (the number after `####`) and "flexible" (the last number)."""
-    return ("accuracy", "strict", "flexible") if task in NUMERIC_TASKS else ("accuracy",)
-
-
-def eval_scores(example: Example, completion: str) -> tuple[float, ...]:
-    """The scores `eval_score_names(example.task)` names, for one completion."""
-    if example.task not in NUMERIC_TASKS:
-        return (score(example, completion),)
-    return tuple(
-        rewards.gsm8k_reward(completion, example.answer, extract)
-        for extract in (rewards.extract_answer, rewards.extract_strict, rewards.extract_flexible)
-    )

@@ -31,7 +31,7 @@ def trl_config(cfg, folder: str, steps: int):
         output_dir=os.path.join(folder, "trl"),
         use_cpu=True,
         # float32 compute, as esroll and Tunix run these steps: TRL's GRPOConfig defaults to bf16=True, and the
-        # Trainer then autocasts forward and backward to bfloat16, on a CPU too (runs before 2026-12-02b had it on).
+        # Trainer then autocasts forward and backward to bfloat16, on a CPU too.
         bf16=False,
         fp16=False,
         report_to="none",

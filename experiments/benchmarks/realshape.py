@@ -1,4 +1,4 @@
-"""Each phase of one ES step and one GRPO step at a real model's shapes, against this machine's roofline.
+"""Each phase of one ES step and one GRPO step at a real model's shapes, against the host's roofline.
 
 realshape_step: Qwen3-0.6B shapes by default (random bf16 weights, float32 masters; `--model` picks another shape,
 "quick" under --quick), 64 rows, prompt 128, 64 new tokens, on one device, with the settings of
@@ -61,7 +61,7 @@ def _best_seconds(fn, reps: int) -> float:
 
 
 def roofline(cfg, rows: int, prompt: int, stream_bytes: int, square: int = 4096) -> dict:
-    """Peak matmul FLOP/s and streaming bytes/s of this machine's default device, measured now."""
+    """Peak matmul FLOP/s and streaming bytes/s of the default device, measured in the same run."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     matmul = jax.jit(lambda a, b: a @ b)
     flops = {}
@@ -80,7 +80,7 @@ def roofline(cfg, rows: int, prompt: int, stream_bytes: int, square: int = 4096)
     W, x = w[: side * side].reshape(side, side), jnp.ones((8, side), jnp.bfloat16)
     by_matmul = 2 * side * side / _best_seconds(functools.partial(matmul, x, W), 3)
     del w, W
-    # Context, not part of the bound: how fast XLA's own elementwise loops stream on this machine (an Adam-like
+    # Context, not part of the bound: how fast XLA's own elementwise loops stream on the host (an Adam-like
     # axpy over float32 arrays of the same total size: two reads, one write).
     u, v = jnp.ones((n // 4,), jnp.float32), jnp.ones((n // 4,), jnp.float32)
     axpy = jax.jit(lambda u, v: 0.9 * u + 0.1 * v)
@@ -153,7 +153,7 @@ def phase_work(cfg, rows: int, prompt: int, new: int, perturbed_io: int, es_upda
 def _generate_phases(cfg, params, prompt_BxP, key, new: int, reps: int, **kwargs) -> tuple[float, float]:
     """prefill = the fastest of `reps` interleaved rounds of `generate` with 1 new token; decode = the fastest round
     of `generate` with `new` tokens minus that. With several rounds the minimum is the estimate least disturbed by
-    other work on a shared machine, and one slow round of the short program no longer drives decode negative (at full
+    other work on a shared machine, and one slow round of the short program cannot drive decode negative (at full
     size there is one round). Both programs are compiled ahead of time (which fills `generate`'s compilation cache):
     no warm-up call."""
     run_1, run_n = (

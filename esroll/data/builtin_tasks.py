@@ -1,0 +1,96 @@
+"""The built-in tasks, registered through `esroll.data.register_task` as a user's task would be.
+
+arithmetic, gsm8k and gsm_symbolic are scored by the final number of a completion (`esroll.rewards.extract_answer`
+against the gold number), which is also what the label-free mode votes on, and report GSM8K's strict and flexible
+matches as extra held-out scores; countdown is scored by its expression rules and has no label-free mode (its reward
+needs no answer key).
+"""
+
+from __future__ import annotations
+
+from esroll import rewards
+from esroll.config import DataConfig
+from esroll.data.batching import split_examples
+from esroll.data.gsm8k import load_gsm8k
+from esroll.data.gsm_symbolic import make_gsm_symbolic_splits
+from esroll.data.synthetic import make_arithmetic, make_countdown
+from esroll.data.tasks import Example, register_task
+
+
+def numeric_reward(example: Example, completion: str) -> float:
+    """1.0 when the completion's final number equals the gold one (`esroll.rewards.gsm8k_reward`)."""
+    return rewards.gsm8k_reward(completion, example.answer)
+
+
+def numeric_answer(example: Example, completion: str) -> str | None:
+    """The completion's final number, canonical, or None."""
+    return rewards.extract_answer(completion)
+
+
+NUMERIC_SCORES = {
+    "strict": lambda e, c: rewards.gsm8k_reward(c, e.answer, rewards.extract_strict),
+    "flexible": lambda e, c: rewards.gsm8k_reward(c, e.answer, rewards.extract_flexible),
+}
+
+
+def countdown_reward(example: Example, completion: str) -> float:
+    """1.0 for a legal expression of the example's numbers that equals its target (`esroll.rewards.countdown_reward`)."""
+    return rewards.countdown_reward(completion, example.meta["numbers"], example.meta["target"])
+
+
+def _held_out(rows: list[Example], cfg: DataConfig) -> tuple[list[Example], list[Example]]:
+    train, held_out = split_examples(rows, cfg.eval_size, cfg.seed)
+    if not train:
+        raise ValueError(f"config: no training examples left for data.task={cfg.task!r} after the held-out split")
+    return train, held_out
+
+
+def arithmetic_splits(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
+    """`n_examples` generated sums (`digits`, `ops`, `n_terms`, `word_problems`) from `seed`, `eval_size` of the
+    distinct prompts held out."""
+    rows = make_arithmetic(
+        cfg.n_examples,
+        cfg.seed,
+        digits=cfg.digits,
+        ops=tuple(cfg.ops),
+        n_terms=cfg.n_terms,
+        word_problems=cfg.word_problems,
+    )
+    return _held_out(rows, cfg)
+
+
+def countdown_splits(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
+    """`n_examples` generated Countdown problems of `countdown_numbers` numbers from `seed`, `eval_size` held out."""
+    return _held_out(make_countdown(cfg.n_examples, cfg.seed, n_numbers=cfg.countdown_numbers), cfg)
+
+
+def gsm_symbolic_splits(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
+    """`n_examples` GSM-Symbolic problems, split by template rather than by prompt (see `esroll.data.gsm_symbolic`):
+    `eval_size` held-out rows from templates never trained on, the rest for training."""
+    if cfg.n_examples <= cfg.eval_size:
+        raise ValueError(
+            f"config: data.n_examples={cfg.n_examples} leaves no training examples after "
+            f"data.eval_size={cfg.eval_size} for data.task='gsm_symbolic'"
+        )
+    return make_gsm_symbolic_splits(cfg.n_examples - cfg.eval_size, cfg.eval_size, cfg.seed)
+
+
+def gsm8k_splits(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
+    """GSM8K read from `path`; held out: the first `eval_size` rows of `eval_path` (training questions equal to one of
+    them dropped), or without `eval_path`, `eval_size` prompts split off the training data."""
+    if not cfg.path:
+        raise ValueError("config: 'data.path' must name a GSM8K file or dataset for data.task='gsm8k'")
+    rows = load_gsm8k(cfg.path, split="train")
+    if cfg.eval_path:
+        held_out = load_gsm8k(cfg.eval_path, split="test")[: cfg.eval_size]
+        seen = {e.prompt for e in held_out}
+        return [e for e in rows if e.prompt not in seen], held_out
+    return _held_out(rows, cfg)
+
+
+register_task("gsm8k", gsm8k_splits, numeric_reward, parse_answer=numeric_answer, eval_scores=NUMERIC_SCORES)
+register_task("arithmetic", arithmetic_splits, numeric_reward, parse_answer=numeric_answer, eval_scores=NUMERIC_SCORES)
+register_task("countdown", countdown_splits, countdown_reward)
+register_task(
+    "gsm_symbolic", gsm_symbolic_splits, numeric_reward, parse_answer=numeric_answer, eval_scores=NUMERIC_SCORES
+)

@@ -1,0 +1,296 @@
+"""docs/extending.md, run as written: its code blocks are read from the page and executed, so the page and this test
+cannot drift apart. Each extension point's example registers its code, trains 2 steps on the shipped tiny model and
+evaluates; the registered task also trains by name from the command line, through a config file that imports it. The
+registries' own rules (duplicates, reserved names, the lifted shaping signature, the checks of registered names) are
+tested at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, SHIPPED_MODEL
+from esroll import advantages, rewards
+from esroll.config import ConfigError, from_config_dict
+from esroll.data import TASKS, Example, register_task
+from esroll.experiment import check_names
+
+DOC = REPO / "docs" / "extending.md"
+FILE_BLOCK = re.compile(r"# (\w+\.py): ")  # a block whose first line names a file is saved as that file
+
+
+def sections() -> dict[str, list[str]]:
+    """The page's "### " sections, each as its python code blocks in order."""
+    text = DOC.read_text()
+    out = {}
+    for part in re.split(r"^### ", text, flags=re.M)[1:]:
+        title, _, body = part.partition("\n")
+        out[title.strip()] = re.findall(r"```python\n(.*?)```", body, re.S)
+    return out
+
+
+def block_file(block: str) -> str | None:
+    m = FILE_BLOCK.match(block)
+    return m.group(1) if m else None
+
+
+def run_section(title: str, folder) -> dict:
+    """Save the section's file blocks in `folder` (importable) and execute its other blocks there, in order, in one
+    namespace, as a reader pasting them at the repository root would (`assets/` is linked into the folder)."""
+    (folder / "assets").symlink_to(REPO / "assets")
+    namespace: dict = {"__name__": "__main__"}
+    for block in sections()[title]:
+        if (name := block_file(block)) is not None:
+            (folder / name).write_text(block)
+        else:
+            exec(compile(block, f"{DOC.name}: {title}", "exec"), namespace)
+    return namespace
+
+
+@pytest.fixture
+def registries(tmp_path, monkeypatch):
+    """A folder to run in, on sys.path; every registry, and the modules the folder's files become, restored after."""
+    saved = [
+        (TASKS, dict(TASKS)),
+        (rewards.REWARDS, dict(rewards.REWARDS)),
+        (advantages.SHAPINGS, dict(advantages.SHAPINGS)),
+        (advantages.ESTIMATORS, dict(advantages.ESTIMATORS)),
+    ]
+    flags = [(s, set(s)) for s in (advantages.SINGLE_ROLLOUT, advantages.LABEL_FREE_ONLY)]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(REPO))  # configs/, as from the repository root
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        if getattr(sys.modules[name], "__file__", "") and str(tmp_path) in sys.modules[name].__file__:
+            del sys.modules[name]
+    for registry, items in saved:
+        registry.clear()
+        registry.update(items)
+    for names, items in flags:
+        names.clear()
+        names.update(items)
+
+
+def metrics(workdir) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_trained(folder, run: str) -> list[dict]:
+    """The run trained its 2 steps and evaluated before and after; returns its evaluation records."""
+    evals = [r for r in metrics(folder / "runs" / run) if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 2]
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in evals)
+    return evals
+
+
+# ---- the page's examples
+
+
+def test_the_page_has_one_example_per_extension_point():
+    found = sections()
+    for title in ("A task", "A reward", "A group-advantage estimator (GRPO)", "A fitness shaping (ES)"):
+        assert len(found[title]) == 2, title  # the registration, then a run that uses it
+    assert [block_file(b) for b in found["A task"]] == ["my_tasks.py", None]
+    assert [block_file(b) for b in found["From the command line"]] == ["my_config.py"]
+
+
+def test_the_refusal_the_page_shows_is_the_one_check_names_gives():
+    line = re.search(r"^error: (config: invalid value for 'data.task'.*)$", DOC.read_text(), re.M).group(1)
+    cd = _quick()
+    cd.data.task = "larger"
+    with pytest.raises(ConfigError) as e:
+        check_names(from_config_dict(cd.to_dict()))
+    assert str(e.value) == line
+
+
+def test_task_example(registries):
+    namespace = run_section("A task", registries)
+    assert namespace["summary"]["final_eval_accuracy"] is not None
+    evals = check_trained(registries, "larger")
+    assert all(0.0 <= r["eval_given"] <= 1.0 for r in evals)
+    spec = TASKS["larger"]
+    example = spec.splits(namespace["cfg"].data)[1][0]
+    a, b = example.meta["numbers"]
+    assert spec.prompt(example) == f"Which is larger, {a} or {b}? Reply with the number."
+    assert spec.reward(example, f" {max(a, b)}") == 1.0 and spec.reward(example, "no idea") == 0.0
+    assert spec.parse_answer(example, "it is 0052") == "52"
+
+
+def test_reward_example(registries):
+    run_section("A reward", registries)
+    check_trained(registries, "close_enough")
+    close_enough = rewards.get_reward("close_enough")
+    example = Example(task="arithmetic", prompt="What is 50 + 50?", answer="100", solution="", target_text=" 100")
+    assert close_enough(example, " 100") == 1.0
+    assert close_enough(example, " 95") == pytest.approx(0.5)
+    assert close_enough(example, " 80") == close_enough(example, "no number") == 0.0
+
+
+def test_advantage_example(registries):
+    run_section("A group-advantage estimator (GRPO)", registries)
+    records = [r for r in metrics(registries / "runs" / "ema_baseline") if "ema_baseline" in r]
+    assert [r["step"] for r in records] == [1, 2] and records[0]["ema_baseline"] == 0.0
+    check_trained(registries, "ema_baseline")
+    assert "ema_baseline" in advantages.SINGLE_ROLLOUT
+    cd = _quick("grpo_quick")
+    cd.grpo.update(advantage="ema_baseline", group_size=1)  # single_rollout=True allows groups of one
+    check_names(from_config_dict(cd.to_dict()))
+
+
+def test_shaping_example(registries):
+    run_section("A fitness shaping (ES)", registries)
+    check_trained(registries, "above_median")
+    shaped = advantages.get("above_median")
+    np.testing.assert_array_equal(shaped(np.array([3.0, 1.0, 2.0, np.nan])), [0.5, -0.5, 0.0, 0.0])
+    assert "above_median" in advantages.ESTIMATORS  # a shaping is a stateless group advantage too
+
+
+def test_a_registered_task_trains_by_name_from_the_command_line(registries):
+    """The page's config file imports the page's task module; `--config.data.task=larger` then names it."""
+    for block in sections()["A task"] + sections()["From the command line"]:
+        if (name := block_file(block)) is not None:
+            (registries / name).write_text(block)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(registries), os.environ.get("PYTHONPATH", "")])}
+    args = ["--config.data.task=larger", "--config.train.steps=2", f"--config.model.path={SHIPPED_MODEL}"]
+
+    def train(config: str, workdir: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "experiments.train", "--config", config, *args, "--workdir", workdir]
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+    plain = train("configs/default.py:quick", str(registries / "runs" / "unregistered"))
+    assert plain.returncode == 1, plain.stderr
+    assert plain.stderr.strip().splitlines()[-1].startswith("error: config: invalid value for 'data.task': 'larger'")
+    proc = train(f"{registries / 'my_config.py'}:quick", str(registries / "runs" / "larger"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all("eval_given" in r for r in check_trained(registries, "larger"))
+
+
+# ---- the registries' rules
+
+
+def _quick(variant: str = "quick"):
+    from configs.default import get_config
+
+    cd = get_config(variant)
+    cd.model.path = SHIPPED_MODEL
+    return cd
+
+
+def _rows(cfg):
+    rows = [Example(task="echo", prompt=f"Say {i}.", answer=str(i), solution="", target_text=f" {i}") for i in range(9)]
+    return rows[3:], rows[:3]
+
+
+def _echo(example, completion):
+    return float(completion.strip() == example.answer)
+
+
+def test_registered_names_are_checked_like_built_in_ones(registries):
+    cd = _quick()
+    cd.data.task = "echo"
+    with pytest.raises(ConfigError, match=r"^config: invalid value for 'data.task': 'echo' \(expected one of gsm8k"):
+        check_names(from_config_dict(cd.to_dict()))
+    register_task("echo", _rows, _echo)  # no parse_answer: no label-free mode
+    check_names(from_config_dict(cd.to_dict()))
+    cd.data.reward = "majority"
+    with pytest.raises(ConfigError, match=r"^config: invalid value for 'data.reward': 'majority' \(expected 'gold'"):
+        check_names(from_config_dict(cd.to_dict()))
+    cd.data.reward = "exact"
+    with pytest.raises(ConfigError, match=r"^config: invalid value for 'data.reward': 'exact' \(expected one of gold"):
+        check_names(from_config_dict(cd.to_dict()))
+    rewards.register_reward("exact", _echo)
+    check_names(from_config_dict(cd.to_dict()))
+
+
+def test_a_name_is_registered_once_unless_replaced(registries):
+    with pytest.raises(ValueError, match="already registered"):
+        register_task("arithmetic", _rows, _echo)
+    with pytest.raises(ValueError, match="already registered"):
+        rewards.register_reward("gold", _echo)
+    with pytest.raises(ValueError, match="already registered"):
+        advantages.register_shaping("zscore", lambda r, valid: r)
+    with pytest.raises(ValueError, match="already registered"):
+        advantages.register_advantage("grpo", lambda g, o, s: None)  # the shapings are estimators too
+    with pytest.raises(ValueError, match="'majority'"):
+        rewards.register_reward("majority", _echo)  # the label-free mode is not a function
+    with pytest.raises(ValueError, match="'accuracy'"):
+        register_task("echo", _rows, _echo, eval_scores={"accuracy": _echo})  # the reward's own name
+    with pytest.raises(TypeError, match="callable"):
+        register_task("echo", _rows, "exact match")
+    register_task("echo", _rows, _echo)
+    spec = register_task("echo", _rows, lambda e, c: 0.5, replace=True)
+    assert TASKS["echo"] is spec and spec.reward(None, "") == 0.5
+
+
+def test_a_registered_task_builds_its_splits_and_scores(registries):
+    from esroll.data import eval_score_names, eval_scores, make_splits, parse_answer, score
+
+    register_task("echo", _rows, _echo, eval_scores={"long": lambda e, c: float(len(c) > 3)})
+    cd = _quick()
+    cd.data.update(task="echo", validation_size=1)
+    train, test = make_splits(from_config_dict(cd.to_dict()).data)
+    assert (len(train), [e.answer for e in test]) == (6, ["1", "2"])  # the first held-out row is validation
+    assert eval_score_names("echo") == ("accuracy", "long")
+    assert score(test[0], " 1") == 1.0 and eval_scores(test[0], " 1 and more") == (0.0, 1.0)
+    with pytest.raises(ValueError, match="no parsed answer"):
+        parse_answer(test[0], " 1")
+    register_task("stray", lambda cfg: ([Example("unknown", "p", "1", "", "")], []), _echo)
+    cd.data.update(task="stray", validation_size=0)
+    with pytest.raises(ValueError, match="task 'unknown', which is not registered"):
+        make_splits(from_config_dict(cd.to_dict()).data)
+
+
+def test_a_registered_advantage_is_estimated_with_its_state(registries):
+    def counting(group, options, state):
+        return advantages.Estimate(np.zeros(np.shape(group.rewards), np.float32), state={"n": state["n"] + 1})
+
+    advantages.register_advantage("counting", counting, lambda options: {"n": np.zeros((), np.int32)})
+    from esroll.config import AdvantageConfig
+
+    state = advantages.init_state("counting", AdvantageConfig())
+    out = advantages.estimate("counting", advantages.Group(np.ones((2, 3))), AdvantageConfig(), state)
+    assert int(out.state["n"]) == 1 and out.advantage.shape == (2, 3)
+    assert "counting" not in advantages.SHAPINGS and "counting" not in advantages.SINGLE_ROLLOUT
+    cd = _quick("grpo_quick")
+    cd.grpo.update(advantage="counting", group_size=1)
+    with pytest.raises(ConfigError, match=r"^config: invalid value for 'grpo.group_size': 1 \(expected >= 2\)"):
+        check_names(from_config_dict(cd.to_dict()))
+
+
+def test_data_reward_selects_the_training_reward_and_evaluation_keeps_the_tasks(registries):
+    from esroll.data import make_splits
+    from esroll.task import load_task
+
+    rewards.register_reward("half", lambda example, completion: 0.5)
+    cd = _quick()
+    cd.data.reward = "half"
+    cfg = check_names(from_config_dict(cd.to_dict()))
+    train, held_out = make_splits(cfg.data)
+    task, _ = load_task(cfg, train[:4], held_out[:4])
+    example = held_out[0]
+    ids = task.tokenizer.encode(example.target_text, add_special_tokens=False)
+    tokens, lengths = np.array([ids]), np.array([len(ids)])
+    assert task.rewards([example], tokens, lengths).tolist() == [0.5]
+    assert task.eval_scores([example], tokens, lengths)[0, 0] == 1.0  # accuracy: the task's own reward
+
+
+def test_the_tasks_prompt_format_is_what_the_template_wraps(registries):
+    from esroll.data import PLAIN_TEMPLATE, make_splits
+    from esroll.task import load_task
+
+    register_task("echo", _rows, _echo, prompt=lambda example: f"{example.prompt} Only the number.")
+    cd = _quick()
+    cd.data.update(task="echo", eval_size=3)
+    cfg = check_names(from_config_dict(cd.to_dict()))
+    train, held_out = make_splits(cfg.data)
+    task, _ = load_task(cfg, train, held_out)
+    text = PLAIN_TEMPLATE.format(question=f"{train[0].prompt} Only the number.")
+    assert task.prompt_ids(train[:1]) == [task.tokenizer.encode(text, add_special_tokens=False)]
