@@ -278,6 +278,24 @@ class Rollouts(NamedTuple):
     advantage: Array  # [U, b] float32
     weight: Array  # [U, b, N] float32: token_weights over the whole minibatch
 
+    @classmethod
+    def abstract(cls, microbatches: int, rows: int, prompt_len: int, new_tokens: int, sharding) -> Rollouts:
+        """`jax.ShapeDtypeStruct`s of a batch of U = `microbatches` × `rows` rows with `sharding`, for lowering
+        `make_update` ahead of time (`esroll.plan`, the `tpu_cost` benchmark)."""
+
+        def field(shape, dtype):
+            return jax.ShapeDtypeStruct((microbatches, rows, *shape), dtype, sharding=sharding)
+
+        return cls(
+            prompt=field((prompt_len,), jnp.int32),
+            prompt_mask=field((prompt_len,), bool),
+            completion=field((new_tokens,), jnp.int32),
+            completion_mask=field((new_tokens,), bool),
+            logp_old=field((new_tokens,), jnp.float32),
+            advantage=field((), jnp.float32),
+            weight=field((new_tokens,), jnp.float32),
+        )
+
 
 @functools.cache
 def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, compute_dtype: str | None = None):

@@ -315,19 +315,7 @@ def plan_grpo(
     b = rows // (g.minibatches * U)
     b += -b % t.data
     micro = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, parallel.DATA))
-
-    def field(shape, dtype):
-        return jax.ShapeDtypeStruct((U, b, *shape), dtype, sharding=micro)
-
-    batch = grpo.Rollouts(
-        prompt=field((prompt_len,), jnp.int32),
-        prompt_mask=field((prompt_len,), bool),
-        completion=field((N,), jnp.int32),
-        completion_mask=field((N,), bool),
-        logp_old=field((N,), jnp.float32),
-        advantage=field((), jnp.float32),
-        weight=field((N,), jnp.float32),
-    )
+    batch = grpo.Rollouts.abstract(U, b, prompt_len, N, micro)
     on_policy = jax.ShapeDtypeStruct((), bool, sharding=parallel.replicated(mesh))
     update = grpo.make_update(model_cfg, grpo.update_config(g), cfg.optimizer, mesh, cfg.model.dtype)
     programs = [

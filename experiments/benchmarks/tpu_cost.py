@@ -491,19 +491,7 @@ class _Target:
         cfg = self.at_depth(depth)
         masters, state = self.grpo_state(cfg)
         b, P, N = rows, self.case.prompt, c.train.max_new_tokens
-
-        def field(shape, dtype):
-            return _sds((1, b, *shape), dtype, self.mesh, None, DATA)
-
-        batch = grpo.Rollouts(
-            prompt=field((P,), jnp.int32),
-            prompt_mask=field((P,), bool),
-            completion=field((N,), jnp.int32),
-            completion_mask=field((N,), bool),
-            logp_old=field((N,), jnp.float32),
-            advantage=field((), jnp.float32),
-            weight=field((N,), jnp.float32),
-        )
+        batch = grpo.Rollouts.abstract(1, b, P, N, NamedSharding(self.mesh, PartitionSpec(None, DATA)))
         on_policy = _sds((), bool, self.mesh)
         update = grpo.make_update(cfg, grpo.update_config(g), c.optimizer, self.mesh, c.model.dtype)
         return update.lower(masters, state, batch, on_policy)
