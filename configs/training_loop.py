@@ -77,10 +77,12 @@ def get_config(arg: str | None = None) -> ConfigDict:
         "looroll_adaprefix": _with(looroll, curriculum={**prefix, "prefix_horizon": 30}),
         "grpo_ads": _with(grpo, curriculum={"ads": True}),
         "looroll_ads": _with(looroll, curriculum={"ads": True}),
-        "grpo_stare": _with(grpo, grpo={"stare_quantile": 0.8, "stare_entropy_low": 0.8, "stare_entropy_high": 1.0}),
+        "grpo_stare": _with(
+            grpo, grpo={"variants": ("stare",), "stare": {"quantile": 0.8, "entropy_low": 0.8, "entropy_high": 1.0}}
+        ),
         "grpo_mu2": _with(grpo, grpo={"inner_iterations": 2}),
-        "grpo_acpo": _with(grpo, grpo={"inner_iterations": 2, "acpo": True}),
-        "grpo_progress": _with(grpo, grpo={"progress_coef": 0.1}),
+        "grpo_acpo": _with(grpo, grpo={"inner_iterations": 2, "variants": ("acpo",)}),
+        "grpo_progress": _with(grpo, grpo={"variants": ("progress",), "progress": {"coef": 0.1}}),
     }
     names = ("grpo", "grpo_adaprefix", "looroll_ads") if arg == "quick" else ARMS
     c.methods = ",".join(names)

@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from esroll.config import AdvantageConfig
+from esroll.data import Example, cluster_key
 
 Array = jax.Array
 Shaping = Callable[..., Array]
@@ -256,8 +257,9 @@ class Group(NamedTuple):
     seq_logp: np.ndarray | None = None  # [X, M] mean log π_old per completion token
     token_logp: np.ndarray | None = None  # [X, M, N] log π_old of each sampled token
     token_mask: np.ndarray | None = None  # [X, M, N] bool: completion tokens
-    cluster: np.ndarray | None = None  # [X] int in [0, bv_clusters): the prompt's cluster
+    cluster: np.ndarray | None = None  # [X] int in [0, bv_clusters): the prompt's cluster; None: from `examples`
     answers: np.ndarray | None = None  # [X, M] int64 parsed-answer ids (`answer_id`), -1 for no answer
+    examples: list[Example] | None = None  # the X prompts' examples (their task, difficulty, meta)
 
 
 class Estimate(NamedTuple):
@@ -310,10 +312,13 @@ def bv_blend(g: Group, o: AdvantageConfig, state: dict) -> Estimate:
     those of the mixture (1 − λ)·group + λ·history: μ = (1 − λ)μ_g + λμ_h,
     σ² = (1 − λ)σ_g² + λv_h + λ(1 − λ)(μ_g − μ_h)², and A = (r − μ) / (σ + 1e-4). An all-equal group gets λ(μ_g − μ_h) / σ, at most √(λ/(1 − λ)) in size: non-zero
     exactly when history says the group is unusual. Then the history takes in this step's rewards."""
-    if g.cluster is None:
-        raise ValueError("bv_blend needs a cluster id per prompt (Group.cluster)")
+    if g.cluster is None and g.examples is None:
+        raise ValueError("bv_blend needs a cluster id per prompt (Group.cluster) or the prompts (Group.examples)")
     r, valid = _valid(g)
-    c = np.asarray(g.cluster, int)
+    if g.cluster is None:  # the prompts' cluster keys (options.cluster_key) hashed into the table
+        c = np.array([cluster_id(cluster_key(e, o.cluster_key), o.bv_clusters) for e in g.examples])
+    else:
+        c = np.asarray(g.cluster, int)
     W, mu_h, sq_h = (np.asarray(state[k], np.float64)[c] for k in ("weight", "mean", "sq"))
     var_h = np.maximum(sq_h - mu_h**2, 0.0)
     n = np.maximum(valid.sum(1), 1)
@@ -560,36 +565,6 @@ def ddrl(g: Group, o: AdvantageConfig, state=None) -> Estimate:
         "ddrl_kept_fraction": float(2 * keep / max(int(valid.sum()), 1)),
     }
     return Estimate(flat.reshape(X, M).astype(np.float32), metrics=metrics)
-
-
-# ---- token-level reweighting (STARE): acts on any estimator's advantages through per-token weights
-
-
-def stare_token_weights(
-    token_logp_BxN: np.ndarray, mask_BxN: np.ndarray, advantage_B: np.ndarray, quantile: float, alpha: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """STARE's token weights [B, N] and the tokens they select: the completion tokens whose surprisal −log π is above
-    the batch's `quantile`-quantile (over all of its completion tokens) are entropy-critical; their advantage is
-    scaled by 1 + alpha·sign(A): raised where the update would raise the entropy (a surprising token that did well),
-    lowered where it would lower it (a surprising token that did badly). Every other token weighs exactly 1."""
-    mask = np.asarray(mask_BxN, bool)
-    surprisal = -np.asarray(token_logp_BxN, np.float64)
-    if not mask.any():
-        return np.ones(mask.shape, np.float32), np.zeros(mask.shape, bool)
-    threshold = np.quantile(surprisal[mask], quantile)
-    selected = mask & (surprisal > threshold)
-    factor = 1.0 + alpha * np.sign(np.asarray(advantage_B, np.float64))[:, None]
-    return np.where(selected, factor, 1.0).astype(np.float32), selected
-
-
-def stare_gate(is_open: bool, entropy: float, low: float, high: float) -> bool:
-    """STARE's closed-loop gate with hysteresis: opens when the measured policy entropy falls to `low` or below,
-    closes when it rises to `high` or above, and otherwise keeps its state."""
-    if entropy <= low:
-        return True
-    if entropy >= high:
-        return False
-    return is_open
 
 
 register_advantage("agrae", agrae)

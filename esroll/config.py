@@ -392,29 +392,83 @@ class AdvantageConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class StareConfig:
+    """STARE's options (`grpo.stare`; on when "stare" is in `grpo.variants`, `esroll.grpo_variants.Stare`): while the
+    gate is open, the completion tokens whose surprisal −log π_old is above the batch's `quantile`-quantile get their
+    advantage scaled by 1 + alpha·sign(A) (as a token weight, so with β > 0 it scales their KL term too). The gate
+    starts closed, opens when the previous step's measured policy entropy is ≤ entropy_low and closes when it is
+    ≥ entropy_high."""
+
+    quantile: float = 0.8
+    alpha: float = 0.5
+    entropy_low: float = 0.3
+    entropy_high: float = 0.6
+
+    def __post_init__(self):
+        checks = [
+            ("quantile", 0 < self.quantile < 1, "in (0, 1)"),
+            ("alpha", 0 <= self.alpha <= 1, "in [0, 1]"),
+            ("entropy_low", self.entropy_low >= 0, ">= 0"),
+            ("entropy_high", self.entropy_high > self.entropy_low, "> entropy_low"),
+        ]
+        check_fields(self, checks, "StareConfig")
+
+
+@dataclasses.dataclass(frozen=True)
+class AcpoConfig:
+    """ACPO's options (`grpo.acpo`; on when "acpo" is in `grpo.variants`, `esroll.grpo_variants.Acpo`): the clip
+    range of each token is 1 ± ε_k of its group k (tokens grouped by π_old at `edges`),
+    ε_k = clip(scale·std_k(ρ), min, max), the ratios' spread in that group of the microbatch; `grpo.epsilon_low` /
+    `epsilon_high` are then unused. Ratios leave 1 only off-policy (μ ≥ 2 or several minibatches), so on-policy every
+    ε_k is `min` and nothing changes."""
+
+    edges: tuple[float, ...] = (0.1, 0.5, 0.9)
+    scale: float = 2.0
+    min: float = 0.1
+    max: float = 0.4
+
+    def __post_init__(self):
+        checks = [
+            (
+                "edges",
+                all(0 < e < 1 for e in self.edges) and list(self.edges) == sorted(set(self.edges)),
+                "increasing probabilities in (0, 1)",
+            ),
+            ("scale", self.scale > 0, "> 0"),
+            ("min", 0 < self.min <= self.max, "in (0, max]"),
+            ("max", self.max < 1, "< 1 (the lower bound 1 − ε must stay positive)"),
+        ]
+        check_fields(self, checks, "AcpoConfig")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgressConfig:
+    """The progress advantage's options (`grpo.progress`; on when "progress" is in `grpo.variants`,
+    `esroll.grpo_variants.Progress`): every token's advantage gets + coef·(log π_θ − log π_ref), no gradient through
+    it, π_ref the initial policy (kept for it): zero at the reference, so it adds to the advantage and never scales
+    it."""
+
+    coef: float = 0.1
+
+    def __post_init__(self):
+        check_fields(self, [("coef", self.coef > 0, "> 0")], "ProgressConfig")
+
+
+@dataclasses.dataclass(frozen=True)
 class GRPOConfig:
     """GRPO settings (a config file's `grpo` section, `esroll.grpo`). Each step samples `group_size` completions per
     prompt at `temperature`, then takes `inner_iterations` (μ) passes of `minibatches` optimizer steps each; a
     minibatch's gradient is summed over `microbatches` (a memory knob only, except under ACPO, whose bounds are per
-    microbatch). advantage: an estimator of `esroll.advantages` (`ESTIMATORS`: "grpo" is TRL's scale_rewards="group";
-    rloo, dr_grpo, agrae, bv_blend, gmae, maxpo, lampo, ntf, ddrl, ...), with its options in `adv`
-    (`AdvantageConfig`); group_size 1 only for the single-rollout estimators (ntf). aggregation: a name of
+    microbatch). advantage: a registered group-advantage estimator (`esroll.advantages.ESTIMATORS`: "grpo" is TRL's
+    scale_rewards="group"; rloo, dr_grpo, agrae, bv_blend, gmae, maxpo, lampo, ntf, ddrl, ...), with its options in
+    `adv` (`AdvantageConfig`); group_size 1 only for the single-rollout estimators (ntf). aggregation: a name of
     `esroll.grpo.AGGREGATIONS` (see `esroll.grpo.token_weights`); beta: weight of the k3 KL to the initial policy
     (0 keeps no reference model).
 
-    Token-level methods (both off by default, and then the loss is bit-identical to plain GRPO's):
-    STARE (`esroll.advantages.stare_token_weights`): with stare_quantile q > 0, the completion tokens whose surprisal
-    −log π_old is above the batch's q-quantile get their advantage scaled by 1 + stare_alpha·sign(A) (entropy-raising
-    credit up, entropy-lowering credit down; as a token weight, so with β > 0 it scales their KL term too) while the
-    gate is open (it starts closed); the gate opens when the previous step's measured
-    policy entropy is ≤ stare_entropy_low and closes when it is ≥ stare_entropy_high (`esroll.advantages.stare_gate`).
-    Progress advantage: with progress_coef η > 0, every token's advantage gets + η·(log π_θ − log π_ref) (no gradient
-    through it; π_ref the initial policy, kept as with β > 0): zero at the reference, so it adds to the advantage and
-    never scales it; its token mean is logged as `progress_mean` whenever the reference is kept.
-    ACPO (`esroll.grpo.acpo_bounds`): with acpo, the clip range of each token is 1 ± ε_k of its group k (tokens
-    grouped by π_old at acpo_edges), ε_k = clip(acpo_scale·std_k(ρ), acpo_min, acpo_max), the ratios' spread in that
-    group of the microbatch; epsilon_low / epsilon_high are then unused. Ratios leave 1 only off-policy (μ ≥ 2 or
-    several minibatches), so on-policy every ε_k is acpo_min and nothing changes. The bounds are logged (acpo_eps_<k>).
+    variants: registered modifications of the plain step and loss (`esroll.grpo_variants.VARIANTS`), applied in this
+    order: "stare" (token reweighting behind an entropy gate, options in `stare`), "acpo" (a clip range per token
+    group, `acpo`), "progress" (the progress advantage, `progress`). None by default, and then the loss is
+    bit-identical to plain GRPO's.
 
     Memory knobs (the update is the same whatever their values, to float rounding): remat, what the backward pass
     keeps of each decoder layer ("none": everything, including every layer's float32 attention scores; "full": only
@@ -422,11 +476,12 @@ class GRPOConfig:
     `esroll.models.transformer.REMAT_POLICIES`); logprob_chunk, the completion positions whose [rows, chunk, vocab]
     float32 logits exist at once when scoring (0 = all max_new_tokens at once).
 
-    The names (advantage, aggregation, remat) and the group size an estimator needs are checked by
+    The names (advantage, variants, aggregation, remat) and the group size an estimator needs are checked by
     `esroll.grpo.check_names`."""
 
     group_size: int = 8
     advantage: str = "grpo"
+    adv: AdvantageConfig = AdvantageConfig()
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     inner_iterations: int = 1
@@ -437,17 +492,10 @@ class GRPOConfig:
     temperature: float = 1.0
     remat: str = "full"
     logprob_chunk: int = 64
-    adv: AdvantageConfig = AdvantageConfig()
-    stare_quantile: float = 0.0
-    stare_alpha: float = 0.5
-    stare_entropy_low: float = 0.3
-    stare_entropy_high: float = 0.6
-    progress_coef: float = 0.0
-    acpo: bool = False
-    acpo_edges: tuple[float, ...] = (0.1, 0.5, 0.9)
-    acpo_scale: float = 2.0
-    acpo_min: float = 0.1
-    acpo_max: float = 0.4
+    variants: tuple[str, ...] = ()
+    stare: StareConfig = StareConfig()
+    acpo: AcpoConfig = AcpoConfig()
+    progress: ProgressConfig = ProgressConfig()
 
     def __post_init__(self):
         checks = [
@@ -462,19 +510,7 @@ class GRPOConfig:
                 self.advantage != "agrae" or self.adv.horizon >= 1,
                 ">= 1 for agrae (its schedules' length)",
             ),
-            ("stare_quantile", 0 <= self.stare_quantile < 1, "in [0, 1) (0: STARE off)"),
-            ("stare_alpha", 0 <= self.stare_alpha <= 1, "in [0, 1]"),
-            ("stare_entropy_low", self.stare_entropy_low >= 0, ">= 0"),
-            ("stare_entropy_high", self.stare_entropy_high > self.stare_entropy_low, "> stare_entropy_low"),
-            ("progress_coef", self.progress_coef >= 0, ">= 0"),
-            (
-                "acpo_edges",
-                all(0 < e < 1 for e in self.acpo_edges) and list(self.acpo_edges) == sorted(set(self.acpo_edges)),
-                "increasing probabilities in (0, 1)",
-            ),
-            ("acpo_scale", self.acpo_scale > 0, "> 0"),
-            ("acpo_min", 0 < self.acpo_min <= self.acpo_max, "in (0, acpo_max]"),
-            ("acpo_max", self.acpo_max < 1, "< 1 (the lower bound 1 − ε must stay positive)"),
+            ("variants", len(set(self.variants)) == len(self.variants), "each variant named once"),
             ("temperature", self.temperature > 0, "> 0"),
             ("epsilon_low", 0 <= self.epsilon_low < 1, "in [0, 1)"),
             ("epsilon_high", self.epsilon_high >= 0, ">= 0"),
@@ -582,10 +618,8 @@ class ExperimentConfig:
             ("data.eval_split", self.data.eval_split in EVAL_SPLITS, f"one of {', '.join(EVAL_SPLITS)}"),
             (
                 "method",
-                self.method == "grpo"
-                or not (self.grpo.stare_quantile > 0 or self.grpo.acpo or self.grpo.progress_coef > 0),
-                "grpo for grpo.stare_quantile, grpo.acpo and grpo.progress_coef (token-level methods: ES has no "
-                "per-token log-probabilities)",
+                self.method == "grpo" or not self.grpo.variants,
+                "grpo for grpo.variants (they change GRPO's step and loss; ES has neither)",
             ),
             (
                 "grpo.group_size",

@@ -17,14 +17,14 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from esroll import advantages, es, memory, parallel, sharding
 from esroll.config import ESConfig, ExperimentConfig, OptimConfig, make_optimizer
 from esroll.data import Example
-from esroll.rollout import Sampling, rollout
-from esroll.task import Method, Task
+from esroll.models import abstract_params
+from esroll.rollout import Sampling, prompt_means, rollout, training_rewards
+from esroll.task import Method, StepOutput, Task
 
 
 @functools.cache
@@ -57,47 +57,23 @@ def _strategy(es_cfg: ESConfig, optim: OptimConfig, mesh) -> es.Strategy:
 
 def state_shardings(es_cfg: ESConfig, optim: OptimConfig, mesh, params) -> es.ESState:
     """Where an ES state lives: optimizer moments like the master weights they mirror, step and key replicated."""
-    optimizer = make_optimizer(optim)
-    train = es.trainable(es_cfg, params)
-    abstract = jax.eval_shape(optimizer.init, train)
     same = parallel.replicated(mesh)
-    return es.ESState(
-        same, same, sharding.state_shardings(mesh, optimizer, abstract, sharding.master_shardings(mesh, train))
+    return es.ESState(same, same, sharding.state_shardings(mesh, make_optimizer(optim), es.trainable(es_cfg, params)))
+
+
+def decode_rows(cfg: ExperimentConfig, model_cfg, prompt_len: int, mesh) -> int:
+    """The rows each device decodes at once in an ES step (`esroll.memory.rows_per_device`): beside the masters,
+    the optimizer state and the decoding copy, as the config lays them out on `mesh`."""
+    shapes = abstract_params(model_cfg)
+    params = sharding.with_shardings(shapes, sharding.master_shardings(mesh, shapes), cfg.model.master_dtype)
+    optimizer = make_optimizer(cfg.optimizer)
+    train = es.trainable(cfg.es_config, params)
+    state = sharding.with_shardings(
+        jax.eval_shape(optimizer.init, train), sharding.state_shardings(mesh, optimizer, train)
     )
-
-
-def resident_bytes(es_cfg, optim, mesh, params, compute_dtype) -> int:
-    """Bytes per device that live through a whole ES step: master weights, optimizer state, the decoding copy."""
-    masters = memory.tree_bytes_per_device(params, sharding.master_shardings(mesh, params))
-    optimizer = make_optimizer(optim)
-    train = es.trainable(es_cfg, params)
-    state = jax.eval_shape(optimizer.init, train)
-    state_bytes = memory.tree_bytes_per_device(
-        state, sharding.state_shardings(mesh, optimizer, state, sharding.master_shardings(mesh, train))
-    )
-    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute_dtype), params)
-    return masters + state_bytes + memory.tree_bytes_per_device(compute, sharding.compute_shardings(mesh, compute))
-
-
-def estimate_rows_per_device(cfg: ExperimentConfig, model_cfg, prompt_len: int, mesh, params, rows: int) -> int:
-    """`parallel.rows_per_device`, or when 0 the most rows that fit beside the resident buffers (`esroll.memory`)."""
-    if cfg.parallel.rows_per_device:
-        return cfg.parallel.rows_per_device
-    limit = memory.device_memory_bytes(mesh.devices.flat[0])
-    free = None
-    if limit is not None:
-        dtype = jnp.dtype(cfg.model.dtype)
-        free = limit * cfg.parallel.memory_fraction - resident_bytes(cfg.es_config, cfg.optimizer, mesh, params, dtype)
-    return memory.auto_rows_per_device(
-        model_cfg,
-        prompt_len,
-        cfg.train.max_new_tokens,
-        cfg.model.dtype,
-        free_bytes=free,
-        rows=rows,
-        data_axis=parallel.data_size(mesh),
-        model_axis=parallel.model_size(mesh),
-    )
+    resident = memory.resident_bytes(params, state, sharding.decoding_copy(mesh, params, cfg.model.dtype))
+    rows = cfg.es.population * cfg.train.prompts_per_step * cfg.es.samples
+    return memory.rows_per_device(cfg, model_cfg, prompt_len, mesh, resident, rows)
 
 
 def strategy_config(es_cfg: ESConfig) -> ESConfig:
@@ -106,36 +82,27 @@ def strategy_config(es_cfg: ESConfig) -> ESConfig:
     return dataclasses.replace(es_cfg, samples=1, sample_reduce="mean", prompt_shaping="raw")
 
 
-def member_fitness(
-    es_settings, reward_B: np.ndarray, answer_B: np.ndarray | None, M: int, X: int
-) -> tuple[np.ndarray, dict]:
-    """Each member's fitness from its rows' rewards (rows as `make_es_method` lays them out: member, prompt, sample),
-    and metrics. With `answer_B` (label-free), a row's reward is whether its answer is the majority answer of all
-    the rows (every member, every sample) answering its prompt, and the gold reward is kept as a diagnostic. A member
-    with a non-finite reward gets a non-finite fitness (the strategy's non-finite policy drops it); `reward_mean` is
-    the mean reward before any shaping. The majority vote, and a `prompt_shaping` that divides by or ranks against
-    the members' rewards, make each member's fitness depend on the other members' perturbations: the estimators'
-    unbiasedness does not hold then (docs/theory.md, and `ESSettings`)."""
+def member_fitness(es_settings, reward_B: np.ndarray, M: int, X: int, gold_B: np.ndarray | None = None) -> np.ndarray:
+    """Each member's fitness from its rows' training rewards (rows as `make_es_method` lays them out: member, prompt,
+    sample; label-free rewards already voted, `esroll.rollout.training_rewards`): its K samples per prompt reduced by
+    `sample_reduce`, shaped across members per prompt by `prompt_shaping`, averaged over prompts. A member with a
+    non-finite reward (in `gold_B`, the rows' gold rewards, when given: the vote hides them) gets a non-finite
+    fitness, which the strategy's non-finite policy drops. The majority vote, and a `prompt_shaping` that divides by
+    or ranks against the members' rewards, make each member's fitness depend on the other members' perturbations:
+    the estimators' unbiasedness does not hold then (docs/theory.md, and `ESSettings`)."""
     K = es_settings.samples
-    gold_MxXxK = np.asarray(reward_B, np.float64).reshape(M, X, K)
-    broken_M = ~np.isfinite(gold_MxXxK).all(axis=(1, 2))
-    rewards_MxXxK, extra = gold_MxXxK, {}
-    if answer_B is not None:
-        votes_XxMK = np.asarray(answer_B).reshape(M, X, K).transpose(1, 0, 2).reshape(X, M * K)
-        rewards_MxXxK = advantages.majority_rewards(votes_XxMK).reshape(X, M, K).transpose(1, 0, 2)
-        extra = {"gold_reward_mean": gold_MxXxK.mean(), "pseudo_label_agreement": np.mean(rewards_MxXxK == gold_MxXxK)}
-    extra["prompt_reward"] = rewards_MxXxK.mean(axis=(0, 2))  # [X]: read by the training loop's curriculum
+    rewards_MxXxK = np.asarray(reward_B, np.float64).reshape(M, X, K)
+    checked = rewards_MxXxK if gold_B is None else np.asarray(gold_B, np.float64).reshape(M, X, K)
+    broken_M = ~np.isfinite(checked).all(axis=(1, 2))
     reduce = np.max if es_settings.sample_reduce == "max" else np.mean
     per_prompt_XxM = reduce(rewards_MxXxK, axis=2).T
     shaped_XxM = np.asarray(advantages.get(es_settings.prompt_shaping)(per_prompt_XxM), np.float64)
-    extra["reward_mean"] = np.nanmean(np.where(np.isfinite(rewards_MxXxK), rewards_MxXxK, np.nan))
-    fitness_M = np.where(broken_M, np.nan, shaped_XxM.mean(axis=0))
-    return fitness_M.astype(np.float32), extra
+    return np.where(broken_M, np.nan, shaped_XxM.mean(axis=0)).astype(np.float32)
 
 
 def make_es_method(cfg: ExperimentConfig, task: Task, mesh, rows_per_device: int | None = None) -> Method:
     """The ES method; `rows_per_device` (rows each device decodes at once) as `esroll.plan` chose it, else
-    `parallel.rows_per_device` or the estimate from the shapes (`estimate_rows_per_device`)."""
+    `parallel.rows_per_device` or the estimate from the shapes (`decode_rows`)."""
     es_cfg = cfg.es_config
     strategy = _strategy(strategy_config(es_cfg), cfg.optimizer, mesh)
     to_compute = sharding.caster(mesh, cfg.model.dtype)
@@ -145,17 +112,14 @@ def make_es_method(cfg: ExperimentConfig, task: Task, mesh, rows_per_device: int
     member_B = np.repeat(np.arange(M, dtype=np.int32), X * K)
     label_free = cfg.data.reward == "majority"
     sample_key = jax.random.key(cfg.seed + 1)
-    sampling = None  # set by init, which sees the parameters' shapes
-    chosen_rows = rows_per_device
+    chunk = rows_per_device or decode_rows(cfg, task.cfg, task.prompt_multiple, mesh)
+    sampling = Sampling.of(cfg.train.max_new_tokens, cfg.train.temperature, cfg.parallel, chunk)
 
     def init(params, key):
-        nonlocal sampling
-        chunk = chosen_rows or estimate_rows_per_device(cfg, task.cfg, task.prompt_multiple, mesh, params, M * X * K)
-        sampling = Sampling.of(cfg.train.max_new_tokens, cfg.train.temperature, cfg.parallel, chunk)
         shardings = state_shardings(es_cfg, cfg.optimizer, mesh, params)
         return jax.jit(strategy.init, out_shardings=shardings)(params, parallel.put_replicated(mesh, key))
 
-    def step(params, state: es.ESState, examples: list[Example], step_index: int):
+    def step(params, state: es.ESState, examples: list[Example], step_index: int) -> StepOutput:
         compute = to_compute(params)
         out = rollout(
             task,
@@ -170,8 +134,12 @@ def make_es_method(cfg: ExperimentConfig, task: Task, mesh, rows_per_device: int
             answers=label_free,
         )
         del compute  # the decoding copy is not needed by `tell`: free it first
-        fitness_M, extra = member_fitness(cfg.es, out.reward_B, out.answer_B, M, X)
+        reward_B, extra = training_rewards(out, label_free)
+        fitness_M = member_fitness(cfg.es, reward_B, M, X, gold_B=out.reward_B if label_free else None)
         params, state, metrics = strategy.tell(state, params, parallel.put_replicated(mesh, fitness_M))
-        return params, state, {**metrics, **extra}, int(out.length_B.sum())
+        finite = np.isfinite(reward_B)
+        extra["reward_mean"] = reward_B[finite].mean(dtype=np.float64) if finite.any() else np.nan  # before any shaping
+        prompt_reward = prompt_means(example_B, reward_B, X)
+        return StepOutput(params, state, {**metrics, **extra}, int(out.length_B.sum()), prompt_reward)
 
     return Method(init, step)

@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from esroll import parallel
 from esroll.models import ModelConfig
 
 GiB = 1024**3
@@ -97,3 +98,30 @@ def auto_rows_per_device(
     if fit >= share:
         return share
     return fit - fit % 8 if fit > 8 else fit
+
+
+def resident_bytes(params, state, compute) -> dict[str, int]:
+    """Bytes per device of the buffers that live through a training step: the masters, the optimizer state and the
+    decoding copy. Each tree's leaves (jax.Arrays or ShapeDtypeStructs) carry their shardings."""
+    trees = {"masters": params, "optimizer state": state, "decoding copy": compute}
+    return {name: tree_bytes_per_device(t, jax.tree.map(lambda x: x.sharding, t)) for name, t in trees.items()}
+
+
+def rows_per_device(cfg, model_cfg: ModelConfig, prompt_len: int, mesh, resident: dict[str, int], rows: int) -> int:
+    """The rows each device decodes at once in a rollout of `rows` rows: the config's `parallel.rows_per_device`, or
+    when that is 0 `auto_rows_per_device`'s first guess for what fits beside the `resident` buffers in
+    `parallel.memory_fraction` of a device's memory (all of its share where the memory is unknown: CPUs). What the
+    trainer, its evaluation and `esroll.plan` all start from."""
+    if cfg.parallel.rows_per_device:
+        return cfg.parallel.rows_per_device
+    limit = device_memory_bytes(mesh.devices.flat[0])
+    return auto_rows_per_device(
+        model_cfg,
+        prompt_len,
+        cfg.train.max_new_tokens,
+        cfg.model.dtype,
+        free_bytes=None if limit is None else limit * cfg.parallel.memory_fraction - sum(resident.values()),
+        rows=rows,
+        data_axis=parallel.data_size(mesh),
+        model_axis=parallel.model_size(mesh),
+    )

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from esroll import es_train, grpo, memory, parallel, sharding
 from esroll.config import ExperimentConfig, make_optimizer
-from esroll.models import ModelConfig, Perturbation, param_shapes
+from esroll.models import ModelConfig, Perturbation, abstract_params
 from esroll.sampling import lower_generate
 
 GiB = memory.GiB
@@ -107,21 +107,6 @@ class Plan:
         )
 
 
-def _abstract(shapes, dtype, shardings):
-    """ShapeDtypeStructs of `dtype` with the shapes of `shapes` (ShapeDtypeStructs) and `shardings`."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype), sharding=s), shapes, shardings)
-
-
-def _shapes(model_cfg: ModelConfig) -> dict:
-    return jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s, jnp.float32), param_shapes(model_cfg), is_leaf=lambda x: isinstance(x, tuple)
-    )
-
-
-def _with_shardings(abstract, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-
-
 _OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
 
 
@@ -166,33 +151,18 @@ class _Target:
     def __post_init__(self):
         self.device = self.mesh.devices.flat[0]
         self.limit = memory.device_memory_bytes(self.device)
-        self.shapes = _shapes(self.model_cfg)
-        self.compute = _abstract(self.shapes, self.cfg.model.dtype, sharding.compute_shardings(self.mesh, self.shapes))
+        self.shapes = abstract_params(self.model_cfg)
+        self.compute = sharding.decoding_copy(self.mesh, self.shapes, self.cfg.model.dtype)
         self.key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=parallel.replicated(self.mesh))
         self.data = parallel.data_size(self.mesh)
 
     def resident(self, params, state) -> dict[str, int]:
         """Bytes per device of the buffers that live through a step."""
-        return {
-            name: memory.tree_bytes_per_device(tree, jax.tree.map(lambda x: x.sharding, tree))
-            for name, tree in (("masters", params), ("optimizer state", state), ("decoding copy", self.compute))
-        }
+        return memory.resident_bytes(params, state, self.compute)
 
     def auto_rows(self, rows: int, resident: dict[str, int]) -> int:
-        """`parallel.rows_per_device`, or the first guess of `esroll.memory` for a rollout of `rows` rows."""
-        cfg = self.cfg
-        return cfg.parallel.rows_per_device or memory.auto_rows_per_device(
-            self.model_cfg,
-            self.prompt_len,
-            cfg.train.max_new_tokens,
-            cfg.model.dtype,
-            free_bytes=None
-            if self.limit is None
-            else self.limit * cfg.parallel.memory_fraction - sum(resident.values()),
-            rows=rows,
-            data_axis=self.data,
-            model_axis=parallel.model_size(self.mesh),
-        )
+        """The trainer's first guess for a rollout of `rows` rows (`esroll.memory.rows_per_device`)."""
+        return memory.rows_per_device(self.cfg, self.model_cfg, self.prompt_len, self.mesh, resident, rows)
 
     def lower_chunk(self, per_device: int, temperature: float, deltas=None):
         """`generate` on one chunk of `per_device` rows per device (perturbed with `deltas` when given)."""
@@ -259,20 +229,20 @@ def plan_es(
 ) -> Plan:
     """Compile an ES step of `cfg` for `mesh` (real devices or a topology's) on `platform`, and measure it.
 
-    With `parallel.rows_per_device` 0 the row count starts from the trainer's estimate (`es_train.estimate_rows_per_device`)
+    With `parallel.rows_per_device` 0 the row count starts from the trainer's estimate (`esroll.memory.rows_per_device`)
     and, when `shrink` and the compiled step does not fit, halved until it does (down to 1 row).
     """
     t = _Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
     es_cfg = cfg.es_config
-    params = _abstract(t.shapes, cfg.model.master_dtype, sharding.master_shardings(mesh, t.shapes))
+    params = sharding.with_shardings(t.shapes, sharding.master_shardings(mesh, t.shapes), cfg.model.master_dtype)
     strategy = es_train._strategy(es_train.strategy_config(es_cfg), cfg.optimizer, mesh)
-    state = _with_shardings(
+    state = sharding.with_shardings(
         jax.eval_shape(strategy.init, params, t.key), es_train.state_shardings(es_cfg, cfg.optimizer, mesh, params)
     )
     resident = t.resident(params, state)
     masters_and_state = resident["masters"] + resident["optimizer state"]
     deltas = jax.eval_shape(strategy.ask, state, t.compute)
-    deltas = _with_shardings(deltas, sharding.delta_shardings(mesh, deltas, t.compute))
+    deltas = sharding.with_shardings(deltas, sharding.delta_shardings(mesh, deltas, t.compute))
     fitness = jax.ShapeDtypeStruct((cfg.es.population,), jnp.float32, sharding=parallel.replicated(mesh))
     programs = [
         _compile("cast", sharding.caster(mesh, cfg.model.dtype).lower(params), resident["optimizer state"])[0],
@@ -280,8 +250,9 @@ def plan_es(
         _compile("tell", strategy.tell.lower(state, params, fitness), 0)[0],
     ]
     rows = cfg.es.population * cfg.train.prompts_per_step * cfg.es.samples
-    per_device = es_train.estimate_rows_per_device(cfg, model_cfg, prompt_len, mesh, params, rows)
-    gen, per_device = t.fit_rows("generate", per_device, cfg.train.temperature, masters_and_state, deltas)
+    gen, per_device = t.fit_rows(
+        "generate", t.auto_rows(rows, resident), cfg.train.temperature, masters_and_state, deltas
+    )
     evaluation, eval_per_device = t.fit_rows(
         "evaluate", t.auto_rows(min(256, cfg.data.eval_size), resident), 0.0, masters_and_state
     )
@@ -303,9 +274,11 @@ def plan_grpo(
     (`esroll.grpo.make_update`: gradient accumulated over its microbatches), and evaluation's `generate`."""
     t = _Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
     g = cfg.grpo
-    params = _abstract(t.shapes, cfg.model.master_dtype, sharding.master_shardings(mesh, t.shapes))
+    params = sharding.with_shardings(t.shapes, sharding.master_shardings(mesh, t.shapes), cfg.model.master_dtype)
     make_state = functools.partial(grpo.init_state, g, make_optimizer(cfg.optimizer))
-    state = _with_shardings(jax.eval_shape(make_state, params), grpo.state_shardings(g, cfg.optimizer, mesh, params))
+    state = sharding.with_shardings(
+        jax.eval_shape(make_state, params), grpo.state_shardings(g, cfg.optimizer, mesh, params)
+    )
     resident = t.resident(params, state)
     masters_and_state = resident["masters"] + resident["optimizer state"]
     rows, N = cfg.train.prompts_per_step * g.group_size, cfg.train.max_new_tokens

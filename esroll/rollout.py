@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from esroll import parallel
+from esroll.advantages import majority_rewards
 from esroll.data import Example, eval_score_names
 from esroll.models import Perturbation
 from esroll.sampling import generate, pad_prompts
@@ -162,4 +163,31 @@ def rollout(
         logprobs_BxN=table[:, A + N :].astype(np.float32) if completions else None,
         scores={name: table[:, i].astype(np.float32) for i, name in enumerate(names)} if scores else None,
         answer_B=table[:, S + 1].astype(np.int64) if answers else None,
+    )
+
+
+def training_rewards(out: Rollout, label_free: bool) -> tuple[np.ndarray, dict[str, float]]:
+    """Each row's training reward [B] and what to log of it. With `label_free` (data.reward = "majority"), a row's
+    reward is whether its answer is a modal answer of all the rows answering its example (every ES member and
+    sample, every GRPO completion of the group; `esroll.advantages.majority_rewards`), and the gold reward the rows
+    carry is logged as a diagnostic beside how often the vote agrees with it; otherwise the gold reward itself."""
+    if not label_free:
+        return out.reward_B, {}
+    if out.answer_B is None:
+        raise ValueError("label-free rewards need the rows' parsed answers (rollout(..., answers=True))")
+    reward_B = np.zeros(len(out.example_B), np.float32)
+    for example in np.unique(out.example_B[out.example_B != PAD]):
+        rows = np.flatnonzero(out.example_B == example)
+        reward_B[rows] = majority_rewards(out.answer_B[rows][None])[0]
+    gold_B = np.asarray(out.reward_B, np.float64)
+    return reward_B, {"gold_reward_mean": gold_B.mean(), "pseudo_label_agreement": np.mean(reward_B == gold_B)}
+
+
+def prompt_means(example_B: np.ndarray, value_B: np.ndarray, prompts: int) -> np.ndarray:
+    """[prompts]: the mean of `value_B` over the rows answering each example (what the curriculum reads as each
+    prompt's success)."""
+    real = example_B != PAD
+    counts = np.bincount(example_B[real], minlength=prompts)
+    return np.bincount(example_B[real], np.asarray(value_B, np.float64)[real], minlength=prompts) / np.maximum(
+        counts, 1
     )

@@ -113,13 +113,30 @@ def delta_shardings(mesh: Mesh, deltas: dict, params: dict) -> dict:
     return jax.tree_util.tree_map_with_path(follow, deltas, is_leaf=lambda x: isinstance(x, LowRank))
 
 
-def state_shardings(mesh: Mesh, optimizer, abstract_state: Any, param_shardings: dict) -> Any:
-    """Shardings of an optax state: leaves that mirror a parameter take its sharding, the rest (step counts)
-    are replicated."""
+def state_shardings(mesh: Mesh, optimizer, params: dict, state: Any = None) -> Any:
+    """Shardings of `optimizer`'s state for `params` (arrays or ShapeDtypeStructs): leaves that mirror a parameter
+    take its master sharding, the rest (step counts) are replicated. `state` (the state itself or its abstract
+    shapes) spares tracing `optimizer.init` when at hand."""
+    state = jax.eval_shape(optimizer.init, params) if state is None else state
     replicated = NamedSharding(mesh, PartitionSpec())
-    return optax.tree_map_params(
-        optimizer, lambda _, s: s, abstract_state, param_shardings, transform_non_params=lambda _: replicated
-    )
+    masters = master_shardings(mesh, params)
+    return optax.tree_map_params(optimizer, lambda _, s: s, state, masters, transform_non_params=lambda _: replicated)
+
+
+def with_shardings(tree, shardings, dtype=None):
+    """ShapeDtypeStructs of `tree`'s shapes (and dtypes, or `dtype`) laid out by `shardings`: what ahead-of-time
+    lowering and the memory figures read."""
+
+    def abstract(x, s):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype if dtype is None else jnp.dtype(dtype), sharding=s)
+
+    return jax.tree.map(abstract, tree, shardings)
+
+
+def decoding_copy(mesh: Mesh, params: dict, dtype) -> dict:
+    """ShapeDtypeStructs of the decoding copy of `params` (`caster`'s output): `dtype`, laid out by the compute
+    rules."""
+    return with_shardings(params, compute_shardings(mesh, params), dtype)
 
 
 @functools.cache

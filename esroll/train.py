@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,15 @@ def evaluate(
     return {f"eval_{name}": total / len(examples) for name, total in totals.items()}
 
 
+class Batch(NamedTuple):
+    """One step's training prompts: the examples (with any assisted prefix), their indices in the training split,
+    and the prefix tokens each was given (AdaPrefix; 0 without it)."""
+
+    examples: list[Example]
+    idx: np.ndarray  # [X] int
+    given: np.ndarray  # [X] int
+
+
 class Curriculum:
     """The training batch of each step and the state of the curriculum methods (`esroll.curriculum`): without them,
     `get_batch`'s fixed order; with ADS, the scheduler's choice; with AdaPrefix, each example's assisted prefix. Its
@@ -61,8 +71,6 @@ class Curriculum:
     def __init__(self, cfg: ExperimentConfig, train: list, tokenizer, mesh):
         self.cfg, self.c, self.train, self.tokenizer, self.mesh = cfg, cfg.curriculum, train, tokenizer, mesh
         self.state: dict[str, np.ndarray] = {}
-        self.idx = np.zeros(0, int)
-        self.given = np.zeros(0, int)
         if self.c.ads:
             keys = [cluster_key(e, self.c.ads_cluster_key) for e in train]
             self.names = sorted(set(keys))
@@ -87,34 +95,36 @@ class Curriculum:
         if self.state:
             self.state = {k: np.asarray(v) for k, v in parallel.to_host(restored["curriculum"]).items()}
 
-    def batch(self, step: int) -> list:
+    def batch(self, step: int) -> Batch:
         X, seed = self.cfg.train.prompts_per_step, self.cfg.data.batch_seed
         if self.c.ads:
-            self.idx = curriculum.ads_select(self.state, self.cluster_of, X, self.c, seed, step)
+            idx = curriculum.ads_select(self.state, self.cluster_of, X, self.c, seed, step)
         else:
-            self.idx = batch_indices(len(self.train), X, seed, step)
-        examples = [self.train[i] for i in self.idx]
+            idx = batch_indices(len(self.train), X, seed, step)
+        examples = [self.train[i] for i in idx]
+        given = np.zeros(len(idx), int)
         if self.c.prefix:
-            self.given = curriculum.prefix_tokens(self.state["prefix_k"][self.idx], step, self.c.prefix_horizon)
+            given = curriculum.prefix_tokens(self.state["prefix_k"][idx], step, self.c.prefix_horizon)
             examples = [
                 dataclasses.replace(e, prefix=self.tokenizer.decode(self.source_ids[i][:n]) if n else "")
-                for e, i, n in zip(examples, self.idx, self.given)
+                for e, i, n in zip(examples, idx, given)
             ]
-        return examples
+        return Batch(examples, np.asarray(idx), np.asarray(given))
 
-    def update(self, step: int, success: np.ndarray) -> dict[str, float]:
-        """Take in the step's per-prompt success; the metrics of what the methods act on."""
+    def update(self, step: int, batch: Batch, success: np.ndarray) -> dict[str, float]:
+        """Take in the per-prompt success of the step that trained on `batch`; the metrics of what the methods act
+        on."""
         out: dict[str, float] = {}
         if self.c.ads:
-            updated = curriculum.ads_update(self.state, self.cluster_of, self.idx, success, self.c.ads_decay)
+            updated = curriculum.ads_update(self.state, self.cluster_of, batch.idx, success, self.c.ads_decay)
             self.state.update(updated)
-            out.update(curriculum.ads_metrics(self.state, self.idx, self.names, self.c.ads_temperature))
+            out.update(curriculum.ads_metrics(self.state, batch.idx, self.names, self.c.ads_temperature))
         if self.c.prefix:
             k = curriculum.prefix_update(
-                self.state["prefix_k"], self.idx, success, self.lengths, self.c.prefix_target, self.c.prefix_gain
+                self.state["prefix_k"], batch.idx, success, self.lengths, self.c.prefix_target, self.c.prefix_gain
             )
             self.state["prefix_k"] = k
-            out["prefix_tokens"] = float(self.given.mean())
+            out["prefix_tokens"] = float(batch.given.mean())
             out["prefix_assistance"] = curriculum.assistance(step, self.c.prefix_horizon)
             out["prefix_k_mean"] = float(k.mean())
             # the spread of the per-example controller states (tokens, before the withdrawal's scaling)
@@ -226,9 +236,9 @@ def train_and_evaluate(
     step, acc, saved_step = start_step, None, start_step
     while step < cfg.train.steps and not (budget and elapsed >= budget):
         t0 = time.perf_counter()
-        examples = batches.batch(step)
-        params, state, m, n_tokens = method.step(params, state, examples, step)
-        m.update(batches.update(step, np.asarray(m.pop("prompt_reward"))))
+        batch = batches.batch(step)
+        params, state, m, n_tokens, prompt_reward = method.step(params, state, batch.examples, step)
+        m = {**m, **batches.update(step, batch, prompt_reward)}
         m = {k: float(v) for k, v in m.items()}  # the host needs rewards anyway; one sync per step
         dt = time.perf_counter() - t0
         elapsed += dt
@@ -296,29 +306,12 @@ def preflight(cfg: ExperimentConfig, task: Task, mesh):
 
 
 def _eval_rows_per_device(cfg: ExperimentConfig, task: Task, mesh, params, state, held_out) -> int:
-    """`parallel.rows_per_device`, or the most evaluation rows that fit beside the run's parameters, optimizer state
-    and decoding copy (0: all, where device memory is unknown)."""
-    if cfg.parallel.rows_per_device:
-        return cfg.parallel.rows_per_device
-    limit = memory.device_memory_bytes(mesh.devices.flat[0])
-    if limit is None:
-        return 0
-    compute = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(cfg.model.dtype)), params)
-    resident = (
-        memory.live_bytes_per_device(params)
-        + memory.live_bytes_per_device(state)
-        + memory.tree_bytes_per_device(compute, sharding.compute_shardings(mesh, compute))
-    )
-    return memory.auto_rows_per_device(
-        task.cfg,
-        task.prompt_multiple,
-        cfg.train.max_new_tokens,
-        cfg.model.dtype,
-        free_bytes=limit * cfg.parallel.memory_fraction - resident,
-        rows=min(256, len(held_out)),
-        data_axis=parallel.data_size(mesh),
-        model_axis=parallel.model_size(mesh),
-    )
+    """The evaluation rows each device decodes at once (`esroll.memory.rows_per_device`): beside the run's
+    parameters, optimizer state and decoding copy."""
+    compute = sharding.decoding_copy(mesh, params, cfg.model.dtype)
+    resident = memory.resident_bytes(params, state, compute)
+    rows = min(256, len(held_out))
+    return memory.rows_per_device(cfg, task.cfg, task.prompt_multiple, mesh, resident, rows)
 
 
 def _complete(cfg: ExperimentConfig, workdir: epath.Path, ckpt_step: int, records: list[dict]) -> bool:

@@ -154,7 +154,8 @@ def check_model(name: str, plan: dict) -> list[dict]:
         out = gen(carry["params"])
         mask_BxN = jnp.ones((B, N), bool)
         advantage_B = jax.random.normal(jax.random.key(4), (B,), jnp.float32)
-        fields = (prompt, prompt_mask, out.tokens, mask_BxN, out.logprobs, advantage_B)
+        advantage_BxN = jnp.broadcast_to(advantage_B[:, None], (B, N))  # per token, as the trainer passes it
+        fields = (prompt, prompt_mask, out.tokens, mask_BxN, out.logprobs, advantage_BxN)
         fields += (grpo.token_weights(mask_BxN, g.aggregation),)
         batch = grpo.Rollouts(*(x.reshape(U, B // U, *x.shape[1:]) for x in fields))
         carry["params"], carry["grpo"], metrics = update(carry["params"], carry["grpo"], batch, jnp.asarray(True))

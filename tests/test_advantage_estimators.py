@@ -379,32 +379,39 @@ def test_es_member_fitness_counterparts():
     and the label-free reward as the majority answer over every member's samples of a prompt."""
     from esroll.es.strategy import ESSettings
     from esroll.es_train import member_fitness
+    from esroll.rollout import Rollout, prompt_means, training_rewards
 
     M, X, K = 3, 2, 2
     # rows (member, prompt, sample): member 0 solves prompt 0 once, member 1 both prompts always, member 2 nothing
     reward = np.array([[[1, 0], [0, 0]], [[1, 1], [1, 1]], [[0, 0], [0, 0]]], np.float32).ravel()
-    mean, _ = member_fitness(ESSettings(samples=K), reward, None, M, X)
+    mean = member_fitness(ESSettings(samples=K), reward, M, X)
     np.testing.assert_allclose(mean, [0.25, 1.0, 0.0])
-    best, _ = member_fitness(ESSettings(samples=K, sample_reduce="max"), reward, None, M, X)
+    best = member_fitness(ESSettings(samples=K, sample_reduce="max"), reward, M, X)
     np.testing.assert_allclose(best, [0.5, 1.0, 0.0])
     # per prompt across members (dr_grpo: minus the members' mean): the max@2 means are 2/3 and 1/3
-    centred, _ = member_fitness(
-        ESSettings(samples=K, sample_reduce="max", prompt_shaping="dr_grpo"), reward, None, M, X
-    )
+    centred = member_fitness(ESSettings(samples=K, sample_reduce="max", prompt_shaping="dr_grpo"), reward, M, X)
     expected = [(1 - 2 / 3 + 0 - 1 / 3) / 2, (1 - 2 / 3 + 1 - 1 / 3) / 2, (-2 / 3 - 1 / 3) / 2]
     np.testing.assert_allclose(centred, expected, atol=1e-6)
     # label-free: prompt 0's six answers are 4,4,4,4,7,7 -> 4 is the majority; prompt 1's 5,5,5,5,9,9
     answers = np.array([[[4, 7], [5, 9]], [[4, 4], [5, 5]], [[4, 7], [5, 9]]]).ravel()
-    voted, extra = member_fitness(ESSettings(samples=K), reward, answers, M, X)
-    np.testing.assert_allclose(voted, [0.5, 1.0, 0.5])
-    assert 0 <= extra["pseudo_label_agreement"] <= 1 and extra["gold_reward_mean"] == pytest.approx(reward.mean())
-    np.testing.assert_allclose(extra["prompt_reward"], [2 / 3, 2 / 3])  # per prompt, over members and samples
-    # a non-finite reward makes its member's fitness non-finite (the strategy drops it), whatever the shaping
+    example_B = np.tile(np.repeat(np.arange(X), K), M)  # the ES rows' layout: member, prompt, sample
+    out = Rollout(example_B, None, None, reward, None, None, None, None, answers)
+    votes, extra = training_rewards(out, label_free=True)
+    np.testing.assert_array_equal(votes, [1, 0, 1, 0, 1, 1, 1, 1, 1, 0, 1, 0])
+    np.testing.assert_allclose(member_fitness(ESSettings(samples=K), votes, M, X), [0.5, 1.0, 0.5])
+    assert extra["pseudo_label_agreement"] == pytest.approx(np.mean(votes == reward))
+    assert extra["gold_reward_mean"] == pytest.approx(reward.mean())
+    np.testing.assert_allclose(prompt_means(example_B, votes, X), [4 / 6, 4 / 6])  # over members and samples
+    np.testing.assert_allclose(prompt_means(example_B, reward, X), [3 / 6, 2 / 6])
+    # a non-finite reward makes its member's fitness non-finite (the strategy drops it), whatever the shaping, and so
+    # does a non-finite gold reward behind a finite vote
     broken = reward.copy()
     broken[5] = np.nan  # member 1, prompt 0, sample 1
     for shaping in ("raw", "grpo"):
-        fitness, extra = member_fitness(ESSettings(samples=K, prompt_shaping=shaping), broken, None, M, X)
-        assert np.isnan(fitness[1]) and np.isfinite(fitness[[0, 2]]).all() and np.isfinite(extra["reward_mean"])
+        fitness = member_fitness(ESSettings(samples=K, prompt_shaping=shaping), broken, M, X)
+        assert np.isnan(fitness[1]) and np.isfinite(fitness[[0, 2]]).all()
+    fitness = member_fitness(ESSettings(samples=K), votes, M, X, gold_B=broken)
+    assert np.isnan(fitness[1]) and np.isfinite(fitness[[0, 2]]).all()
 
 
 @pytest.mark.parametrize("method", ["looroll", "eggroll"])
@@ -420,7 +427,7 @@ def test_es_prompt_shaping_by_a_common_shift_leaves_the_estimate_as_raw(method):
     reward = np.random.default_rng(14).random(M * X).astype(np.float32)
 
     def weights(prompt_shaping):
-        fitness, _ = member_fitness(ESSettings(prompt_shaping=prompt_shaping), reward, None, M, X)
+        fitness = member_fitness(ESSettings(prompt_shaping=prompt_shaping), reward, M, X)
         return np.asarray(direction_weights(method, fitness, 0.1).w_E, np.float64)
 
     raw = weights("raw")

@@ -86,7 +86,7 @@ def test_training_loop_comparison_variants_build():
         assert comp.reference == "grpo" and comp.reference in comp.configs
     comp = comparison_from_dict(training_loop.get_config().to_dict())
     assert set(comp.configs) == set(training_loop.ARMS)
-    assert comp.configs["grpo_acpo"].grpo.acpo and comp.configs["grpo_acpo"].grpo.inner_iterations == 2
+    assert comp.configs["grpo_acpo"].grpo.variants == ("acpo",) and comp.configs["grpo_acpo"].grpo.inner_iterations == 2
     assert comp.configs["looroll_adaprefix"].curriculum.prefix and comp.configs["looroll_adaprefix"].method == "looroll"
     assert all(cfg.data.min_difficulty == 2 for cfg in comp.configs.values())
 
@@ -128,8 +128,7 @@ def test_adaprefix_prefix_is_prompt_and_outside_the_grpo_loss(adaprefix_grpo, mo
     from esroll import grpo, rollout
 
     cfg, train, _, task, params, mesh, batches = adaprefix_grpo
-    examples = batches.batch(0)
-    given, idx = batches.given, batches.idx
+    examples, idx, given = batches.batch(0)
     assert given.min() > 0 and all(e.prefix for e in examples)  # every prompt is assisted
 
     decoded, updated = [], []

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, SHIPPED_MODEL
-from esroll import advantages, rewards
+from esroll import advantages, grpo_variants, rewards
 from esroll.config import ConfigError, from_config_dict
 from esroll.data import TASKS, Example, register_task
 from esroll.experiment import check_names
@@ -61,6 +61,7 @@ def registries(tmp_path, monkeypatch):
         (rewards.REWARDS, dict(rewards.REWARDS)),
         (advantages.SHAPINGS, dict(advantages.SHAPINGS)),
         (advantages.ESTIMATORS, dict(advantages.ESTIMATORS)),
+        (grpo_variants.VARIANTS, dict(grpo_variants.VARIANTS)),
     ]
     flags = [(s, set(s)) for s in (advantages.SINGLE_ROLLOUT, advantages.LABEL_FREE_ONLY)]
     monkeypatch.chdir(tmp_path)
@@ -96,7 +97,8 @@ def check_trained(folder, run: str) -> list[dict]:
 
 def test_the_page_has_one_example_per_extension_point():
     found = sections()
-    for title in ("A task", "A reward", "A group-advantage estimator (GRPO)", "A fitness shaping (ES)"):
+    titles = ("A task", "A reward", "A group-advantage estimator (GRPO)", "A GRPO variant", "A fitness shaping (ES)")
+    for title in titles:
         assert len(found[title]) == 2, title  # the registration, then a run that uses it
     assert [block_file(b) for b in found["A task"]] == ["my_tasks.py", None]
     assert [block_file(b) for b in found["From the command line"]] == ["my_config.py"]
@@ -143,6 +145,22 @@ def test_advantage_example(registries):
     cd = _quick("grpo_quick")
     cd.grpo.update(advantage="ema_baseline", group_size=1)  # single_rollout=True allows groups of one
     check_names(from_config_dict(cd.to_dict()))
+
+
+def test_variant_example(registries):
+    """The capped run logs its metric each step; the cap acts on the loss exactly as written: advantages beyond the
+    limit are clipped, the others unchanged, and the metric counts the capped completion tokens."""
+    run_section("A GRPO variant", registries)
+    records = [r for r in metrics(registries / "runs" / "cap_advantage") if "capped_tokens" in r]
+    assert [r["step"] for r in records] == [1, 2] and all(0.0 <= r["capped_tokens"] <= 1.0 for r in records)
+    check_trained(registries, "cap_advantage")
+    variant = grpo_variants.VARIANTS["cap_advantage"]
+    mask = np.array([[True, True, False], [True, False, False]])
+    advantage = np.array([[2.5, 0.3, -4.0], [-1.5, 0.0, 0.0]], np.float32)
+    terms = grpo_variants.LossTerms(None, None, None, mask, advantage, 0.2, 0.2)
+    expected = np.array([[1.0, 0.3, -1.0], [-1.0, 0.0, 0.0]], np.float32)
+    np.testing.assert_array_equal(variant.loss_terms(None, terms).advantage, expected)
+    assert float(variant.loss_metrics(None, terms)["capped_tokens"]) == pytest.approx(2 / 3)  # 2.5 and -1.5
 
 
 def test_shaping_example(registries):
@@ -219,6 +237,10 @@ def test_a_name_is_registered_once_unless_replaced(registries):
         advantages.register_shaping("zscore", lambda r, valid: r)
     with pytest.raises(ValueError, match="already registered"):
         advantages.register_advantage("grpo", lambda g, o, s: None)  # the shapings are estimators too
+    with pytest.raises(ValueError, match="already registered"):
+        grpo_variants.register_variant("stare", grpo_variants.Variant())
+    with pytest.raises(TypeError, match="Variant instance"):
+        grpo_variants.register_variant("mine", grpo_variants.Variant)  # the class, not an instance
     with pytest.raises(ValueError, match="'majority'"):
         rewards.register_reward("majority", _echo)  # the label-free mode is not a function
     with pytest.raises(ValueError, match="'accuracy'"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import chex
 import jax
@@ -22,19 +23,27 @@ from esroll import parallel
 from esroll.config import ConfigError, OptimConfig, from_config_dict, make_optimizer
 from esroll.data import get_batch, make_splits
 from esroll.experiment import check_names
+from esroll.config import AcpoConfig, ProgressConfig, StareConfig
 from esroll.grpo import (
     AGGREGATIONS,
     GRPOConfig,
-    PROGRESS_BUCKETS,
     GRPOState,
     Rollouts,
     make_grpo_method,
     make_update,
     pad_rows,
-    progress_by_position,
     token_weights,
 )
 from esroll.grpo import grpo_loss as _grpo_loss
+from esroll.grpo_variants import (
+    PROGRESS_BUCKETS,
+    VARIANTS,
+    LossTerms,
+    acpo_bounds,
+    progress_by_position,
+    stare_gate,
+    stare_token_weights,
+)
 from esroll.models import forward, load_hf
 from esroll.sampling import sequence_logprobs
 from esroll.task import load_task
@@ -183,7 +192,7 @@ def test_first_update_has_ratio_exactly_one():
     method = make_grpo_method(cfg, task, mesh)
     state = method.init(params, jax.random.key(0))
     examples = get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, 0)
-    new_params, state, metrics, _ = method.step(params, state, examples, 0)
+    new_params, state, metrics, *_ = method.step(params, state, examples, 0)
     assert 0 < metrics["fitness_mean"] < 1 and metrics["frac_groups_all_equal"] < 1  # some advantage is nonzero
     assert float(metrics["clip_fraction"]) == 0.0 and float(metrics["grad_norm"]) > 0
     assert abs(float(metrics["kl"])) < 1e-6
@@ -228,7 +237,7 @@ def test_resume_is_exact(tmp_path):
     the mesh in the checkpoint)."""
     from esroll.curriculum import CurriculumConfig
 
-    stare = dict(stare_quantile=0.8, stare_entropy_low=5.0, stare_entropy_high=6.0)
+    stare = dict(variants=("stare",), stare={"quantile": 0.8, "entropy_low": 5.0, "entropy_high": 6.0})
     cfg = strict_quick({**EIGHT, "advantage": "bv_blend", **stare}, 2, steps=4, checkpoint_every=2, eval_every=2)
     cur = CurriculumConfig(ads=True, prefix=True, prefix_source="target", prefix_init=0.5, prefix_horizon=6)
     steps = check_exact_resume(dataclasses.replace(cfg, curriculum=cur), tmp_path)
@@ -259,17 +268,17 @@ def test_config_errors():
     with pytest.raises(ValueError, match="invalid value for 'grpo.logprob_chunk'"):
         from_config_dict(cd.to_dict())
     # Names are checked against the registries once the config is built (`check_names`), and by the factories.
-    for field, value in (("aggregation", "sum"), ("remat", "some"), ("advantage", "nope")):
+    for field, value in (("aggregation", "sum"), ("remat", "some"), ("advantage", "nope"), ("variants", ("nope",))):
         cd = get_config("grpo_quick")
         cd.grpo[field] = value
         cfg = from_config_dict(cd.to_dict())
         with pytest.raises(
-            ConfigError, match=rf"^config: invalid value for 'grpo.{field}': '{value}' \(expected one of "
+            ConfigError, match=rf"^config: invalid value for 'grpo.{field}': {re.escape(repr(value))} \(expected "
         ):
             check_names(cfg)
-        with pytest.raises(ConfigError, match=rf"^GRPOConfig: invalid value for '{field}': '{value}'"):
+        with pytest.raises(ConfigError, match=rf"^GRPOConfig: invalid value for '{field}': {re.escape(repr(value))}"):
             make_update(None, cfg.grpo, cfg.optimizer, None)
-        with pytest.raises(ConfigError, match=rf"^config: invalid value for 'grpo.{field}': '{value}'"):
+        with pytest.raises(ConfigError, match=rf"^config: invalid value for 'grpo.{field}': {re.escape(repr(value))}"):
             make_grpo_method(cfg, None, parallel.make_mesh(1))
     cd = get_config("grpo_quick")
     cd.grpo.group_size = 1  # one completion has no group to compare with, but for the single-rollout estimators
@@ -410,7 +419,7 @@ def test_float32_masters_keep_small_updates_of_a_bf16_model():
         state = method.init(params, jax.random.key(0))
         for step in range(cfg.train.steps):
             examples = get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, step)
-            params, state, _, _ = method.step(params, state, examples, step)
+            params, state, *_ = method.step(params, state, examples, step)
         moved = graded = 0
         for before, after, nu in zip(
             jax.tree.leaves(initial),
@@ -432,8 +441,6 @@ def test_float32_masters_keep_small_updates_of_a_bf16_model():
 
 
 def test_stare_reweights_exactly_the_tokens_above_the_surprisal_quantile():
-    from esroll.advantages import stare_gate, stare_token_weights
-
     # surprisals (−log π) of 3 completions; the third token of row 1 is padding (its value must not count)
     surprisal = np.array([[0.1, 2.0, 0.5], [3.0, 0.2, 9.0], [1.0, 0.3, 4.0]])
     mask = np.array([[1, 1, 1], [1, 1, 0], [1, 1, 1]], bool)
@@ -450,26 +457,22 @@ def test_stare_reweights_exactly_the_tokens_above_the_surprisal_quantile():
 
 
 def test_stare_off_and_progress_off_leave_the_loss_bit_identical():
-    """At the loss: α = 0 STARE weights and η = 0 change nothing (the config switch: test_stare_switch_in_the_step)."""
-    from esroll.advantages import stare_token_weights
-
+    """At the loss: α = 0 STARE weights change nothing (the config switch: test_stare_switch_in_the_step)."""
     logp_new, logp_old, logp_ref, advantage, mask = hand_built()
     args = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=BETA, aggregation="token_mean")
     plain = grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, **args)[0]
     w = np.asarray(token_weights(mask, "token_mean"))
     ones, _ = stare_token_weights(logp_old, mask, advantage, quantile=0.5, alpha=0.0)
     stare_off = grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, weights_BxN=w * ones, **args)[0]
-    progress_off = _grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, progress_coef=0.0, **args)[0]
-    np.testing.assert_allclose(float(progress_off), float(plain), rtol=1e-6)  # eager against jitted: same value
     assert float(plain) == float(stare_off)
 
 
 def test_stare_switch_in_the_step():
-    """STARE through its config switch (`grpo.stare_quantile`, read by the GRPO step on the host): at 0, with every
-    other STARE knob changed, the step is plain GRPO's bit for bit (parameters, optimizer state, metrics; no gate
+    """STARE through its config switch ("stare" in `grpo.variants`, read by the GRPO step on the host): off, with
+    every STARE option changed, the step is plain GRPO's bit for bit (parameters, optimizer state, metrics; no gate
     state, no STARE metric); on with its gate closed (as a run starts) it is too; with the gate open it reweights the
     step's most surprising tokens and the update changes. The same completions throughout (sampling is keyed by
-    (seed, step)), one compiled update (`update_config` drops STARE's host-side knobs)."""
+    (seed, step)), one compiled update (`update_config` drops STARE, a host-only variant)."""
     base = quick_config("grpo_quick")
     train, held_out = make_splits(base.data)
     mesh = parallel.make_mesh(1)
@@ -481,25 +484,35 @@ def test_stare_switch_in_the_step():
         method = make_grpo_method(cfg, task, mesh)
         state = method.init(params, jax.random.key(0))
         if open_gate:
-            state = state._replace(adv={**state.adv, "stare_open": jnp.ones((), jnp.float32)})
-        new_params, new_state, metrics, _ = method.step(params, state, examples, 0)
-        metrics.pop("prompt_reward")
-        metrics = {k: float(v) for k, v in metrics.items()}
-        return jax.device_get((new_params, new_state.opt_state)), new_state.adv, metrics
+            state = state._replace(host={**state.host, "stare_open": jnp.ones((), jnp.float32)})
+        out = method.step(params, state, examples, 0)
+        metrics = {k: float(v) for k, v in out.metrics.items()}
+        return jax.device_get((out.params, out.state.opt_state)), out.state.host, metrics
 
-    plain, plain_adv, plain_m = step()
-    assert plain_adv is None and 0 < plain_m["fitness_mean"] < 1 and plain_m["grad_norm"] > 0
-    off, off_adv, off_m = step(stare_alpha=1.0, stare_entropy_low=50.0, stare_entropy_high=60.0)
+    plain, plain_host, plain_m = step()
+    assert plain_host is None and 0 < plain_m["fitness_mean"] < 1 and plain_m["grad_norm"] > 0
+    options = StareConfig(quantile=0.5, alpha=1.0, entropy_low=50.0, entropy_high=60.0)
+    off, off_host, off_m = step(stare=options)
     chex.assert_trees_all_equal(off, plain)
-    assert off_adv is None and off_m == plain_m
-    stare = dict(stare_quantile=0.5, stare_alpha=1.0)
-    closed, closed_adv, closed_m = step(**stare)
+    assert off_host is None and off_m == plain_m
+    stare = dict(variants=("stare",), stare=StareConfig(quantile=0.5, alpha=1.0))
+    closed, closed_host, closed_m = step(**stare)
     chex.assert_trees_all_equal(closed, plain)
-    assert closed_m == {**plain_m, "stare_open": 0.0} and "stare_open" in closed_adv
+    assert closed_m == {**plain_m, "stare_open": 0.0} and "stare_open" in closed_host
     opened, _, opened_m = step(open_gate=True, **stare)
     assert opened_m["stare_open"] == 1.0 and 0.3 < opened_m["stare_tokens"] < 0.7  # about half the tokens
     assert opened_m["grad_norm"] != plain_m["grad_norm"]
     assert not all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(opened[0]), jax.tree.leaves(plain[0])))
+
+
+def with_variants(names, grpo: GRPOConfig, logp_new, logp_old, logp_ref, advantage, mask, **args):
+    """grpo_loss after the loss hooks of the variants `names` (as `make_update`'s loss applies them)."""
+    adv = jnp.asarray(advantage, jnp.float32)[:, None]
+    terms = LossTerms(*(jnp.asarray(x, jnp.float32) for x in (logp_new, logp_old, logp_ref)), mask, adv, 0.0, 0.0)
+    terms = terms._replace(eps_low=args.pop("eps_low"), eps_high=args.pop("eps_high"))
+    for name in names:
+        terms = VARIANTS[name].loss_terms(grpo, terms)
+    return _grpo_loss(*terms[:3], terms.advantage, mask, eps_low=terms.eps_low, eps_high=terms.eps_high, **args)
 
 
 def test_progress_advantage_adds_to_each_tokens_advantage():
@@ -508,7 +521,7 @@ def test_progress_advantage_adds_to_each_tokens_advantage():
     logp_new, logp_old, logp_ref, advantage, mask = hand_built()
     eta = 0.7
     args = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=0.0, aggregation="token_mean")
-    loss, _ = _grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, progress_coef=eta, **args)
+    loss, _ = with_variants(["progress"], GRPOConfig(progress=ProgressConfig(eta)), *hand_built(), **args)
     a = advantage[:, None] + eta * (logp_new - logp_ref)
     ratio = np.exp(logp_new - logp_old)
     surrogate = np.minimum(ratio * a, np.clip(ratio, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
@@ -519,8 +532,6 @@ def test_progress_advantage_adds_to_each_tokens_advantage():
 
 
 def test_acpo_bounds_follow_the_ratio_spread_of_each_probability_group():
-    from esroll.grpo import acpo_bounds
-
     # old probabilities 0.05 (group 0: below 0.1), 0.3 (group 1), 0.95 (group 3); none in [0.5, 0.9) (group 2)
     p_old = np.array([[0.05, 0.05, 0.3, 0.3, 0.95], [0.05, 0.3, 0.3, 0.95, 0.95]])
     ratio = np.array([[0.7, 1.3, 1.0, 1.02, 1.0], [1.0, 0.98, 5.0, 1.0, 1.0]])
@@ -571,7 +582,7 @@ def test_acpo_off_is_plain_grpo_and_on_clips_per_token():
     np.testing.assert_allclose(off_loss, ref_loss, rtol=1e-5)
     np.testing.assert_allclose(off_grad, ref_grad, rtol=1e-5, atol=1e-7)
     eps = np.random.default_rng(5).choice([0.02, 0.1, 0.3, 0.7], mask.shape)
-    on_loss, on_grad = loss_and_grad(eps_BxN=f32(eps))
+    on_loss, on_grad = loss_and_grad(eps_low=f32(eps), eps_high=f32(eps))
     ref_loss, ref_grad = reference(logp_new, logp_old, logp_ref, advantage, mask, "token_mean", eps, eps)
     np.testing.assert_allclose(on_loss, ref_loss, rtol=1e-5)
     np.testing.assert_allclose(on_grad, ref_grad, rtol=1e-5, atol=1e-7)
@@ -579,7 +590,14 @@ def test_acpo_off_is_plain_grpo_and_on_clips_per_token():
     # with every token's ε equal to ε_low = ε_high, per-token bounds are the scalar ones
     sym = dict(args, eps_low=0.25, eps_high=0.25)
     scalar, _ = _grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, **sym)
-    tokenwise, _ = _grpo_loss(logp_new, logp_old, logp_ref, advantage, mask, eps_BxN=np.full(mask.shape, 0.25), **sym)
+    tokenwise, _ = _grpo_loss(
+        logp_new,
+        logp_old,
+        logp_ref,
+        advantage,
+        mask,
+        **{**sym, "eps_low": np.full(mask.shape, 0.25), "eps_high": np.full(mask.shape, 0.25)},
+    )
     assert float(scalar) == float(tokenwise)
 
 
@@ -597,7 +615,9 @@ def test_progress_advantage_and_acpo_in_updates(tiny):
     fields = (prompt, prompt_mask, completion, completion_mask, logp_old.astype(np.float32), advantage, weight)
     batch = Rollouts(*(x.reshape(1, 6, *x.shape[1:]) for x in fields))
     optim = OptimConfig(name="sgd", lr=0.1)
-    grpo = GRPOConfig(group_size=2, progress_coef=0.5, acpo=True, remat="none", logprob_chunk=0)
+    grpo = GRPOConfig(
+        group_size=2, variants=("progress", "acpo"), progress=ProgressConfig(0.5), remat="none", logprob_chunk=0
+    )
     update = make_update(cfg, grpo, optim, parallel.make_mesh(1))
     state = GRPOState(make_optimizer(optim).init(params), params)
     moved, state, first = update(params, state, batch, jnp.asarray(True))
@@ -636,7 +656,7 @@ def test_acpo_switch_in_updates(tiny):
     optim = OptimConfig(name="sgd", lr=0.1)
     base = dict(group_size=2, beta=0.1, remat="none", logprob_chunk=0)
     state = GRPOState(make_optimizer(optim).init(params), jax.tree.map(lambda x: x * 1.05, params))
-    knobs = dict(acpo_edges=(0.3,), acpo_scale=9.0, acpo_min=0.01, acpo_max=0.05)
+    knobs = dict(acpo=AcpoConfig(edges=(0.3,), scale=9.0, min=0.01, max=0.05))
 
     def run(on_policy: bool, **grpo):
         update = make_update(cfg, GRPOConfig(**base, **grpo), optim, parallel.make_mesh(1))
@@ -645,10 +665,10 @@ def test_acpo_switch_in_updates(tiny):
 
     for on_policy in (True, False):
         plain, plain_m = run(on_policy)
-        ignored, ignored_m = run(on_policy, **knobs)  # acpo=False: the knobs do nothing
+        ignored, ignored_m = run(on_policy, **knobs)  # "acpo" not in variants: its options do nothing
         chex.assert_trees_all_equal(ignored, plain)
         assert ignored_m == plain_m and not any(k.startswith("acpo_eps_") for k in plain_m)
-        acpo, acpo_m = run(on_policy, acpo=True, **knobs)
+        acpo, acpo_m = run(on_policy, variants=("acpo",), **knobs)
         assert set(acpo_m) == set(plain_m) | {"acpo_eps_0", "acpo_eps_1"}
         if on_policy:
             chex.assert_trees_all_equal(acpo, plain)

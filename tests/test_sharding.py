@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from esroll import es, parallel, sharding
 from esroll.es_train import _strategy, state_shardings
 from esroll.models import ModelConfig, Perturbation, forward, model_config
-from esroll.task import param_shapes_tree
+from esroll.models import abstract_params as param_shapes_tree
 
 from conftest import quick_config
 

@@ -174,23 +174,24 @@ def test_config_errors(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["looroll", "eggroll"])
-def test_es_refuses_the_token_level_grpo_options(method):
-    """STARE, ACPO and the progress advantage need per-token log-probabilities: an ES config that turns one on is
-    refused with one line naming the option; their other knobs (inert while off) are accepted, and GRPO takes all."""
-    for key, value in (("stare_quantile", 0.5), ("acpo", True), ("progress_coef", 0.1)):
+def test_es_refuses_the_grpo_variants(method):
+    """The GRPO variants (STARE, ACPO, the progress advantage) change GRPO's step and loss: an ES config that selects
+    one is refused with one line naming `grpo.variants`; their options (inert while unselected) are accepted, and
+    GRPO takes all of them."""
+    for name in ("stare", "acpo", "progress"):
         cd = get_config("quick")
         cd.method = method
-        cd.grpo[key] = value
-        expected = rf"^config: invalid value for 'method': '{method}' \(expected grpo for "
+        cd.grpo.variants = (name,)
+        expected = rf"^config: invalid value for 'method': '{method}' \(expected grpo for grpo.variants"
         with pytest.raises(InputError, match=expected) as e:
             from_config_dict(cd.to_dict())
-        message = str(e.value)
-        assert "\n" not in message and f"grpo.{key}" in message, message
+        assert "\n" not in str(e.value), str(e.value)
         cd.method = "grpo"
-        assert getattr(from_config_dict(cd.to_dict()).grpo, key) == value
+        assert from_config_dict(cd.to_dict()).grpo.variants == (name,)
     cd = get_config("quick")
     cd.method = method
-    cd.grpo.update(stare_alpha=1.0, stare_entropy_low=0.1, acpo_min=0.05, acpo_scale=3.0)
+    cd.grpo.stare.update(alpha=1.0, entropy_low=0.1)
+    cd.grpo.acpo.update(min=0.05, scale=3.0)
     assert from_config_dict(cd.to_dict()).method == method
 
 

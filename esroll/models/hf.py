@@ -68,6 +68,16 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
+def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    """`param_shapes` as ShapeDtypeStructs of `dtype` (what sharding rules, memory plans and ahead-of-time lowering
+    read without any weight)."""
+    return jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)),
+        param_shapes(cfg),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
 def count_params(cfg: ModelConfig) -> int:
     """Parameters of a model with `cfg` (a tied embedding / LM head counted once), from `param_shapes`."""
     return sum(math.prod(shape) for shape in jax.tree.leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)))

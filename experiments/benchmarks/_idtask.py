@@ -118,7 +118,7 @@ def grpo_stepper(cfg: ExperimentConfig, model_cfg, params, batches: list[list[st
 
     def run(i: int) -> tuple[float, int]:
         start = time.perf_counter()
-        p, s, metrics, tokens = method.step(*carry, examples(batches[i]), i)
+        p, s, metrics, tokens, _ = method.step(*carry, examples(batches[i]), i)
         jax.block_until_ready((p, s, metrics))
         carry[:] = [p, s]
         return time.perf_counter() - start, tokens

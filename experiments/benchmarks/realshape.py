@@ -249,7 +249,7 @@ def _grpo_phases(cfg, masters, mesh, rows, prompt, new, reps) -> tuple[dict, dic
         np.asarray(gen.tokens),
         mask_BxN,
         np.asarray(gen.logprobs),
-        np.random.default_rng(0).normal(size=rows).astype(np.float32),
+        np.repeat(np.random.default_rng(0).normal(size=(rows, 1)).astype(np.float32), new, axis=1),  # per token
         np.asarray(grpo.token_weights(mask_BxN, g.aggregation)),
     )
     batch = grpo.Rollouts(*(jnp.asarray(x.reshape(U, b, *x.shape[1:])) for x in fields))
