@@ -205,7 +205,12 @@ class TrainConfig:
     """steps: optimizer steps; time_budget_s: stop after this much training wall time (0 = no limit; evaluation is
     not counted). Each step uses `prompts_per_step` prompts and up to `max_new_tokens` generated tokens per row;
     `temperature` is the ES members' sampling temperature (0 = greedy; GRPO has its own). Held-out evaluation every
-    `eval_every` steps, a checkpoint every `checkpoint_every`; `export` writes the final model to workdir/final."""
+    `eval_every` steps, a checkpoint every `checkpoint_every`; `export` writes the final model to workdir/final.
+
+    diagnostics_every: every this many steps (0: never), the step also logs its estimator's diagnostics
+    (`esroll.diagnostics`: split-half signal-to-noise per leaf group, ES's effective update rank); they never feed
+    the update. diagnostics_pg: on those steps an ES run also samples GRPO-style completions from its current
+    weights and logs the cosine between its estimate and their policy gradient (one extra rollout and backward)."""
 
     steps: int = 70
     time_budget_s: float = 0.0
@@ -215,6 +220,8 @@ class TrainConfig:
     eval_every: int = 10
     checkpoint_every: int = 10
     export: bool = True
+    diagnostics_every: int = 0
+    diagnostics_pg: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -655,6 +662,13 @@ class ExperimentConfig:
                 "1 when train.temperature is 0 (greedy decoding gives K identical answers)",
             ),
             ("train.checkpoint_every", self.train.checkpoint_every >= 1, ">= 1"),
+            ("train.diagnostics_every", self.train.diagnostics_every >= 0, ">= 0 (0: no diagnostics)"),
+            (
+                "train.diagnostics_pg",
+                not self.train.diagnostics_pg or (self.method != "grpo" and self.train.diagnostics_every > 0),
+                "False unless an ES method logs diagnostics (train.diagnostics_every > 0); GRPO's estimate is the "
+                "policy gradient",
+            ),
             (
                 "grpo.minibatches",
                 rows % self.grpo.minibatches == 0,
@@ -672,6 +686,19 @@ class ExperimentConfig:
                 self.es_config  # what the ES method adds to the settings (eggroll: an even population)
             except ConfigError as e:
                 raise e.under("es.") from None
+            directions = self.es_config.num_directions
+            least = 2 if self.method == "eggroll" else 4
+            if self.train.diagnostics_every and (directions % 2 or directions < least):
+                raise ConfigError(
+                    "es.population",
+                    self.es.population,
+                    f"a population of an even number of directions, at least {least}, for the split-half "
+                    f"diagnostics (train.diagnostics_every > 0); {self.method} has {directions}",
+                )
+        elif self.train.diagnostics_every and self.train.prompts_per_step < 2:
+            raise ConfigError(
+                "train.prompts_per_step", 1, ">= 2 for GRPO's split-half diagnostics (train.diagnostics_every > 0)"
+            )
         return self
 
 

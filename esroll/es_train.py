@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import numpy as np
 
-from esroll import advantages, es, memory, parallel, sharding
+from esroll import advantages, es, ledger, memory, parallel, sharding
+from esroll.es.diagnostics import rank_diagnostics, step_diagnostics
 from esroll.config import ESConfig, ExperimentConfig, OptimConfig, make_optimizer
 from esroll.data import Example
 from esroll.models import abstract_params
@@ -53,6 +55,17 @@ def _strategy(es_cfg: ESConfig, optim: OptimConfig, mesh) -> es.Strategy:
 
     tell.lower = lambda state, params, fitness_M: in_place.lower(params, state, fitness_M)
     return strategy._replace(ask=jax.jit(ask), tell=tell)
+
+
+@functools.cache
+def _diagnostics(es_cfg: ESConfig, model_cfg):
+    """The jitted diagnostics of an ES step (`esroll.es.diagnostics`): the split-half figures, on the mesh, and the
+    update's effective ranks, on one device. One pair per (ES config, model) in a process, as `_strategy`, so that
+    the runs of one process compile them once."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params(model_cfg))
+    return jax.jit(functools.partial(step_diagnostics, es_cfg)), jax.jit(
+        functools.partial(rank_diagnostics, es_cfg, shapes)
+    )
 
 
 def state_shardings(es_cfg: ESConfig, optim: OptimConfig, mesh, params) -> es.ESState:
@@ -100,9 +113,14 @@ def member_fitness(es_settings, reward_B: np.ndarray, M: int, X: int, gold_B: np
     return np.where(broken_M, np.nan, shaped_XxM.mean(axis=0)).astype(np.float32)
 
 
-def make_es_method(cfg: ExperimentConfig, task: Task, mesh, rows_per_device: int | None = None) -> Method:
+def make_es_method(
+    cfg: ExperimentConfig, task: Task, mesh, rows_per_device: int | None = None, policy_gradient=None
+) -> Method:
     """The ES method; `rows_per_device` (rows each device decodes at once) as `esroll.plan` chose it, else
-    `parallel.rows_per_device` or the estimate from the shapes (`decode_rows`)."""
+    `parallel.rows_per_device` or the estimate from the shapes (`decode_rows`). On the steps of
+    `train.diagnostics_every`, the step also logs `esroll.es.diagnostics.step_diagnostics` of its estimate, computed
+    from the parameters and fitness `tell` reads, before it runs (nothing of it reaches the update); with
+    `policy_gradient` (`esroll.grpo.make_policy_gradient`, for `train.diagnostics_pg`) their cosine with it too."""
     es_cfg = cfg.es_config
     strategy = _strategy(strategy_config(es_cfg), cfg.optimizer, mesh)
     to_compute = sharding.caster(mesh, cfg.model.dtype)
@@ -114,6 +132,10 @@ def make_es_method(cfg: ExperimentConfig, task: Task, mesh, rows_per_device: int
     sample_key = jax.random.key(cfg.seed + 1)
     chunk = rows_per_device or decode_rows(cfg, task.cfg, task.prompt_multiple, mesh)
     sampling = Sampling.of(cfg.train.max_new_tokens, cfg.train.temperature, cfg.parallel, chunk)
+    every = cfg.train.diagnostics_every
+    diagnose, ranks = _diagnostics(es_cfg, task.cfg)
+    first = jax.local_devices()[0]  # where `ranks` runs
+    update_flops = ledger.es_update_flops(task.cfg, es_cfg.num_directions, es_cfg.rank)
 
     def init(params, key):
         shardings = state_shardings(es_cfg, cfg.optimizer, mesh, params)
@@ -134,12 +156,30 @@ def make_es_method(cfg: ExperimentConfig, task: Task, mesh, rows_per_device: int
             answers=label_free,
         )
         del compute  # the decoding copy is not needed by `tell`: free it first
+        start = time.perf_counter()
         reward_B, extra = training_rewards(out, label_free)
         fitness_M = member_fitness(cfg.es, reward_B, M, X, gold_B=out.reward_B if label_free else None)
-        params, state, metrics = strategy.tell(state, params, parallel.put_replicated(mesh, fitness_M))
+        fitness = parallel.put_replicated(mesh, fitness_M)
+        extra["s_scoring"] = out.seconds["score"] + time.perf_counter() - start
+        if every and (step_index + 1) % every == 0:  # before `tell`, which donates the parameters
+            start = time.perf_counter()
+            pg = None if policy_gradient is None else policy_gradient(params, examples, step_index)
+            extra.update(jax.device_get(diagnose(state.key, state.step, params, fitness, pg)))
+            on_one = jax.device_put(jax.device_get((state.key, state.step, fitness_M)), first)
+            extra.update(jax.device_get(ranks(*on_one)))
+            extra["s_diagnostics"] = time.perf_counter() - start
+        start = time.perf_counter()
+        params, state, metrics = strategy.tell(state, params, fitness)
+        jax.block_until_ready(params)
+        extra["s_update"] = time.perf_counter() - start
         finite = np.isfinite(reward_B)
-        extra["reward_mean"] = reward_B[finite].mean(dtype=np.float64) if finite.any() else np.nan  # before any shaping
+        extra["reward_mean"] = reward_B[finite].mean(dtype=np.float64) if finite.any() else np.nan  # before shaping
+        generate_flops = ledger.rollout_flops(task.cfg, out.prompt_BxP.shape[1], out.length_B, perturb_rank=es_cfg.rank)
+        extra.update(
+            s_rollout=out.seconds["generate"], flops_generate=float(generate_flops), flops_update=float(update_flops)
+        )
         prompt_reward = prompt_means(example_B, reward_B, X)
-        return StepOutput(params, state, {**metrics, **extra}, int(out.length_B.sum()), prompt_reward)
+        flops = generate_flops + update_flops
+        return StepOutput(params, state, {**metrics, **extra}, int(out.length_B.sum()), prompt_reward, flops)
 
     return Method(init, step)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -43,7 +44,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from esroll import advantages, grpo_variants, parallel, sharding
+from esroll import advantages, diagnostics, grpo_variants, ledger, parallel, sharding
 from esroll.config import (
     AdvantageConfig,
     ConfigError,
@@ -259,20 +260,11 @@ class Rollouts(NamedTuple):
         )
 
 
-@functools.cache
-def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, compute_dtype: str | None = None):
-    """The jitted optimizer step on one minibatch, its gradient summed over microbatches (a `lax.scan`):
-    update(params, state, batch, on_policy) -> (params, state, metrics).
-
-    `on_policy` (traced bool) marks the update whose parameters sampled the batch: π_old := stop_gradient(π_θ).
-    With `compute_dtype`, the loss runs on the gathered parameters cast to it (the masters keep their dtype, and the
-    gradient arrives in it). The variants with loss hooks (`Variant.in_loss`) change the per-token advantages and
-    clip ranges and add metrics. Parameters and state come out FSDP-sharded, whatever their input sharding. One per
-    (model, GRPO config, optimizer config, mesh) in a process, so that runs of one process share their compilation.
-    A name in `grpo` that no module implements is refused first (`check_names`).
-    """
-    check_names(grpo)
-    optimizer = make_optimizer(optim)
+def _minibatch_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: str | None):
+    """gradient(params, ref_params, batch, on_policy) -> (grads, metrics): the loss's gradient on one minibatch,
+    summed over its microbatches (a `lax.scan`), and its metrics; traceable, for `make_update` and `make_gradient`.
+    The variants with loss hooks (`Variant.in_loss`) change the per-token advantages and clip ranges and add
+    metrics."""
     variants = [v for _, v in grpo_variants.active(grpo) if v.in_loss]
 
     def logprobs(p, micro: Rollouts):
@@ -325,17 +317,48 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    # Not donated: on the 1.7B plan (v5e:2x2) donating params and state raised the update's temporaries from 4.7 to
-    # 11.2 GiB per chip (copies XLA inserts so that the scan over microbatches still reads the old masters).
-    @jax.jit
-    def update(params, state: GRPOState, batch: Rollouts, on_policy: Array):
+    def gradient(params, ref_params, batch: Rollouts, on_policy: Array):
         def accumulate(grads, micro: Rollouts):
             micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, parallel.rows(mesh)), micro)
-            (loss, (metrics, extra)), g = grad_fn(params, state.ref_params, micro, on_policy)
+            (loss, (metrics, extra)), g = grad_fn(params, ref_params, micro, on_policy)
             return jax.tree.map(jnp.add, grads, g), ({"loss": loss, **metrics}, extra)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         grads, (metrics_U, extra_U) = jax.lax.scan(accumulate, zeros, batch)
+        metrics = {
+            "loss": metrics_U["loss"].sum(),
+            "kl": metrics_U["kl"].mean(),
+            "clip_fraction": metrics_U["clip_fraction"].mean(),
+            "entropy": metrics_U["entropy_sum"].sum() / jnp.maximum(metrics_U["tokens"].sum(), 1.0),
+        }
+        for v, m_U in zip(variants, extra_U):
+            metrics.update(v.reduce_metrics(grpo, m_U))
+        return grads, metrics
+
+    return gradient
+
+
+@functools.cache
+def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, compute_dtype: str | None = None):
+    """The jitted optimizer step on one minibatch, its gradient summed over microbatches (a `lax.scan`):
+    update(params, state, batch, on_policy) -> (params, state, metrics).
+
+    `on_policy` (traced bool) marks the update whose parameters sampled the batch: π_old := stop_gradient(π_θ).
+    With `compute_dtype`, the loss runs on the gathered parameters cast to it (the masters keep their dtype, and the
+    gradient arrives in it). The variants with loss hooks (`Variant.in_loss`) change the per-token advantages and
+    clip ranges and add metrics. Parameters and state come out FSDP-sharded, whatever their input sharding. One per
+    (model, GRPO config, optimizer config, mesh) in a process, so that runs of one process share their compilation.
+    A name in `grpo` that no module implements is refused first (`check_names`).
+    """
+    check_names(grpo)
+    optimizer = make_optimizer(optim)
+    gradient = _minibatch_gradient(model_cfg, grpo, mesh, compute_dtype)
+
+    # Not donated: on the 1.7B plan (v5e:2x2) donating params and state raised the update's temporaries from 4.7 to
+    # 11.2 GiB per chip (copies XLA inserts so that the scan over microbatches still reads the old masters).
+    @jax.jit
+    def update(params, state: GRPOState, batch: Rollouts, on_policy: Array):
+        grads, metrics = gradient(params, state.ref_params, batch, on_policy)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         params = optax.apply_updates(params, updates)
         masters = sharding.master_shardings(mesh, params)  # out in the layout they came in: one compilation
@@ -343,18 +366,25 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
         opt_state = jax.lax.with_sharding_constraint(
             opt_state, sharding.state_shardings(mesh, optimizer, params, opt_state)
         )
-        metrics = {
-            "loss": metrics_U["loss"].sum(),
-            "kl": metrics_U["kl"].mean(),
-            "clip_fraction": metrics_U["clip_fraction"].mean(),
-            "entropy": metrics_U["entropy_sum"].sum() / jnp.maximum(metrics_U["tokens"].sum(), 1.0),
-            "grad_norm": optax.tree.norm(grads),
-        }
-        for v, m_U in zip(variants, extra_U):
-            metrics.update(v.reduce_metrics(grpo, m_U))
+        metrics["grad_norm"] = optax.tree.norm(grads)
         return params, state._replace(opt_state=opt_state), metrics
 
     return update
+
+
+@functools.cache
+def make_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: str | None = None):
+    """The jitted gradient of the loss on one minibatch, no optimizer step: gradient(params, ref_params, batch,
+    on_policy) -> (grads, metrics), grads in the masters' layout (what the estimator diagnostics compare)."""
+    check_names(grpo)
+    gradient = _minibatch_gradient(model_cfg, grpo, mesh, compute_dtype)
+
+    @jax.jit
+    def run(params, ref_params, batch: Rollouts, on_policy: Array):
+        grads, metrics = gradient(params, ref_params, batch, on_policy)
+        return jax.lax.with_sharding_constraint(grads, sharding.master_shardings(mesh, grads)), metrics
+
+    return run
 
 
 # ---- the method: sample, score, update
@@ -378,6 +408,65 @@ def update_config(g: GRPOConfig) -> GRPOConfig:
     return dataclasses.replace(g, advantage="grpo", adv=AdvantageConfig(), group_size=2, variants=kept, **defaults)
 
 
+def make_batches(
+    out, mask_BxN, advantage_BxN, factor_BxN, aggregation: str, minibatches: int, microbatches: int, mesh: Mesh
+) -> list[Rollouts]:
+    """A step's B sampled rows as `minibatches` `Rollouts` on `mesh`, each split into `microbatches` of b rows (b
+    padded to a multiple of the data axis with masked rows). Minibatch m is rows [m·B/n_mini, (m+1)·B/n_mini), whole
+    prompt groups when n_mini divides X; its token weights (`token_weights`, times `factor_BxN`) are computed over
+    its real rows, before the padding."""
+    B = mask_BxN.shape[0]
+    b = B // (minibatches * microbatches)  # rows per microbatch
+    data = parallel.data_size(mesh)
+    b_padded = -(-b // data) * data
+    micro_rows = NamedSharding(mesh, PartitionSpec(None, parallel.AXIS))
+    batches = []
+    for m in range(minibatches):
+        rows = slice(m * microbatches * b, (m + 1) * microbatches * b)
+        weight = (
+            np.asarray(token_weights(mask_BxN[rows], aggregation)) * np.broadcast_to(factor_BxN, mask_BxN.shape)[rows]
+        )
+        fields = (
+            out.prompt_BxP[rows],
+            out.prompt_mask_BxP[rows],
+            out.tokens_BxN[rows],
+            mask_BxN[rows],
+            out.logprobs_BxN[rows],
+            advantage_BxN[rows],
+            weight.astype(np.float32),
+        )
+        split = (pad_rows(x.reshape(microbatches, b, *x.shape[1:]), b_padded) for x in fields)
+        batches.append(Rollouts(*(parallel.put(micro_rows, x) for x in split)))
+    return batches
+
+
+def _completion_mask(out) -> np.ndarray:
+    return np.arange(out.tokens_BxN.shape[1])[None, :] < out.length_B[:, None]
+
+
+def split_half_diagnostics(gradient, params, ref_params, batches_of, X: int, M: int) -> dict:
+    """The split-half diagnostics (`esroll.diagnostics`) of a GRPO step's on-policy gradient at `params`: the
+    gradient from the prompt groups of even index against the one from the odd ones (`batches_of(factor_BxN)`
+    builds the step's minibatches with its token weights times that factor: 2 on a half's rows, 0 elsewhere, so
+    that each half estimates the full gradient and their mean is it exactly). Groups are independent given the
+    parameters, so the halves are too; the noise counted is that of the prompts drawn and of the completions
+    sampled."""
+    halves = []
+    for h in (0, 1):
+        keep_B = (np.arange(X * M) // M) % 2 == h
+        factor = np.broadcast_to(2.0 * keep_B[:, None], (X * M, 1)).astype(np.float32)
+        halves.append([gradient(params, ref_params, batch, jnp.asarray(True))[0] for batch in batches_of(factor)])
+    return jax.device_get(_split_half_figures(*halves))
+
+
+@jax.jit
+def _split_half_figures(parts1: list, parts2: list) -> dict:
+    """`esroll.diagnostics.as_metrics` of the halves, each the sum of its minibatches' gradients: one program (op by op,
+    the reductions of sharded arrays would each be a program of their own)."""
+    g1, g2 = (functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), parts) for parts in (parts1, parts2))
+    return diagnostics.as_metrics(diagnostics.split_half_by_group(g1, g2))
+
+
 def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_device: int | None = None) -> Method:
     """The GRPO method; sampling decodes `rows_per_device` rows per device at once (as `esroll.plan` chose them),
     else `parallel.rows_per_device` (0: all of a device's share). `step` expects the masters as `esroll.task.load_task`
@@ -390,45 +479,28 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     except ConfigError as e:
         raise e.under("grpo.") from None
     X, M, N = cfg.train.prompts_per_step, g.group_size, cfg.train.max_new_tokens
-    n_mini, n_micro = g.minibatches, g.microbatches
-    b = X * M // (n_mini * n_micro)  # rows per microbatch
-    data = parallel.data_size(mesh)
-    b_padded = -(-b // data) * data  # masked rows make each microbatch split evenly over the data axis
     label_free = cfg.data.reward == "majority"  # rewards from the group's majority answer, not the gold one
     to_compute = sharding.caster(mesh, cfg.model.dtype)  # the decoding copy (model.dtype) of the masters
-    micro_rows = NamedSharding(mesh, PartitionSpec(None, parallel.AXIS))
     sample_key = jax.random.key(cfg.seed + 1)
     sampling = Sampling.of(N, g.temperature, cfg.parallel, rows_per_device or cfg.parallel.rows_per_device)
-    step_update = make_update(task.cfg, update_config(g), cfg.optimizer, mesh, cfg.model.dtype)
+    compiled = update_config(g)
+    step_update = make_update(task.cfg, compiled, cfg.optimizer, mesh, cfg.model.dtype)
     optimizer = make_optimizer(cfg.optimizer)
     variants = grpo_variants.active(g)
     example_B = np.repeat(np.arange(X), M)  # rows prompt-major: row x·M + j answers prompt x
+    every = cfg.train.diagnostics_every
+    # FLOPs of the update (`esroll.ledger`): μ passes of forward + backward over every row, and the reference's
+    # forward when one is kept.
+    passes = g.inner_iterations
+    update_flops = passes * ledger.train_flops(task.cfg, X * M, task.prompt_multiple, N, remat=g.remat)
+    if keeps_reference(g):
+        update_flops += passes * ledger.forward_flops(task.cfg, X * M, task.prompt_multiple + N, head_positions=N)
 
     def init(params, key):
         del key  # sampling keys are fold_in(seed, step); nothing else is random
 
         make = functools.partial(init_state, g, optimizer)
         return jax.jit(make, out_shardings=state_shardings(g, cfg.optimizer, mesh, params))(params)
-
-    def minibatches(out, mask_BxN, advantage_BxN, factor_BxN) -> list[Rollouts]:
-        """Minibatch m is rows [m·B/n_mini, (m+1)·B/n_mini), whole prompt groups when n_mini divides X; its token
-        weights are computed over its real rows, before the padding."""
-        batches = []
-        for m in range(n_mini):
-            rows = slice(m * n_micro * b, (m + 1) * n_micro * b)
-            weight = np.asarray(token_weights(mask_BxN[rows], g.aggregation)) * factor_BxN[rows]
-            fields = (
-                out.prompt_BxP[rows],
-                out.prompt_mask_BxP[rows],
-                out.tokens_BxN[rows],
-                mask_BxN[rows],
-                out.logprobs_BxN[rows],
-                advantage_BxN[rows],
-                weight.astype(np.float32),
-            )
-            split = (pad_rows(x.reshape(n_micro, b, *x.shape[1:]), b_padded) for x in fields)
-            batches.append(Rollouts(*(parallel.put(micro_rows, x) for x in split)))
-        return batches
 
     def step(params, state: GRPOState, examples: list[Example], step_index: int) -> StepOutput:
         # ---- sample M completions per prompt and score them
@@ -438,7 +510,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         )
         reward_B, metrics = training_rewards(out, label_free)
         rewards_XxM = reward_B.reshape(X, M)
-        mask_BxN = np.arange(N)[None, :] < out.length_B[:, None]
+        mask_BxN = _completion_mask(out)
 
         # ---- advantages, then the variants' token weights
         own, variant_state = _split_host(g, state.host)
@@ -463,8 +535,21 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             factor_BxN = factor_BxN if factor is None else factor_BxN * factor
             metrics.update(more)
 
+        def batches_of(factor):
+            return make_batches(
+                out, mask_BxN, advantage_BxN, factor_BxN * factor, g.aggregation, g.minibatches, g.microbatches, mesh
+            )
+
+        # ---- on diagnostic steps, the split-half figures of the step's gradient at its start (never fed back)
+        start = time.perf_counter()
+        if every and (step_index + 1) % every == 0:
+            gradient = make_gradient(task.cfg, compiled, mesh, cfg.model.dtype)
+            metrics.update(split_half_diagnostics(gradient, params, state.ref_params, batches_of, X, M))
+            metrics["s_diagnostics"] = time.perf_counter() - start
+            start = time.perf_counter()
+
         # ---- μ passes over the minibatches, the first update on-policy
-        batches = minibatches(out, mask_BxN, advantage_BxN, factor_BxN)
+        batches = batches_of(np.float32(1.0))
         history = []
         for iteration in range(g.inner_iterations):
             for m, batch in enumerate(batches):
@@ -473,6 +558,8 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
                 )
                 history.append(update_metrics)
         update_metrics = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *history)
+        jax.block_until_ready(params)
+        metrics["s_update"] = time.perf_counter() - start
 
         # ---- the host-side state for the next step
         host = dict(estimate.state or {})
@@ -481,16 +568,61 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             host.update({f"{name}_{k}": v for k, v in new.items()})
         if host:
             state = state._replace(host=parallel.put_replicated(mesh, {k: jnp.asarray(v) for k, v in host.items()}))
+        generate_flops = ledger.rollout_flops(task.cfg, out.prompt_BxP.shape[1], out.length_B)
         metrics.update(
             update_metrics,
             fitness_mean=rewards_XxM.mean(),
             fitness_std=rewards_XxM.std(),
             advantage_abs=np.abs(estimate.advantage).mean(),
+            s_rollout=out.seconds["generate"],
+            s_scoring=out.seconds["score"],
+            flops_generate=float(generate_flops),
+            flops_update=float(update_flops),
             **(estimate.metrics or {}),
         )
         if M > 1:  # a group of one is trivially all-equal
             metrics["frac_groups_all_equal"] = np.mean(np.all(rewards_XxM == rewards_XxM[:, :1], axis=1))
         prompt_reward = prompt_means(example_B, reward_B, X)
-        return StepOutput(params, state, metrics, int(out.length_B.sum()), prompt_reward)
+        flops = generate_flops + update_flops
+        return StepOutput(params, state, metrics, int(out.length_B.sum()), prompt_reward, flops)
 
     return Method(init, step)
+
+
+def make_policy_gradient(cfg: ExperimentConfig, task: Task, mesh: Mesh):
+    """pg(params, examples, step_index) -> the plain on-policy GRPO gradient, as an ascent direction in the masters'
+    tree: `grpo.group_size` completions per prompt sampled from `params` at `grpo.temperature` (keys from
+    seed + 2, apart from every other draw of a run), rewarded as the run's reward, group advantages (`grpo`), the
+    plain loss (no variant, no KL). What an ES run's diagnostics compare its estimate with on the same prompts
+    (`esroll.es.diagnostics.step_diagnostics`)."""
+    g = dataclasses.replace(update_config(cfg.grpo), beta=0.0, variants=(), minibatches=1, microbatches=1)
+    X, G, N = cfg.train.prompts_per_step, cfg.grpo.group_size, cfg.train.max_new_tokens
+    label_free = cfg.data.reward == "majority"
+    to_compute = sharding.caster(mesh, cfg.model.dtype)
+    sampling = Sampling.of(N, cfg.grpo.temperature, cfg.parallel, cfg.parallel.rows_per_device)
+    gradient = make_gradient(task.cfg, g, mesh, cfg.model.dtype)
+    key = jax.random.key(cfg.seed + 2)
+    example_B = np.repeat(np.arange(X), G)
+
+    def pg(params, examples: list[Example], step_index: int):
+        step_key = jax.random.fold_in(key, step_index)
+        out = rollout(
+            task,
+            mesh,
+            to_compute(params),
+            examples,
+            example_B,
+            step_key,
+            sampling,
+            completions=True,
+            answers=label_free,
+        )
+        reward_B, _ = training_rewards(out, label_free)
+        advantage_B = advantages.estimate("grpo", advantages.Group(reward_B.reshape(X, G)), AdvantageConfig()).advantage
+        mask_BxN = _completion_mask(out)
+        advantage_BxN = np.broadcast_to(advantage_B.reshape(-1, 1), mask_BxN.shape).astype(np.float32)
+        (batch,) = make_batches(out, mask_BxN, advantage_BxN, np.float32(1.0), g.aggregation, 1, 1, mesh)
+        grads, _ = gradient(params, None, batch, jnp.asarray(True))
+        return jax.tree.map(jnp.negative, grads)
+
+    return pg

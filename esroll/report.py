@@ -1,9 +1,12 @@
 """The report of a matched wall-time comparison (`esroll.compare`): curves, AUC, paired statistics, tables, figures.
 
-Each run is seen three ways (`VIEWS`): held-out accuracy against training wall time, against completions generated
-for training, and against tokens generated for training. The time view's AUC is the mean accuracy over [0, budget];
-a count view's AUC is the mean accuracy over [0, X], X the view's common range: the smallest final count among the
-finished runs of all methods, so that every method is compared over the same range (`view_ranges`).
+Each run is seen four ways (`VIEWS`): held-out accuracy against training wall time, against completions generated
+for training, against tokens generated for training, and against training FLOPs (rollout + update, as counted by
+`esroll.ledger`). The time view's AUC is the mean accuracy over [0, budget]; a count view's AUC is the mean accuracy
+over [0, X], X the view's common range: the smallest final count among the finished runs of all methods, so that
+every method is compared over the same range (`view_ranges`). Runs logged before a counter existed ("tokens",
+"flops" in metrics.jsonl) have NaN there and are left out of that view (its AUCs, range, pairs and panel), with the
+runs and pairs each view covers reported (n_seeds_tokens, n_pairs_tokens, n_seeds_flops, n_pairs_flops).
 
 Reads only the workdir (comparison.json and each run's config.json and metrics.jsonl), so it redraws the report of a
 finished or partly finished comparison; notebooks/compare.ipynb calls the same functions. Statistics, tables and
@@ -57,6 +60,7 @@ class RunResult:
     accuracies: np.ndarray  # held-out accuracy at those times
     completions: np.ndarray  # sequences generated for training before each evaluation (cumulative)
     tokens: np.ndarray  # tokens generated for training before each evaluation (cumulative; NaN: not logged)
+    flops: np.ndarray  # training FLOPs (rollout + update) before each evaluation (cumulative; NaN: not logged)
     steps: int
     wall_time: float
     evaluations_per_step: int  # ES: population members; GRPO: sampled completions
@@ -74,6 +78,11 @@ class RunResult:
         """Whether its metrics counted tokens (runs logged before the counters existed did not)."""
         return bool(np.isfinite(self.tokens).all())
 
+    @property
+    def has_flops(self) -> bool:
+        """Whether its metrics counted training FLOPs throughout (runs logged before the counter existed did not)."""
+        return bool(np.isfinite(self.flops).all())
+
 
 def evaluation_counts(cfg: dict) -> tuple[int, int]:
     """(evaluations, completions) per step of a run config (as in its config.json). An ES member's evaluation is
@@ -85,26 +94,33 @@ def evaluation_counts(cfg: dict) -> tuple[int, int]:
     return cfg["es"]["population"], cfg["es"]["population"] * prompts * cfg["es"].get("samples", 1)
 
 
-def generated_counts(records: list[dict], completions_per_step: int) -> tuple[np.ndarray, np.ndarray]:
-    """(completions, tokens) generated for training before each evaluation record in `records`.
+_COUNTERS = ("completions", "tokens", "flops")  # the cumulative counters of a step record, as train.py logs them
 
-    Step records carry the cumulative counters "completions" and "tokens"; an evaluation record without them (the
-    one before training, or a final evaluation written apart from its step's record) has the counts of the latest
-    record before it (0 before any). A run whose records hold no counter at all (logged before they existed) falls
-    back to step × `completions_per_step` completions and NaN tokens.
+
+def generated_counts(records: list[dict], completions_per_step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(completions, tokens, flops) generated for training before each evaluation record in `records`; flops: the
+    training FLOPs, rollout + update.
+
+    Step records carry the cumulative counters "completions", "tokens" and "flops"; an evaluation record without
+    them (the one before training, or a final evaluation written apart from its step's record) has the counts of the
+    latest record before it (0 before any). A counter is read only when every record that carries a counter carries
+    it: a run logged before "flops" existed (or resumed from a checkpoint that predates it, whose later records count
+    FLOPs from 0) has NaN FLOPs. A run whose records hold no counter at all (logged before they existed) falls back to
+    step × `completions_per_step` completions and NaN tokens and FLOPs.
     """
-    counted = {key: any(key in r for r in records) for key in ("completions", "tokens")}
-    current = {"completions": 0.0, "tokens": 0.0}
-    out: dict[str, list[float]] = {"completions": [], "tokens": []}
+    counting = [r for r in records if any(key in r for key in _COUNTERS)]
+    counted = {key: bool(counting) and all(key in r for r in counting) for key in _COUNTERS}
+    current = dict.fromkeys(_COUNTERS, 0.0)
+    out: dict[str, list[float]] = {key: [] for key in _COUNTERS}
     for r in records:
         for key in current:
             current[key] = float(r.get(key, current[key]))
         if "eval_accuracy" not in r:
             continue
-        fallback = {"completions": float(r["step"] * completions_per_step), "tokens": math.nan}
+        fallback = {"completions": float(r["step"] * completions_per_step), "tokens": math.nan, "flops": math.nan}
         for key in current:
             out[key].append(current[key] if counted[key] else fallback[key])
-    return np.array(out["completions"], float), np.array(out["tokens"], float)
+    return tuple(np.array(out[key], float) for key in _COUNTERS)
 
 
 def load_run(directory: Path, method: str, seed: int) -> RunResult | None:
@@ -115,7 +131,7 @@ def load_run(directory: Path, method: str, seed: int) -> RunResult | None:
         return None
     cfg = json.loads((directory / "config.json").read_text())
     per_eval, per_completion = evaluation_counts(cfg)
-    completions, tokens = generated_counts(records, per_completion)
+    completions, tokens, flops = generated_counts(records, per_completion)
     equal = [r["frac_groups_all_equal"] for r in records if "frac_groups_all_equal" in r]
     return RunResult(
         method=method,
@@ -124,6 +140,7 @@ def load_run(directory: Path, method: str, seed: int) -> RunResult | None:
         accuracies=np.array([r["eval_accuracy"] for r in evals], float),
         completions=completions,
         tokens=tokens,
+        flops=flops,
         steps=int(records[-1]["step"]),
         wall_time=float(records[-1]["wall_time"]),
         evaluations_per_step=per_eval,
@@ -149,24 +166,27 @@ def load_comparison(workdir: str | Path) -> tuple[dict, list[RunResult]]:
 
 # ---- views: what accuracy is plotted against
 
-VIEWS = ("time", "completions", "tokens")
+VIEWS = ("time", "completions", "tokens", "flops")
 VIEW_LABELS = {
     "time": "training wall time (s)",
     "completions": "completions generated for training",
     "tokens": "tokens generated for training",
+    "flops": "training FLOPs (rollout + update)",
 }
 
 
 def view_x(run: RunResult, view: str) -> np.ndarray:
-    """The run's x at each evaluation in `view`: training wall time, or completions or tokens generated so far."""
+    """The run's x at each evaluation in `view`: training wall time, completions or tokens generated so far, or the
+    training FLOPs (rollout + update) spent so far."""
     if view not in VIEWS:
         raise ValueError(f"unknown view {view!r}; expected one of {VIEWS}")
-    return {"time": run.times, "completions": run.completions, "tokens": run.tokens}[view]
+    return {"time": run.times, "completions": run.completions, "tokens": run.tokens, "flops": run.flops}[view]
 
 
 def view_ranges(runs: Sequence[RunResult], budget: float) -> dict[str, float]:
-    """The range [0, X] each view's AUC covers: the time budget, and for completions and tokens the smallest final
-    count among the finished runs in `runs` (all methods), runs without token counts left out (NaN: no such run)."""
+    """The range [0, X] each view's AUC covers: the time budget, and for completions, tokens and FLOPs the smallest
+    final count among the finished runs in `runs` (all methods), runs without the view's counter (tokens, FLOPs) left
+    out (NaN: no such run)."""
     out = {"time": float(budget)}
     for view in VIEWS[1:]:
         finals = [float(view_x(r, view)[-1]) for r in runs if r.complete]
@@ -233,9 +253,10 @@ def _mean_sd(values: Sequence[float]) -> dict[str, float]:
 def per_run_rows(
     runs: Sequence[RunResult], budget: float, ranges: dict[str, float] | None = None
 ) -> list[dict[str, Any]]:
-    """One row per run: its status, steps, first and last evaluation, AUC over `budget`, AUC against completions and
-    tokens over their common ranges (`view_ranges`; by default those of the finished runs in `runs`), and what it
-    generated. final_completions and final_tokens are the counts at the last evaluation."""
+    """One row per run: its status, steps, first and last evaluation, AUC over `budget`, AUC against completions,
+    tokens and training FLOPs over their common ranges (`view_ranges`; by default those of the finished runs in
+    `runs`), and what it generated. final_completions, final_tokens and final_flops are the counts at the last
+    evaluation (NaN: not logged)."""
     ranges = view_ranges(runs, budget) if ranges is None else ranges
     return [
         {
@@ -249,17 +270,19 @@ def per_run_rows(
             "auc": area_under_curve(r.times, r.accuracies, budget),
             "auc_completions": view_auc(r, "completions", ranges["completions"]),
             "auc_tokens": view_auc(r, "tokens", ranges["tokens"]),
+            "auc_flops": view_auc(r, "flops", ranges["flops"]),
             "evaluations": r.evaluations_per_step * r.steps,
             "completions": r.completions_per_step * r.steps,
             "final_completions": float(r.completions[-1]),
             "final_tokens": float(r.tokens[-1]),
+            "final_flops": float(r.flops[-1]),
             "all_equal_groups": r.all_equal_groups,
         }
         for r in runs
     ]
 
 
-_PAIRED = ("final_accuracy", "auc", "auc_completions", "auc_tokens")  # summarize's paired differences
+_PAIRED = ("final_accuracy", "auc", "auc_completions", "auc_tokens", "auc_flops")  # summarize's paired differences
 
 
 def summarize(
@@ -269,12 +292,14 @@ def summarize(
     budget: float,
     ranges: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per method over its finished runs: final accuracy, AUC against time, completions and tokens (mean, sd
-    over seeds), steps and generation counts, and paired differences against `reference` on the seeds both finished.
+    """One row per method over its finished runs: final accuracy, AUC against time, completions, tokens and training
+    FLOPs (mean, sd over seeds), steps and generation counts, and paired differences against `reference` on the seeds
+    both finished.
 
     The count views' AUCs cover `ranges` (by default `view_ranges` of the finished runs in `runs`), written as
-    range_completions and range_tokens. Runs without token counts are left out of the tokens view (n_seeds_tokens,
-    n_pairs_tokens: the runs and pairs it covers).
+    range_completions, range_tokens and range_flops. Runs without token counts are left out of the tokens view
+    (n_seeds_tokens, n_pairs_tokens: the runs and pairs it covers), runs without the FLOPs counter out of the FLOPs
+    view (n_seeds_flops, n_pairs_flops).
     """
     finished = [r for r in runs if r.complete]
     ranges = view_ranges(finished, budget) if ranges is None else ranges
@@ -284,9 +309,12 @@ def summarize(
         mine = {seed: row for (m, seed), row in rows.items() if m == name}
         row: dict[str, Any] = {"method": name, "n_seeds": len(mine)}
         row["n_seeds_tokens"] = sum(math.isfinite(r["final_tokens"]) for r in mine.values())
+        row["n_seeds_flops"] = sum(math.isfinite(r["final_flops"]) for r in mine.values())
         row["range_completions"], row["range_tokens"] = ranges["completions"], ranges["tokens"]
-        keys = ("final_accuracy", "auc", "auc_completions", "auc_tokens", "steps", "evaluations", "completions")
-        for key in (*keys, "final_completions", "final_tokens", "all_equal_groups"):
+        row["range_flops"] = ranges["flops"]
+        keys = ("final_accuracy", "auc", "auc_completions", "auc_tokens", "auc_flops")
+        keys += ("steps", "evaluations", "completions", "final_completions", "final_tokens", "final_flops")
+        for key in (*keys, "all_equal_groups"):
             values = [v for v in (r[key] for r in mine.values()) if not math.isnan(v)]
             row.update({f"{key}_{k}": v for k, v in _mean_sd(values).items()})
         if name != reference:
@@ -295,8 +323,8 @@ def summarize(
             for key in _PAIRED:
                 diffs = [mine[s][key] - rows[(reference, s)][key] for s in seeds]
                 test = paired_test([d for d in diffs if not math.isnan(d)])
-                if key == "auc_tokens":
-                    row["n_pairs_tokens"] = test["n"]
+                if key in ("auc_tokens", "auc_flops"):
+                    row[f"n_pairs_{key.removeprefix('auc_')}"] = test["n"]
                 row.update({f"{key}_diff_{k}": v for k, v in test.items() if k != "n"})
         out.append(row)
     return out
@@ -327,6 +355,10 @@ def _p(x: float) -> str:
 
 def _count(x: float) -> str:
     return _fmt(x, spec=",.0f")
+
+
+def _sci(x: float) -> str:
+    return _fmt(x, spec=".3e")
 
 
 def _paired_rows(summary: Sequence[dict], ref: str, metrics: Sequence[tuple[str, str]], pairs: dict[str, str]) -> list:
@@ -375,32 +407,46 @@ def markdown_table(summary: Sequence[dict], spec: dict) -> str:
     lines += _paired_rows(summary, ref, (("final_accuracy", "final accuracy"), ("auc", "AUC")), {})
     x_c = summary[0]["range_completions"] if summary else math.nan
     x_t = summary[0]["range_tokens"] if summary else math.nan
+    x_f = summary[0]["range_flops"] if summary else math.nan
     lines += [
         "",
         "Sample efficiency",
         "",
         (
             f"AUC against completions: mean accuracy over [0, X] completions generated for training, X = {_count(x_c)}; "
-            f"against tokens: over [0, X] tokens generated for training, X = {_count(x_t)}. Final counts at the last "
-            "evaluation; mean ± sd over seeds."
+            f"against tokens: over [0, X] tokens generated for training, X = {_count(x_t)}; against FLOPs: over "
+            f"[0, X] training FLOPs (rollout + update), X = {_sci(x_f)}. Final counts at the last evaluation; mean ± sd "
+            "over seeds."
         ),
         "",
-        "| method | seeds | AUC vs completions | AUC vs tokens | final completions | final tokens |",
-        "|---|---|---|---|---|---|",
+        (
+            "| method | seeds | AUC vs completions | AUC vs tokens | AUC vs FLOPs | final completions | final tokens "
+            "| final FLOPs |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in summary:
-        seeds = f"{r['n_seeds']}" + (
-            f" ({r['n_seeds_tokens']} with tokens)" if r["n_seeds_tokens"] < r["n_seeds"] else ""
-        )
+        fewer = [
+            f"{r[f'n_seeds_{view}']} with {what}"
+            for view, what in (("tokens", "tokens"), ("flops", "FLOPs"))
+            if r[f"n_seeds_{view}"] < r["n_seeds"]
+        ]
+        seeds = f"{r['n_seeds']}" + (f" ({', '.join(fewer)})" if fewer else "")
         lines.append(
             f"| {r['method']} | {seeds} | {_pct(r['auc_completions_mean'])} ± {_pct(r['auc_completions_sd'])} "
             f"| {_pct(r['auc_tokens_mean'])} ± {_pct(r['auc_tokens_sd'])} "
+            f"| {_pct(r['auc_flops_mean'])} ± {_pct(r['auc_flops_sd'])} "
             f"| {_count(r['final_completions_mean'])} ± {_count(r['final_completions_sd'])} "
-            f"| {_count(r['final_tokens_mean'])} ± {_count(r['final_tokens_sd'])} |"
+            f"| {_count(r['final_tokens_mean'])} ± {_count(r['final_tokens_sd'])} "
+            f"| {_sci(r['final_flops_mean'])} ± {_sci(r['final_flops_sd'])} |"
         )
     lines += ["", f"Paired differences against {ref} (method − {ref}, points of accuracy):", "", *_PAIRED_HEADER]
-    metrics = (("auc_completions", "AUC vs completions"), ("auc_tokens", "AUC vs tokens"))
-    lines += _paired_rows(summary, ref, metrics, {"auc_tokens": "n_pairs_tokens"})
+    metrics = (
+        ("auc_completions", "AUC vs completions"),
+        ("auc_tokens", "AUC vs tokens"),
+        ("auc_flops", "AUC vs FLOPs"),
+    )
+    lines += _paired_rows(summary, ref, metrics, {"auc_tokens": "n_pairs_tokens", "auc_flops": "n_pairs_flops"})
     untokened = [
         f"{r['method']} ({r['n_seeds'] - r['n_seeds_tokens']})" for r in summary if r["n_seeds_tokens"] < r["n_seeds"]
     ]
@@ -413,6 +459,15 @@ def markdown_table(summary: Sequence[dict], spec: dict) -> str:
         if untokened
         else ""
     )
+    unflopped = [
+        f"{r['method']} ({r['n_seeds'] - r['n_seeds_flops']})" for r in summary if r["n_seeds_flops"] < r["n_seeds"]
+    ]
+    if unflopped:
+        skipped += (
+            f" Finished runs whose metrics carry no FLOPs counter throughout (logged before it existed, or resumed "
+            f"from a checkpoint that predates it): {', '.join(unflopped)}; the FLOPs view (AUC, final FLOPs, the range "
+            "and the pairs) leaves them out."
+        )
     lines += [
         "",
         (
@@ -551,7 +606,7 @@ def plot_views(axes, runs: Sequence[RunResult], methods: Sequence[str], ranges: 
 
 def write_report(workdir: str | Path) -> dict[str, Path]:
     """Tables (runs.csv, results.csv, results.md) and figures (accuracy_vs_time.png; views.png: accuracy against
-    wall time, completions and tokens generated) of the runs in `workdir`."""
+    wall time, completions and tokens generated, and training FLOPs) of the runs in `workdir`."""
     from matplotlib.figure import Figure  # not pyplot: the process's backend is left as it is
 
     workdir = Path(workdir)
@@ -578,7 +633,7 @@ def write_report(workdir: str | Path) -> dict[str, Path]:
     axes[0].set_title(f"matched wall time: {budget:g} s per run, {len(spec['seeds'])} seeds")
     fig.tight_layout()
     fig.savefig(paths["figure"])
-    fig = Figure(figsize=(15, 4), dpi=120)
+    fig = Figure(figsize=(5 * len(VIEWS), 4), dpi=120)
     axes = fig.subplots(1, len(VIEWS))
     plot_views(axes, finished, methods, ranges)
     fig.suptitle(f"held-out accuracy: {budget:g} s of training per run, {len(spec['seeds'])} seeds", fontsize=10)

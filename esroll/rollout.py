@@ -14,6 +14,7 @@ row's outcome.
 
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -66,6 +67,7 @@ class Rollout(NamedTuple):
     logprobs_BxN: np.ndarray | None  # [B, N] float32 (with completions=True): log π at each sampled token, 0 after EOS
     scores: dict[str, np.ndarray] | None  # name -> [B] float32 (with scores=True): `esroll.data.eval_scores`
     answer_B: np.ndarray | None = None  # [B] int64 (with answers=True): parsed-answer ids, -1 for none
+    seconds: dict[str, float] | None = None  # wall time of the phases: "generate" (decoding), "score" (rewards)
 
 
 def rollout(
@@ -108,6 +110,7 @@ def rollout(
     # Chunk by chunk: the KV cache and every other per-row buffer is sized to one chunk. A row's sampling noise is
     # keyed by its index in the whole rollout (`row_offset`), so chunking does not change any row's tokens.
     parts = []  # (row indices, tokens, lengths, log-probabilities) of this process's rows
+    start_s = time.perf_counter()
     for start in range(0, rows, chunk):
         rows_c = slice(start, start + chunk)
         if not real_B[rows_c].any():
@@ -135,6 +138,7 @@ def rollout(
     N = sampling.max_new_tokens
     empty = (np.zeros(0, int), np.zeros((0, N), np.int32), np.zeros(0, np.int32), np.zeros((0, N), np.float32))
     idx, tokens, lengths, logprobs = (np.concatenate(p) for p in zip(empty, *parts))
+    generated_s = time.perf_counter()
     real = real_B[idx]
     names = eval_score_names(examples[0].task) if scores else ("accuracy",)
     local = np.zeros((len(idx), len(names)), np.float32)  # the reward first, then the other scores
@@ -150,6 +154,7 @@ def rollout(
     columns = [local, lengths[:, None]] + ([answer_ids] if answers else [])
     if completions:
         columns += [tokens, logprobs]
+    scored_s = time.perf_counter()
     table = parallel.gather_to_all(np.concatenate(columns, 1, dtype=np.float64), idx, rows)[:B]
     S = len(names)
     A = S + 1 + int(answers)  # where the tokens start
@@ -163,6 +168,7 @@ def rollout(
         logprobs_BxN=table[:, A + N :].astype(np.float32) if completions else None,
         scores={name: table[:, i].astype(np.float32) for i, name in enumerate(names)} if scores else None,
         answer_B=table[:, S + 1].astype(np.int64) if answers else None,
+        seconds={"generate": generated_s - start_s, "score": scored_s - generated_s},
     )
 
 

@@ -27,7 +27,7 @@ from esroll.data import Example, batch_indices, cluster_key, make_splits
 from esroll.errors import InputError, reading
 from esroll.es_train import make_es_method
 from esroll.experiment import check_names
-from esroll.grpo import make_grpo_method
+from esroll.grpo import make_grpo_method, make_policy_gradient
 from esroll.metrics import MetricsWriter, first_eval, last_eval, plot_eval_curve, read_metrics
 from esroll.models import save_hf
 from esroll.plan import plan_step
@@ -186,10 +186,12 @@ def train_and_evaluate(
 
     # ---- method (on devices that report their memory, only once the step is known to fit them)
     plan = preflight(cfg, task, mesh)
+    rows_per_device = plan.rows_per_device if plan else None
     if cfg.method == "grpo":
-        method = make_grpo_method(cfg, task, mesh, rows_per_device=plan.rows_per_device if plan else None)
-    else:
-        method = make_es_method(cfg, task, mesh, rows_per_device=plan.rows_per_device if plan else None)
+        method = make_grpo_method(cfg, task, mesh, rows_per_device=rows_per_device)
+    else:  # the policy gradient an ES run's diagnostics compare with (`train.diagnostics_pg`)
+        pg = make_policy_gradient(cfg, task, mesh) if cfg.train.diagnostics_pg else None
+        method = make_es_method(cfg, task, mesh, rows_per_device=rows_per_device, policy_gradient=pg)
     state = method.init(params, jax.random.key(cfg.seed))
     batches = Curriculum(cfg, train, task.tokenizer, mesh)  # what each step trains on (ADS, AdaPrefix)
 
@@ -197,7 +199,8 @@ def train_and_evaluate(
     if lead:
         claim_workdir(workdir, config_dict)
     ckpt = Checkpointer(workdir)
-    start_step, elapsed, generated = 0, 0.0, {"completions": 0, "tokens": 0}  # cumulative, as the records log them
+    start_step, elapsed = 0, 0.0
+    generated = {"completions": 0, "tokens": 0, "flops": 0}  # cumulative, as the records log them (the compute ledger)
     if ckpt_step is not None:
         restored, meta = ckpt.restore({"params": params, "state": state, **batches.saved()})  # the shardings
         params, state = restored["params"], restored["state"]
@@ -237,13 +240,17 @@ def train_and_evaluate(
     while step < cfg.train.steps and not (budget and elapsed >= budget):
         t0 = time.perf_counter()
         batch = batches.batch(step)
-        params, state, m, n_tokens, prompt_reward = method.step(params, state, batch.examples, step)
+        params, state, m, n_tokens, prompt_reward, flops = method.step(params, state, batch.examples, step)
         m = {**m, **batches.update(step, batch, prompt_reward)}
         m = {k: float(v) for k, v in m.items()}  # the host needs rewards anyway; one sync per step
         dt = time.perf_counter() - t0
         elapsed += dt
         step += 1
-        generated = {"completions": generated["completions"] + rows, "tokens": generated["tokens"] + n_tokens}
+        generated = {
+            "completions": generated["completions"] + rows,
+            "tokens": generated["tokens"] + n_tokens,
+            "flops": generated["flops"] + flops,
+        }
         record = {"step": step, "wall_time": elapsed, **generated, "tokens_per_s": n_tokens / dt, "lr": lr_at(step - 1)}
         record.update(m)
         if step % cfg.train.eval_every == 0 or step == cfg.train.steps:

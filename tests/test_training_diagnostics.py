@@ -1,0 +1,122 @@
+"""The estimator diagnostics and the compute ledger in the trainer: diagnostics never feed the update (a run with
+them on ends with the parameters, and every other metric, of the run with them off, which logs none), the halves
+add up to the step's own estimate where the algebra says they must (EGGROLL's and GRPO's), the ledger's cumulative
+FLOPs are the sum of its steps' and survive a resume, and the settings are checked."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from esroll import ledger
+from esroll.config import ConfigError, InputError, from_config_dict
+from esroll.metrics import read_metrics
+from esroll.train import train_and_evaluate
+
+from conftest import quick_config
+
+TIMINGS = ("tokens_per_s", "s_rollout", "s_scoring", "s_update", "s_diagnostics", "eval_s", "wall_time")
+
+
+def run(tmp_path, name: str, variant: str, method: str | None = None, **train):
+    cfg = quick_config(variant, steps=2, eval_every=2, checkpoint_every=1)
+    if method:
+        cfg = dataclasses.replace(cfg, method=method)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, export=False, **train)).validate()
+    out = train_and_evaluate(cfg, tmp_path / name, progress=False)
+    steps = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["step"] > 0 and "fitness_mean" in r]
+    return jax.device_get(out["params"]), steps
+
+
+def same_except_diagnostics(off: list[dict], on: list[dict]) -> None:
+    for a, b in zip(off, on, strict=True):
+        assert not any(k.startswith("diag_") for k in a) and any(k.startswith("diag_") for k in b)
+        kept = {k: v for k, v in b.items() if not k.startswith("diag_") and k not in TIMINGS}
+        assert {k: v for k, v in a.items() if k not in TIMINGS} == kept
+
+
+@pytest.mark.parametrize("method", ["eggroll", "looroll"])
+def test_es_diagnostics_leave_the_run_unchanged(tmp_path, method):
+    """LOO-ROLL and EGGROLL with every diagnostic on (the policy-gradient cosine too) against off: bit-identical
+    parameters and metrics. EGGROLL's halves average to its estimate exactly, so the norm of their mean is the
+    update's gradient norm; the effective rank of a sum of E rank-r terms is at most E·r."""
+    off, off_steps = run(tmp_path, "off", "quick", method)
+    on, on_steps = run(tmp_path, "on", "quick", method, diagnostics_every=1, diagnostics_pg=True)
+    chex.assert_trees_all_equal(off, on)
+    same_except_diagnostics(off_steps, on_steps)
+    cfg = quick_config("quick")
+    directions = cfg.es.population // 2 if method == "eggroll" else cfg.es.population
+    for r in on_steps:
+        assert np.isfinite(r["diag_noise"]) and r["diag_noise"] > 0 and -1 <= r["diag_pg_cosine"] <= 1
+        assert {"diag_snr_attention", "diag_snr_mlp", "diag_erank_q", "diag_pg_cosine_mlp"} <= set(r)
+        assert 1 <= r["diag_erank"] <= directions * cfg.es.rank
+        if method == "eggroll":
+            assert r["diag_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+
+
+def test_grpo_diagnostics_leave_the_run_unchanged(tmp_path):
+    """GRPO: the same, and the two halves' mean is the step's on-policy gradient (one pass, one minibatch), so the
+    norm of their mean is the update's gradient norm."""
+    off, off_steps = run(tmp_path, "off", "grpo_quick")
+    on, on_steps = run(tmp_path, "on", "grpo_quick", diagnostics_every=1)
+    chex.assert_trees_all_equal(off, on)
+    same_except_diagnostics(off_steps, on_steps)
+    for r in on_steps:
+        assert r["diag_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+        assert {"diag_snr", "diag_cosine_attention", "diag_snr_embed"} <= set(r)
+
+
+def test_the_ledger_adds_up_and_survives_a_resume(tmp_path):
+    """Every step logs its rollout's and update's FLOPs and the phases' seconds; the cumulative `flops` is their
+    sum, the same after a stop and a resume as straight through; the rollout's figure is the ledger's for the rows
+    and lengths the step generated."""
+    cfg = quick_config("quick", steps=4, eval_every=2, checkpoint_every=2)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, export=False))
+    train_and_evaluate(cfg, tmp_path / "full", progress=False)
+    train_and_evaluate(cfg, tmp_path / "split", stop_after_steps=2, progress=False)
+    train_and_evaluate(cfg, tmp_path / "split", progress=False)
+    records = {}
+    for name in ("full", "split"):
+        rows = read_metrics(tmp_path / name / "metrics.jsonl")
+        records[name] = [r for r in rows if r["step"] > 0 and "fitness_mean" in r]
+    assert [r["flops"] for r in records["full"]] == [r["flops"] for r in records["split"]]
+    total = 0
+    for r in records["full"]:
+        total += r["flops_generate"] + r["flops_update"]
+        assert r["flops"] == total and all(r[k] >= 0 for k in ("s_rollout", "s_scoring", "s_update"))
+    from esroll.data import make_splits
+    from esroll.task import load_task
+
+    task, _ = load_task(cfg, *make_splits(cfg.data))
+    rank, E, P, N = cfg.es.rank, cfg.es_config.num_directions, task.prompt_multiple, cfg.train.max_new_tokens
+    assert records["full"][0]["flops_update"] == ledger.es_update_flops(task.cfg, E, rank)
+    rows = cfg.es.population * cfg.train.prompts_per_step
+    least = ledger.generate_flops(task.cfg, rows, P, 1, perturb_rank=rank)  # every row stops after one token
+    most = ledger.generate_flops(task.cfg, rows, P, N, perturb_rank=rank)  # none stops early
+    assert all(least <= r["flops_generate"] <= most for r in records["full"])
+
+
+def test_diagnostic_settings_are_checked():
+    cd = quick_config("grpo_quick")
+    with pytest.raises(ConfigError, match="invalid value for 'train.diagnostics_pg'"):
+        dataclasses.replace(
+            cd, train=dataclasses.replace(cd.train, diagnostics_every=1, diagnostics_pg=True)
+        ).validate()
+    with pytest.raises(ConfigError, match="invalid value for 'train.diagnostics_every'"):
+        dataclasses.replace(cd, train=dataclasses.replace(cd.train, diagnostics_every=-1)).validate()
+    es = quick_config("quick")
+    small = dataclasses.replace(
+        es, es=dataclasses.replace(es.es, population=2), train=dataclasses.replace(es.train, diagnostics_every=1)
+    )
+    with pytest.raises(ConfigError, match="invalid value for 'es.population': 2 .*split-half"):
+        small.validate()
+    from configs.default import get_config
+
+    raw = get_config("quick").to_dict()
+    raw["train"]["diagnostics_every"] = 1.5
+    with pytest.raises(InputError, match="train.diagnostics_every"):
+        from_config_dict(raw)
