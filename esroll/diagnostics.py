@@ -218,9 +218,10 @@ def lowrank_effective_rank(a: Array, w_E: Array, b: Array) -> dict[str, Array]:
 
 def as_metrics(by_group: dict[str, dict[str, Array]], prefix: str = "diag") -> dict[str, Array]:
     """`split_half_by_group`'s figures as flat metric names: the total's as `<prefix>_<figure>` (snr, cosine, signal,
-    noise, norm), each group's snr and cosine as `<prefix>_<figure>_<group>`."""
+    noise, norm), each group's snr, cosine, signal and noise as `<prefix>_<figure>_<group>` (sum a group's signal and
+    noise over steps before dividing, as for the total)."""
     out = {f"{prefix}_{name}": by_group["total"][name] for name in ("snr", "cosine", "signal", "noise", "norm")}
     for group, figures in by_group.items():
         if group != "total":
-            out.update({f"{prefix}_{name}_{group}": figures[name] for name in ("snr", "cosine")})
+            out.update({f"{prefix}_{name}_{group}": figures[name] for name in ("snr", "cosine", "signal", "noise")})
     return out

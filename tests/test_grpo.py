@@ -486,7 +486,7 @@ def test_stare_switch_in_the_step():
         if open_gate:
             state = state._replace(host={**state.host, "stare_open": jnp.ones((), jnp.float32)})
         out = method.step(params, state, examples, 0)
-        metrics = {k: float(v) for k, v in out.metrics.items()}
+        metrics = {k: float(v) for k, v in out.metrics.items() if not k.startswith("s_")}  # wall seconds differ
         return jax.device_get((out.params, out.state.opt_state)), out.state.host, metrics
 
     plain, plain_host, plain_m = step()
