@@ -444,6 +444,23 @@ def _completion_mask(out) -> np.ndarray:
     return np.arange(out.tokens_BxN.shape[1])[None, :] < out.length_B[:, None]
 
 
+def _group(out, rewards_XxM, mask_BxN, examples, step_index: int, seed: int, label_free: bool) -> advantages.Group:
+    """What the advantage estimators read of a step's X × M sampled rows (`esroll.advantages.Group`)."""
+    X, M = rewards_XxM.shape
+    N = mask_BxN.shape[1]
+    seq_logp = np.where(mask_BxN, out.logprobs_BxN, 0.0).sum(1) / np.maximum(out.length_B, 1)
+    return advantages.Group(
+        rewards_XxM,
+        step=step_index,
+        seed=seed,
+        seq_logp=seq_logp.reshape(X, M),
+        token_logp=out.logprobs_BxN.reshape(X, M, N),
+        token_mask=mask_BxN.reshape(X, M, N),
+        answers=out.answer_B.reshape(X, M) if label_free else None,
+        examples=examples,
+    )
+
+
 def split_half_diagnostics(gradient, params, ref_params, batches_of, X: int, M: int) -> dict:
     """The split-half diagnostics (`esroll.diagnostics`) of a GRPO step's on-policy gradient at `params`: the
     gradient from the prompt groups of even index against the one from the odd ones (`batches_of(factor_BxN)`
@@ -514,16 +531,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
 
         # ---- advantages, then the variants' token weights
         own, variant_state = _split_host(g, state.host)
-        group = advantages.Group(
-            rewards_XxM,
-            step=step_index,
-            seed=cfg.seed,
-            seq_logp=(np.where(mask_BxN, out.logprobs_BxN, 0.0).sum(1) / np.maximum(out.length_B, 1)).reshape(X, M),
-            token_logp=out.logprobs_BxN.reshape(X, M, N),
-            token_mask=mask_BxN.reshape(X, M, N),
-            answers=out.answer_B.reshape(X, M) if label_free else None,
-            examples=examples,
-        )
+        group = _group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, label_free)
         estimate = advantages.estimate(g.advantage, group, g.adv, own)
         advantage_BxN = np.broadcast_to(estimate.advantage.reshape(-1, 1), (X * M, N)).astype(np.float32)
         factor_BxN = np.ones((X * M, N), np.float32)
