@@ -1,7 +1,7 @@
 """Benchmarks: one entry point, tables on stdout and figures by name in JSON.
 
     python -m experiments.bench [--quick] [--json PATH] [--only NAME[,NAME]] [--model SHAPE] [--dtype bfloat16]
-        [--grpo_remat none]
+        [--grpo_remat none] [--no_peers]
 
 Each benchmark measures a ratio in one run (on a shared, noisy machine both sides run interleaved in the same
 process), never asserts a time. Benchmarks live in experiments/benchmarks/*.py, each exposing
@@ -50,6 +50,11 @@ def main(argv=None) -> dict:
         default="",
         help="esroll's grpo.remat in the peer GRPO benchmarks (default 'none', as the peers run; TRL is told to match)",
     )
+    parser.add_argument(
+        "--no_peers",
+        action="store_true",
+        help="run only esroll's side of the peer benchmarks (their esroll figures; the ratios are None)",
+    )
     args = parser.parse_args(argv)
     parallel.use_cpu_cores_as_devices()  # generate_vs_hf splits rows over one device per core, as the trainers do
 
@@ -66,6 +71,7 @@ def main(argv=None) -> dict:
             "model": args.model,
             "dtype": args.dtype,
             "grpo_remat": args.grpo_remat,
+            "no_peers": args.no_peers,
             "time": time.time(),
         }
     }

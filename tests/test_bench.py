@@ -18,3 +18,18 @@ def test_bench_quick_writes_figures(tmp_path):
             0 < figures["realshape_step"][f"es_{phase}_of_bound"]
             and 0 < figures["realshape_step"][f"grpo_{phase}_of_bound"]
         )
+
+
+def test_peer_benchmarks_esroll_side(tmp_path):
+    """Every peer benchmark runs its esroll side at the tiny shape (--no_peers: the peers, optional extras, are not
+    needed), so a change to the trainer's step or to `generate` that breaks a peer benchmark fails here."""
+    names = ["generate_vs_hf", "generate_vs_tunix", "grpo_step_vs_tunix", "grpo_step_vs_trl"]
+    main(["--quick", "--no_peers", "--model", "quick", "--only", ",".join(names), "--json", str(tmp_path / "b.json")])
+    figures = json.loads((tmp_path / "b.json").read_text())
+    for name in names:
+        entry = figures[name]
+        assert entry[name] is None and "no_peers" in entry["reason"], name
+        assert entry["esroll_tokens_per_s"] > 0 and entry["esroll_devices"] >= 1, name
+    for name in ("grpo_step_vs_tunix", "grpo_step_vs_trl"):  # every completion has exactly new_tokens tokens
+        entry = figures[name]
+        assert entry["completion_tokens_per_step"] == entry["prompts"] * entry["group_size"] * entry["new_tokens"]

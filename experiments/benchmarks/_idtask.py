@@ -118,12 +118,25 @@ def grpo_stepper(cfg: ExperimentConfig, model_cfg, params, batches: list[list[st
 
     def run(i: int) -> tuple[float, int]:
         start = time.perf_counter()
-        p, s, metrics, tokens, _ = method.step(*carry, examples(batches[i]), i)
-        jax.block_until_ready((p, s, metrics))
-        carry[:] = [p, s]
-        return time.perf_counter() - start, tokens
+        out = method.step(*carry, examples(batches[i]), i)
+        jax.block_until_ready((out.params, out.state, out.metrics))
+        carry[:] = [out.params, out.state]
+        return time.perf_counter() - start, out.tokens
 
     return run
+
+
+def run_steppers(steppers: dict, i: int, log: dict) -> None:
+    """Run every esroll stepper on prompt batch `i`, appending its seconds and tokens to `log[side + "_s" | "_tokens"]`."""
+    for side, run in steppers.items():
+        seconds, tokens = run(i)
+        log.setdefault(f"{side}_s", []).append(seconds)
+        log.setdefault(f"{side}_tokens", []).append(tokens)
+
+
+def ours_only(figure: str, figures: dict) -> dict:
+    """A peer benchmark's result under --no_peers: esroll's own figures, the ratio None with the reason."""
+    return {figure: None, "reason": "--no_peers: esroll's side only", **figures}
 
 
 def esroll_meshes(params) -> dict:

@@ -112,26 +112,14 @@ def generate_vs_hf(args) -> dict:
             )
 
     cores = len(os.sched_getaffinity(0))
-    t = _median_times(
-        {
-            "esroll": lambda: ours(*split),
-            "esroll_1device": lambda: ours(params, tokens, mask),
-            "hf": lambda: theirs(cores),
-            "hf_1thread": lambda: theirs(1),
-        },
-        s["reps"],
-    )
-    t_hf = min(t["hf"], t["hf_1thread"])
-    match = (np.asarray(ours(*split)) == theirs(cores)[:, tokens.shape[1] :].numpy()).mean()
+    runs = {"esroll": lambda: ours(*split), "esroll_1device": lambda: ours(params, tokens, mask)}
+    if not args.no_peers:
+        runs |= {"hf": lambda: theirs(cores), "hf_1thread": lambda: theirs(1)}
+    t = _median_times(runs, s["reps"])
     generated = s["batch"] * n
-    return {
-        "generate_vs_hf": t_hf / t["esroll"],
-        "generate_vs_hf_1device": t_hf / t["esroll_1device"],
+    esroll_figures = {
         "esroll_tokens_per_s": generated / t["esroll"],
         "esroll_tokens_per_s_1device": generated / t["esroll_1device"],
-        f"hf_tokens_per_s_{cores}threads": generated / t["hf"],
-        "hf_tokens_per_s_1thread": generated / t["hf_1thread"],
-        "greedy_token_agreement": float(match),
         "esroll_devices": mesh.size,
         "batch": s["batch"],
         "new_tokens": n,
@@ -139,6 +127,18 @@ def generate_vs_hf(args) -> dict:
         "reps": s["reps"],
         "backend": jax.default_backend(),
         "timing": _TIMING,
+    }
+    if args.no_peers:
+        return {"generate_vs_hf": None, "reason": "--no_peers: esroll's side only", **esroll_figures}
+    t_hf = min(t["hf"], t["hf_1thread"])
+    match = (np.asarray(ours(*split)) == theirs(cores)[:, tokens.shape[1] :].numpy()).mean()
+    return {
+        "generate_vs_hf": t_hf / t["esroll"],
+        "generate_vs_hf_1device": t_hf / t["esroll_1device"],
+        f"hf_tokens_per_s_{cores}threads": generated / t["hf"],
+        "hf_tokens_per_s_1thread": generated / t["hf_1thread"],
+        "greedy_token_agreement": float(match),
+        **esroll_figures,
     }
 
 

@@ -87,10 +87,7 @@ def _trl_interleaved(cfg, folder: str, batches, steps: int, steppers: dict) -> d
 
         def on_step_end(self, args, state, control, **kw):
             log["trl_s"].append(time.perf_counter() - self.start)
-            for side, run in steppers.items():
-                seconds, tokens = run(len(log[f"{side}_s"]))
-                log[f"{side}_s"].append(seconds)
-                log[f"{side}_tokens"].append(tokens)
+            _idtask.run_steppers(steppers, len(log["trl_s"]) - 1, log)
 
     log["trl_mixed_precision"] = train_trl(cfg, folder, batches, steps, Interleave(), reward)
     return log
@@ -119,11 +116,12 @@ def train_trl(cfg, folder: str, batches, steps: int, callback, reward=None) -> s
 
 def grpo_step_vs_trl(args) -> dict:
     """Completion tokens/s of a full GRPO step, esroll over TRL at its faster thread count, after warm-up steps."""
-    try:
-        import torch
-        import trl
-    except ImportError as e:
-        return {"grpo_step_vs_trl": None, "reason": f"TRL is not installed ({e}); pip install -e '.[bench]'"}
+    if not args.no_peers:
+        try:
+            import torch
+            import trl
+        except ImportError as e:
+            return {"grpo_step_vs_trl": None, "reason": f"TRL is not installed ({e}); pip install -e '.[bench]'"}
     X, G, n, prompt_len, warmup, timed = _idtask.GRPO_SIZES["quick" if args.quick else "full"]
     warmup, timed = warmup + 1, timed + timed % 2  # each thread count warms up, and is timed as often
     name = shape_name(args)
@@ -136,12 +134,27 @@ def grpo_step_vs_trl(args) -> dict:
         steppers = {
             side: _idtask.grpo_stepper(cfg, model_cfg, params, batches, prompt_len, m) for side, m in meshes.items()
         }
-        log = _trl_interleaved(cfg, folder, batches, steps, steppers)
+        if args.no_peers:
+            log = {}
+            for i in range(steps):
+                _idtask.run_steppers(steppers, i, log)
+        else:
+            log = _trl_interleaved(cfg, folder, batches, steps, steppers)
     timed_steps = range(warmup, steps)
     ours = {
         side: statistics.median(log[f"{side}_tokens"][i] / log[f"{side}_s"][i] for i in timed_steps)
         for side in steppers
     }
+    esroll_figures = {
+        **{f"esroll_tokens_per_s{side.removeprefix('ours')}": v for side, v in ours.items()},
+        **{
+            f"esroll_step_s{side.removeprefix('ours')}": [log[f"{side}_s"][i] for i in timed_steps] for side in steppers
+        },
+        "completion_tokens_per_step": log["ours_tokens"][warmup],
+        **_idtask.grpo_context(name, cfg, prompt_len, warmup, timed, meshes),
+    }
+    if args.no_peers:
+        return _idtask.ours_only("grpo_step_vs_trl", esroll_figures)
     trl_tps = {
         threads: statistics.median(
             log["trl_tokens"][i] / log["trl_s"][i] for i in timed_steps if log["trl_threads"][i] == threads
@@ -151,16 +164,11 @@ def grpo_step_vs_trl(args) -> dict:
     best = max(trl_tps.values())
     return {
         **{f"grpo_step_vs_trl{side.removeprefix('ours')}": v / best for side, v in ours.items()},
-        **{f"esroll_tokens_per_s{side.removeprefix('ours')}": v for side, v in ours.items()},
+        **esroll_figures,
         "trl_tokens_per_s": best,
         **{f"trl_tokens_per_s_{t}threads": v for t, v in trl_tps.items()},
-        **{
-            f"esroll_step_s{side.removeprefix('ours')}": [log[f"{side}_s"][i] for i in timed_steps] for side in steppers
-        },
         "trl_step_s": [log["trl_s"][i] for i in timed_steps],
-        "completion_tokens_per_step": log["ours_tokens"][warmup],
         "trl_completion_tokens_per_step": log["trl_tokens"][warmup],
-        **_idtask.grpo_context(name, cfg, prompt_len, warmup, timed, meshes),
         "trl_version": trl.__version__,
         "torch_version": torch.__version__,
         "trl_mixed_precision": log["trl_mixed_precision"],

@@ -91,16 +91,14 @@ def _tunix_model(folder: str, mesh=None):
 def generate_vs_tunix(args) -> dict:
     """Greedy generation, batch 64, 64 new tokens, 32-token prompts (quick: 8, 16, 16), esroll's rows split over every
     device (one per core, as the trainers run) and on one device, against Tunix's `Sampler`."""
-    if reason := _missing():
+    if not args.no_peers and (reason := _missing()):
         return {"generate_vs_tunix": None, "reason": reason}
-    import tunix
-    from tunix.generate import sampler as sampler_lib
-
     batch, n, prompt_len, reps = (8, 16, 16, 2) if args.quick else (64, 64, 32, 7)
     name = shape_name(args)
     with tempfile.TemporaryDirectory() as folder:
         cfg, params = _idtask.save_model(folder, name)
-        tcfg, model = _tunix_model(folder)
+        if not args.no_peers:
+            tcfg, model = _tunix_model(folder)
     texts = _idtask.prompts(cfg.vocab_size, batch, prompt_len)
     tokens = np.array([[int(w) for w in t.split()] for t in texts], np.int32)
     mask = np.ones_like(tokens, bool)
@@ -115,6 +113,24 @@ def generate_vs_tunix(args) -> dict:
             cfg, params, tokens, jax.random.key(0), max_new_tokens=n, temperature=0.0, prompt_mask=mask
         ).tokens.block_until_ready()
 
+    runs = {side: functools.partial(ours, *args) for side, args in placed.items()}
+    generated = batch * n
+    esroll_figures = {
+        "shape": name,
+        **{f"esroll_devices{side.removeprefix('ours')}": m.size for side, m in meshes.items()},
+        "batch": batch,
+        "new_tokens": n,
+        "prompt_len": prompt_len,
+        "reps": reps,
+        "timing": _TIMING,
+    }
+    if args.no_peers:
+        t = _median_times(runs, reps)
+        rates = {f"esroll_tokens_per_s{side.removeprefix('ours')}": generated / t[side] for side in meshes}
+        return _idtask.ours_only("generate_vs_tunix", rates | esroll_figures)
+    import tunix
+    from tunix.generate import sampler as sampler_lib
+
     cache = sampler_lib.CacheConfig(
         cache_size=prompt_len + n, num_layers=tcfg.num_layers, num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim
     )
@@ -125,27 +141,19 @@ def generate_vs_tunix(args) -> dict:
             texts, max_generation_steps=n, max_prompt_length=prompt_len, temperature=0.0, eos_tokens=[cfg.vocab_size]
         )
 
-    runs = {side: functools.partial(ours, *args) for side, args in placed.items()}
     t = _median_times(runs | {"tunix": theirs}, reps)
     agree = float(np.mean(np.asarray(runs["ours"]()) == np.stack(theirs().tokens)))
-    generated = batch * n
     return {
         **{f"generate_vs_tunix{side.removeprefix('ours')}": t["tunix"] / t[side] for side in meshes},
         **{f"esroll_tokens_per_s{side.removeprefix('ours')}": generated / t[side] for side in meshes},
         "tunix_tokens_per_s": generated / t["tunix"],
         "greedy_token_agreement": agree,
-        "shape": name,
-        **{f"esroll_devices{side.removeprefix('ours')}": m.size for side, m in meshes.items()},
+        **esroll_figures,
         "tunix_devices": 1,
-        "batch": batch,
-        "new_tokens": n,
-        "prompt_len": prompt_len,
-        "reps": reps,
         "tunix_version": getattr(tunix, "__version__", "unknown"),
         "unmatched": "Tunix on one device (no mesh given); esroll on the devices its trainers use for this model "
         "(the _split / _1device figures: the other layout); a generated token equal to the pad id (0) is masked from "
         "later attention in Tunix only",
-        "timing": _TIMING,
     }
 
 
@@ -154,22 +162,19 @@ def grpo_step_vs_tunix(args) -> dict:
     β = 0, ε = 0.2, one minibatch, sequence-mean-token-mean loss, temperature 1, the `configs/default.py:grpo` AdamW
     (the same optax transformation on both sides); esroll without remat (as Tunix) and with chunked
     log-probabilities. One Tunix step (`learner.train` on one batch) then one esroll step, after warm-up steps."""
-    if reason := _missing():
+    if not args.no_peers and (reason := _missing()):
         return {"grpo_step_vs_tunix": None, "reason": reason}
-    import tunix
-    from tunix.rl import rl_cluster as rl_cluster_lib
-    from tunix.rl.grpo import grpo_learner
-    from tunix.rl.rollout import base_rollout
-    from tunix.utils.mesh import create_mesh
-
     X, G, n, prompt_len, warmup, timed = _idtask.GRPO_SIZES["quick" if args.quick else "full"]
     name = shape_name(args)
     with tempfile.TemporaryDirectory() as folder:
         model_cfg, params = _idtask.save_model(folder, name)
         cfg = _idtask.grpo_config(folder, X, G, n, args.grpo_remat)
-        tmesh = create_mesh((1, 1), ("fsdp", "tp"))
-        with jax.set_mesh(tmesh):
-            _, actor = _tunix_model(folder, mesh=tmesh)
+        if not args.no_peers:
+            from tunix.utils.mesh import create_mesh
+
+            tmesh = create_mesh((1, 1), ("fsdp", "tp"))
+            with jax.set_mesh(tmesh):
+                _, actor = _tunix_model(folder, mesh=tmesh)
     g = cfg.grpo
     steps = warmup + timed
     batches = [_idtask.prompts(model_cfg.vocab_size, X, prompt_len, seed=i) for i in range(steps)]
@@ -177,6 +182,27 @@ def grpo_step_vs_tunix(args) -> dict:
     steppers = {
         side: _idtask.grpo_stepper(cfg, model_cfg, params, batches, prompt_len, m) for side, m in meshes.items()
     }
+    if args.no_peers:
+        log = {}
+        for i in range(steps):
+            _idtask.run_steppers(steppers, i, log)
+        rate = {
+            side: statistics.median(k / s for k, s in zip(log[f"{side}_tokens"][warmup:], log[f"{side}_s"][warmup:]))
+            for side in steppers
+        }
+        return _idtask.ours_only(
+            "grpo_step_vs_tunix",
+            {
+                **{f"esroll_tokens_per_s{side.removeprefix('ours')}": rate[side] for side in steppers},
+                **{f"esroll_step_s{side.removeprefix('ours')}": log[f"{side}_s"][warmup:] for side in steppers},
+                "completion_tokens_per_step": log["ours_tokens"][warmup],
+                **_idtask.grpo_context(name, cfg, prompt_len, warmup, timed, meshes),
+            },
+        )
+    import tunix
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.grpo import grpo_learner
+    from tunix.rl.rollout import base_rollout
 
     # Tunix: rollout, reference and actor share one mesh (and so the actor's weights).
     roles = (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
@@ -227,10 +253,7 @@ def grpo_step_vs_tunix(args) -> dict:
         learner.train([{"prompts": np.array(batches[i])}])
         log["tunix_s"].append(time.perf_counter() - start)
         log["tunix_tokens"].append(produced[-1])
-        for side, run in steppers.items():
-            seconds, tokens = run(i)
-            log[f"{side}_s"].append(seconds)
-            log[f"{side}_tokens"].append(tokens)
+        _idtask.run_steppers(steppers, i, log)
     rate = {
         side: statistics.median(k / s for k, s in zip(log[f"{side}_tokens"][warmup:], log[f"{side}_s"][warmup:]))
         for side in ("tunix", *steppers)
