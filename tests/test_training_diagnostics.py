@@ -1,6 +1,7 @@
 """The estimator diagnostics and the compute ledger in the trainer: diagnostics never feed the update (a run with
 them on ends with the parameters, and every other metric, of the run with them off, which logs none), the halves
-add up to the step's own estimate where the algebra says they must (EGGROLL's and GRPO's), the ledger's cumulative
+add up to the step's own estimate where the algebra says they must (EGGROLL's and GRPO's), the policy gradient the
+ES diagnostics compare with is the gradient of its definition on the completions it sampled, the ledger's cumulative
 FLOPs are the sum of its steps' and survive a resume, and the settings are checked."""
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ import dataclasses
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from esroll import ledger
+from esroll import grpo, ledger, parallel
 from esroll.config import ConfigError, InputError, from_config_dict
 from esroll.metrics import read_metrics
 from esroll.train import train_and_evaluate
@@ -68,6 +70,56 @@ def test_grpo_diagnostics_leave_the_run_unchanged(tmp_path):
     for r in on_steps:
         assert r["diag_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
         assert {"diag_snr", "diag_cosine_attention", "diag_snr_embed"} <= set(r)
+
+
+def test_policy_gradient_is_the_ascent_direction_of_its_completions(monkeypatch):
+    """The policy gradient an ES run's diag_pg_cosine compares with (`grpo.make_policy_gradient`, as the trainer
+    builds it for `diagnostics_pg`) is the ascent direction of the reward on the completions it sampled: equal, leaf
+    by leaf, to the gradient of Σ_b A_b/(B·L_b)·Σ_t log π_θ(y_bt), written out here from its definition (group
+    advantages A = (r − mean)/(std₁ + 1e-4), the default aggregation's weights 1/(B·L_b), log π from a plain forward
+    and log-softmax), on the completions captured from its rollout. A sign flipped in the advantage, the loss or the
+    negation that turns the loss's gradient into an ascent direction fails it; `test_diagnostics.py::
+    test_pg_cosine_has_the_sign_and_value_of_the_true_gradient` checks the ES side and the cosine."""
+    from esroll.data import get_batch, make_splits
+    from esroll.models import forward
+    from esroll.task import load_task
+
+    cfg = quick_config("quick", diagnostics_every=1, diagnostics_pg=True).validate()
+    train, held_out = make_splits(cfg.data)
+    mesh = parallel.make_mesh(1)
+    task, params = load_task(cfg, train, held_out, mesh)
+    captured, sample = [], grpo.rollout
+
+    def rollout(*args, **kwargs):  # the real rollout, its output kept
+        captured.append(sample(*args, **kwargs))
+        return captured[-1]
+
+    monkeypatch.setattr(grpo, "rollout", rollout)
+    X, G = cfg.train.prompts_per_step, cfg.grpo.group_size
+    pg = grpo.make_policy_gradient(cfg, task, mesh)(params, get_batch(train, X, cfg.data.seed, 0), 0)
+    (out,) = captured
+
+    r = np.asarray(out.reward_B, np.float64).reshape(X, G)
+    advantage_B = ((r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-4)).reshape(-1)
+    assert np.abs(advantage_B).max() > 0.5, "every group all equal: nothing to test"
+    N = out.tokens_BxN.shape[1]
+    mask = np.arange(N)[None, :] < out.length_B[:, None]
+    weight = mask / (np.maximum(out.length_B, 1)[:, None] * X * G) * advantage_B[:, None]
+    P = out.prompt_BxP.shape[1]
+    tokens = jnp.concatenate([out.prompt_BxP, out.tokens_BxN], 1)
+    token_mask = jnp.concatenate([out.prompt_mask_BxP, mask], 1)
+
+    def objective(p):
+        logits = forward(task.cfg, p, tokens, mask_BxT=token_mask)[0][:, P - 1 : -1]
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits), out.tokens_BxN[..., None], -1)[..., 0]
+        return jnp.sum(jnp.where(mask, logp, 0.0) * weight)
+
+    ascent = jax.device_get(jax.jit(jax.grad(objective))(jax.device_get(params)))
+    pg = jax.device_get(pg)
+    chex.assert_trees_all_equal_shapes(ascent, pg)
+    scale = max(float(np.abs(x).max()) for x in jax.tree.leaves(ascent))
+    for a, b in zip(jax.tree.leaves(ascent), jax.tree.leaves(pg)):
+        np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-4 * scale)
 
 
 def test_the_ledger_adds_up_and_survives_a_resume(tmp_path):
