@@ -5,7 +5,8 @@
         --config.data.eval_path=/path/to/gsm8k/test.jsonl
 
 The argument is SIZE[,METHOD][,countdown][,cpu]: SIZE in 0.6b, 1.7b, 4b, 8b; METHOD in looroll (default), eggroll,
-grpo. `model.path` may be a local folder or a Hub id (Qwen/Qwen3-0.6B) when the machine has network access; `data.path`
+grpo; `countdown` trains on generated Countdown problems (an arithmetic expression of the given numbers that reaches
+the target, scored by rule) instead of GSM8K. `model.path` may be a local folder or a Hub id (Qwen/Qwen3-0.6B) when the machine has network access; `data.path`
 a local JSONL/Parquet file or the `datasets` name "openai/gsm8k" (the `tasks` extra brings `datasets`). Held-out
 evaluation is greedy on the whole GSM8K test split (1,319 questions) and logs the reward (`eval_accuracy`) beside the
 harnesses' strict (`#### n`) and flexible (last number) matches (`eval_strict`, `eval_flexible`).
@@ -35,7 +36,8 @@ from configs.default import get_config as default_config
 
 VARIANTS = {
     "SIZE[,METHOD][,countdown][,cpu]": "SIZE in 0.6b, 1.7b, 4b, 8b; METHOD in looroll (default), eggroll, grpo; "
-    "cpu: the real shapes with a tiny step, on GSM-Symbolic",
+    "countdown: generated Countdown problems (reach a target with the given numbers) in place of GSM8K; "
+    "cpu: the real shapes with a tiny step, on GSM-Symbolic (or Countdown)",
 }
 PARTS = ("looroll", "eggroll", "grpo", "countdown", "cpu")
 SIZES = {

@@ -49,9 +49,10 @@ be (docs/extending.md).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
@@ -89,6 +90,8 @@ SHAPINGS: dict[str, Shaping] = {}  # name -> the lifted shaping, fn(rewards, val
 # name -> (estimator, initial state or None); every shaping is one too, under its own name
 ESTIMATORS: dict[str, tuple[Estimator, Callable[[AdvantageConfig], Any] | None]] = {}
 SINGLE_ROLLOUT: set[str] = set()  # estimators that work with one completion per prompt
+# name -> the fields of `grpo.adv` (AdvantageConfig) the estimator reads; None: not declared (taken as all of them)
+OPTIONS: dict[str, tuple[str, ...] | None] = {}
 LABEL_FREE_ONLY: set[str] = set()  # estimators that need the parsed answers (data.reward = "majority")
 
 
@@ -110,7 +113,7 @@ def register_shaping(name: str, fn: Callable[[Array, Array], Array] | None = Non
     _check_new(name, fn, replace, SHAPINGS, ESTIMATORS)
     shaped = _grouped(fn)
     SHAPINGS[name] = shaped
-    _set_estimator(name, _from_shaping(shaped), None, single_rollout=False, label_free_only=False)
+    _set_estimator(name, _from_shaping(shaped), None, single_rollout=False, label_free_only=False, options=())
     return shaped
 
 
@@ -121,6 +124,7 @@ def register_advantage(
     *,
     single_rollout: bool = False,
     label_free_only: bool = False,
+    options: Iterable[str] | None = None,
     replace: bool = False,
 ):
     """Register the group-advantage estimator `grpo.advantage = name` selects.
@@ -132,18 +136,31 @@ def register_advantage(
     config's `grpo.adv` section. init(options) -> dict: the running state of the first step, a dict of numpy arrays
     whose shapes never change (it is checkpointed with the run); None (the default): the estimator keeps none and
     is passed state None. single_rollout: it works with one completion per prompt (grpo.group_size 1 is then
-    allowed); label_free_only: it reads `group.answers` and needs data.reward = "majority".
+    allowed); label_free_only: it reads `group.answers` and needs data.reward = "majority"; options: the fields of
+    `grpo.adv` it reads (the others are refused when set on the command line with this estimator; None: all of them).
 
     A name already registered is refused unless `replace` is set. Returns `fn`; without `fn`, a decorator."""
     if fn is None:
         return lambda f: register_advantage(
-            name, f, init, single_rollout=single_rollout, label_free_only=label_free_only, replace=replace
+            name,
+            f,
+            init,
+            single_rollout=single_rollout,
+            label_free_only=label_free_only,
+            options=options,
+            replace=replace,
         )
     _check_new(name, fn, replace, ESTIMATORS)
     if init is not None and not callable(init):
         raise TypeError(f"advantage estimator {name!r}: init must be callable, got {init!r}")
+    if options is not None:
+        options = tuple(options)
+        known = [f.name for f in dataclasses.fields(AdvantageConfig)]
+        unknown = [o for o in options if o not in known]
+        if unknown:
+            raise ValueError(f"advantage estimator {name!r}: option {unknown[0]!r} is not a field of grpo.adv")
     SHAPINGS.pop(name, None)  # a replaced shaping of that name is no longer one
-    _set_estimator(name, fn, init, single_rollout=single_rollout, label_free_only=label_free_only)
+    _set_estimator(name, fn, init, single_rollout=single_rollout, label_free_only=label_free_only, options=options)
     return fn
 
 
@@ -156,8 +173,9 @@ def _check_new(name: str, fn, replace: bool, *registries: dict) -> None:
         raise ValueError(f"{name!r} is already registered (pass replace=True to replace it)")
 
 
-def _set_estimator(name: str, fn: Estimator, init, *, single_rollout: bool, label_free_only: bool) -> None:
+def _set_estimator(name: str, fn: Estimator, init, *, single_rollout: bool, label_free_only: bool, options) -> None:
     ESTIMATORS[name] = (fn, init)
+    OPTIONS[name] = options
     for flag, names in ((single_rollout, SINGLE_ROLLOUT), (label_free_only, LABEL_FREE_ONLY)):
         if flag:
             names.add(name)
@@ -567,13 +585,20 @@ def ddrl(g: Group, o: AdvantageConfig, state=None) -> Estimate:
     return Estimate(flat.reshape(X, M).astype(np.float32), metrics=metrics)
 
 
-register_advantage("agrae", agrae)
-register_advantage("bv_blend", bv_blend, bv_blend_init)
-register_advantage("gmae", gmae)
-register_advantage("maxpo", maxpo)
-register_advantage("lampo", lampo)
-register_advantage("ntf", ntf, ntf_init, single_rollout=True)
-register_advantage("ddrl", ddrl, label_free_only=True)
+register_advantage("agrae", agrae, options=("horizon", "agrae_positive", "agrae_positive_final", "agrae_focus"))
+register_advantage(
+    "bv_blend",
+    bv_blend,
+    bv_blend_init,
+    options=("cluster_key", "bv_clusters", "bv_decay", "bv_blend_max", "bv_sem", "bv_prior_var"),
+)
+register_advantage("gmae", gmae, options=("gmae_context", "gmae_max_contexts"))
+register_advantage("maxpo", maxpo, options=("maxpo_k",))
+register_advantage("lampo", lampo, options=("lampo_temperature",))
+register_advantage(
+    "ntf", ntf, ntf_init, single_rollout=True, options=("ntf_baseline", "ntf_decay", "ntf_normalize", "ntf_filter_prob")
+)
+register_advantage("ddrl", ddrl, label_free_only=True, options=("ddrl_low", "ddrl_high", "ddrl_value"))
 
 
 def init_state(name: str, options: AdvantageConfig) -> dict | None:

@@ -95,40 +95,87 @@ class Checkpointer:
         self.manager.close()
 
 
+# The keys a rerun may raise to continue a run from its last checkpoint: they bound the run's length and nothing else
+# (every schedule has a horizon of its own), so the continued run takes the same steps as one given the larger value
+# from the start.
+EXTENDABLE = ("train.steps", "train.time_budget_s")
+
+
 def check_workdir(workdir: str | os.PathLike, config: dict, overwrite: bool) -> bool:
     """Whether `workdir` already holds this run (True: resume); writes nothing.
 
-    A workdir holding a run of another config is refused (an InputError naming the first differing key) unless
-    `overwrite`, in which case `claim_workdir` will move that run aside.
+    A run whose config differs from `config` only by a raised `EXTENDABLE` key is this run, extended
+    (`extension`). A workdir holding a run of another config is refused (an InputError naming the first differing
+    key) unless `overwrite`, in which case `claim_workdir` will move that run aside.
     """
-    path = workdir_path(workdir) / "config.json"
-    if not path.is_file():
+    old = saved_config(workdir)
+    if old is None:
         return False
-    try:
-        old = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON ({e.msg}); move the file aside or use another --workdir") from None
-    if old == json.loads(_dumps(config)):
+    if old == json.loads(_dumps(config)) or extension(old, config):
         return True
     if overwrite:
         return False
     raise InputError(
-        f"{path}: this workdir holds a run with a different config ({_first_difference(old, config)}); "
-        "use another --workdir, or pass --overwrite to move the old run aside"
+        f"{workdir_path(workdir) / 'config.json'}: this workdir holds a run with a different config "
+        f"({_first_difference(old, config)}); only raising train.steps or train.time_budget_s continues a run: use "
+        "another --workdir, or pass --overwrite to move the old run to WORKDIR/replaced-N"
     )
+
+
+def extension(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
+    """{key: (old value, new value)} when config `new` is config `old` with some `EXTENDABLE` keys raised and nothing
+    else changed (a time budget of 0 is unbounded: raising means a larger budget or 0); else {}."""
+    old, new = _flat(old), _flat(json.loads(_dumps(new)))
+    changed = {k: (old.get(k), new.get(k)) for k in old.keys() | new.keys() if old.get(k) != new.get(k)}
+    if not changed or any(k not in EXTENDABLE for k in changed):
+        return {}
+
+    def raised(key: str, a, b) -> bool:
+        if key == "train.time_budget_s":
+            return a > 0 and (b == 0 or b > a)
+        return b > a
+
+    return changed if all(raised(k, a, b) for k, (a, b) in changed.items()) else {}
+
+
+def saved_config(workdir: str | os.PathLike) -> dict | None:
+    """The config.json of the run in `workdir` (None: there is none)."""
+    path = workdir_path(workdir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}: not valid JSON ({e.msg}); move the file aside or use another --workdir") from None
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def claim_workdir(workdir: str | os.PathLike, config: dict) -> None:
     """Record the run's config in workdir/config.json, once the run is known to start. A run of another config found
     there (allowed by `check_workdir` with overwrite) is moved to workdir/replaced-N with its checkpoints and logs,
-    never deleted; a workdir without a config.json is written into as it is."""
+    never deleted; the config of a run being extended (`extension`) is kept as workdir/config.before-extension-N.json;
+    a workdir without a config.json is written into as it is."""
     workdir = workdir_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.json"
     text = _dumps(config)
-    if path.is_file() and json.loads(path.read_text()) == json.loads(text):
+    old = saved_config(workdir)
+    if old == json.loads(text):
         return
-    if path.is_file():
+    if old is not None and extension(old, config):
+        kept = next(
+            workdir / f"config.before-extension-{i}.json"
+            for i in range(1, 10_000)
+            if not (workdir / f"config.before-extension-{i}.json").exists()
+        )
+        write_atomically(kept, _dumps(old))
+    elif old is not None:
         aside = next(workdir / f"replaced-{i}" for i in range(1, 10_000) if not (workdir / f"replaced-{i}").exists())
         aside.mkdir()
         for child in list(workdir.iterdir()):

@@ -12,9 +12,12 @@ trainer runs it first thing (`esroll.train.train_and_evaluate`), and so does eve
 
 from __future__ import annotations
 
-from esroll import advantages, curriculum, grpo, rewards
-from esroll.config import ConfigError, ExperimentConfig, check_fields
+import dataclasses
+
+from esroll import advantages, curriculum, grpo, grpo_variants, rewards
+from esroll.config import AdvantageConfig, ConfigError, ExperimentConfig, check_fields
 from esroll.data import TASKS, TEMPLATES
+from esroll.data.tasks import TASK_KNOBS
 from esroll.es import estimators, strategy
 
 METHODS = (*estimators.METHODS, "grpo")
@@ -56,3 +59,68 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
         )
         raise ConfigError("grpo.advantage", cfg.grpo.advantage, expected)
     return cfg
+
+
+def unread_keys(cfg: ExperimentConfig) -> dict[str, str]:
+    """{key: why} for each config key (dotted, as a config file spells it) that the run of `cfg` never reads: the
+    other method family's section, the data knobs its task does not read (`esroll.data.TaskSpec.reads`), the options
+    of advantage estimators and GRPO variants it does not use, the settings of curriculum methods that are off, and
+    schedule settings of constant schedules. `experiments.train` refuses such a key set on the command line (a user
+    who sets it expects it to act) and `--print_config` marks the config file's. Keys whose use cannot be told from
+    the registries (a user's task or estimator that declares nothing) count as read."""
+    rules: dict[str, str] = {}  # a key, or a section ending in ".", -> why the run does not read it
+    if cfg.method == "grpo":
+        rules["es."] = "method 'grpo' reads no ES setting"
+    elif not cfg.train.diagnostics_pg:
+        rules["grpo."] = f"method {cfg.method!r} reads GRPO settings only for train.diagnostics_pg, which is off"
+    if cfg.method == "grpo":
+        read = advantages.OPTIONS.get(cfg.grpo.advantage)
+        for field in dataclasses.fields(AdvantageConfig):
+            if read is not None and field.name not in read:
+                users = [name for name, opts in advantages.OPTIONS.items() if opts and field.name in opts]
+                rules[f"grpo.adv.{field.name}"] = (
+                    f"it is an option of grpo.advantage {' or '.join(map(repr, users)) or '(none)'}, "
+                    f"and this run's is {cfg.grpo.advantage!r}"
+                )
+        for name, variant in grpo_variants.VARIANTS.items():
+            if variant.options and name not in cfg.grpo.variants:
+                rules[f"grpo.{variant.options}."] = (
+                    f"only the GRPO variant {name!r} reads it, and grpo.variants lacks it"
+                )
+    task = TASKS.get(cfg.data.task)
+    if task is not None and task.reads is not None:
+        for knob in TASK_KNOBS:
+            if knob not in task.reads:
+                rules[f"data.{knob}"] = f"data.task {cfg.data.task!r} does not read it"
+    c = cfg.curriculum
+    for on, part, what in ((c.ads, "ads_", "adaptive data scheduling"), (c.prefix, "prefix_", "AdaPrefix")):
+        if not on:
+            for field in dataclasses.fields(c):
+                if field.name.startswith(part):
+                    rules[f"curriculum.{field.name}"] = f"only {what} reads it, and curriculum.{part[:-1]} is False"
+    o = cfg.optimizer
+    if o.schedule == "constant":
+        rules["optimizer.lr_final"] = "a constant optimizer.schedule does not read it"
+        if not o.warmup_steps:
+            rules["optimizer.horizon"] = "a constant optimizer.schedule without warm-up does not read it"
+    if o.name != "adamw":
+        rules["optimizer.weight_decay"] = f"only optimizer.name 'adamw' reads it, and this run's is {o.name!r}"
+    if cfg.method != "grpo":
+        if cfg.es.sigma_schedule == "constant":
+            for key in ("es.sigma_final", "es.sigma_horizon"):
+                rules[key] = "a constant es.sigma_schedule does not read it"
+        if cfg.es.samples == 1:
+            rules["es.sample_reduce"] = "es.samples is 1: one answer per member and prompt, nothing to reduce"
+    unread = {}
+    for key in _leaf_keys(dataclasses.asdict(cfg)):
+        why = rules.get(key) or next((w for k, w in rules.items() if k.endswith(".") and key.startswith(k)), None)
+        if why:
+            unread[key] = why
+    return unread
+
+
+def _leaf_keys(d: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in d.items():
+        keys += _leaf_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+    return keys

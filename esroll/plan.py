@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
 import re
 import time
@@ -317,6 +318,10 @@ def topology_mesh(name: str, model: int) -> tuple[Mesh, str]:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    if importlib.util.find_spec("libtpu") is None:
+        raise ValueError(
+            f"--topology={name}: planning for a TPU needs libtpu, which is not installed: pip install -e '.[plan]'"
+        )
     try:
         topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
     except Exception as e:  # noqa: BLE001 — libtpu missing, unknown topology name

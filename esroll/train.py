@@ -21,7 +21,7 @@ from etils import epath
 from tqdm.auto import tqdm
 
 from esroll import curriculum, memory, parallel, sharding
-from esroll.checkpoint import Checkpointer, check_workdir, claim_workdir, workdir_path
+from esroll.checkpoint import Checkpointer, check_workdir, claim_workdir, extension, saved_config, workdir_path
 from esroll.config import ExperimentConfig, make_schedule
 from esroll.data import Example, batch_indices, cluster_key, make_splits
 from esroll.errors import InputError, reading
@@ -163,6 +163,7 @@ def train_and_evaluate(
     config_dict = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
     lead = jax.process_index() == 0
     resuming = check_workdir(workdir, config_dict, overwrite)
+    extended = extension(saved_config(workdir), config_dict) if resuming else {}
     mesh = parallel.make_mesh(mesh_devices, model=cfg.parallel.model)
     ckpt_step = Checkpointer.latest_in(workdir) if resuming else None
     records = read_metrics(workdir / "metrics.jsonl") if resuming else []
@@ -222,6 +223,9 @@ def train_and_evaluate(
         scores0 = run_eval()
         metrics.write({"step": 0, "wall_time": 0.0, **scores0})
     acc0 = scores0["eval_accuracy"] if start_step == 0 else first_eval(metrics.records())
+    if lead and extended:
+        for line in _extension_notes(cfg, extended, start_step):
+            print(f"[esroll] {line}", flush=True)
     if lead:
         where = f"resuming from step {start_step}" if start_step else "starting"
         print(
@@ -319,6 +323,28 @@ def _eval_rows_per_device(cfg: ExperimentConfig, task: Task, mesh, params, state
     resident = memory.resident_bytes(params, state, compute)
     rows = min(256, len(held_out))
     return memory.rows_per_device(cfg, task.cfg, task.prompt_multiple, mesh, resident, rows)
+
+
+def _extension_notes(cfg: ExperimentConfig, extended: dict, start_step: int) -> list[str]:
+    """What a rerun that raised train.steps / train.time_budget_s does, and how the run's schedules carry on: each
+    is a function of the step with a horizon of its own, so the continued run is the run that had the larger value
+    from the start; past a horizon a schedule holds its final value."""
+    changes = ", ".join(f"{key} {a} -> {b}" for key, (a, b) in sorted(extended.items()))
+    notes = [f"extending the run ({changes}) from its checkpoint at step {start_step}"]
+    o, es, c = cfg.optimizer, cfg.es, cfg.curriculum
+    horizons = {
+        "optimizer.horizon": o.horizon if o.schedule != "constant" or o.warmup_steps else 0,
+        "es.sigma_horizon": es.sigma_horizon if cfg.method != "grpo" and es.sigma_schedule != "constant" else 0,
+        "grpo.adv.horizon": cfg.grpo.adv.horizon if cfg.method == "grpo" and cfg.grpo.advantage == "agrae" else 0,
+        "curriculum.prefix_horizon": c.prefix_horizon if c.prefix else 0,
+    }
+    ended = [f"{k} = {v}" for k, v in horizons.items() if v]
+    if ended:
+        notes.append(
+            f"schedules keep their horizons ({', '.join(ended)}; the optimizer's in updates): each holds its final "
+            "value past its horizon, as in a run given the larger train.steps from the start"
+        )
+    return notes
 
 
 def _complete(cfg: ExperimentConfig, workdir: epath.Path, ckpt_step: int, records: list[dict]) -> bool:

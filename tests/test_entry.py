@@ -43,6 +43,15 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
         (["--config.model.path=/no/such/model"], r"'model\.path'.*/no/such/model"),
         (["--config.data.task=gsm8k", "--config.data.path={bad}"], r"{bad}:2: missing key 'answer'"),
         (["--config.method=grpo"], r"--config\.method=grpo.*keeps its optimizer.*--config=configs/default\.py:grpo"),
+        # keys the run would not read (a data file of a generated task, a GRPO option on ES, an unused curriculum
+        # method's setting), and a held-out size the data cannot give
+        (
+            ["--config.data.path=/x.jsonl"],
+            r"^error: --config\.data\.path: not read by this run: data\.task 'arithmetic'",
+        ),
+        (["--config.grpo.group_size=4"], r"^error: --config\.grpo\.group_size: not read.*method 'looroll'"),
+        (["--config.curriculum.prefix_gain=3"], r"--config\.curriculum\.prefix_gain: .*curriculum\.prefix is False"),
+        (["--config.data.eval_size=5000"], r"'data\.eval_size': 5000 \(expected at most \d+: data\.task='arithmetic'"),
     ],
 )
 def test_expected_errors_are_one_line(tmp_path, args, expected):
@@ -53,6 +62,31 @@ def test_expected_errors_are_one_line(tmp_path, args, expected):
     proc = run_train("--config", "configs/default.py:quick", "--workdir", str(workdir), *args)
     assert re.search(expected.replace("{bad}", re.escape(str(bad))), one_line_error(proc))
     assert not workdir.exists() or not any(workdir.iterdir())  # a failed start claims nothing
+
+
+def test_print_config_resolves_and_marks_what_the_run_does_not_read(tmp_path):
+    """--print_config shows the file's values with the overrides applied, marks the overrides and the keys the run
+    does not read, and exits 0 without a workdir; an override the run would not read is still refused."""
+    proc = run_train(
+        "--config=configs/gsm8k_qwen3.py:0.6b,grpo,cpu",
+        "--config.model.path=assets/tiny-qwen3-arith",
+        "--config.optimizer.lr=3e-6",
+        "--print_config",
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "* optimizer.lr = 3e-06" in lines and "  grpo.group_size = 2" in lines
+    assert "  data.task = 'gsm_symbolic'" in lines and "  optimizer.weight_decay = 0.0" in lines
+    assert "  data.n_examples = 200" in lines  # read by gsm_symbolic
+    assert "  data.path = ''  # not read: data.task 'gsm_symbolic' does not read it" in lines
+    assert "  es.population = 4  # not read: method 'grpo' reads no ES setting" in lines
+    assert not [line for line in lines if "not read" in line and line.lstrip("* ").startswith(("grpo.g", "train."))]
+    # an override the run would not read is shown, marked; a run with it is refused
+    args = ["--config=configs/gsm8k_qwen3.py:0.6b,cpu", "--config.model.path=m", "--config.data.path=x"]
+    proc = run_train(*args, "--print_config")
+    assert proc.returncode == 0 and "* data.path = 'x'  # not read: data.task 'gsm_symbolic'" in proc.stdout
+    proc = run_train(*args, f"--workdir={tmp_path / 'run'}")
+    assert "--config.data.path: not read by this run" in one_line_error(proc) and not (tmp_path / "run").exists()
 
 
 def test_help_lists_variants_and_keys():

@@ -63,3 +63,11 @@ def test_grpo_plan_on_this_machine():
     update = plan.programs[1]
     assert update.argument_bytes >= plan.resident["masters"] + plan.resident["optimizer state"]
     assert plan.peak_bytes_per_device >= update.temp_bytes > 0
+
+
+def test_topology_without_libtpu_names_the_install_line(monkeypatch):
+    from esroll.plan import topology_mesh
+
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # find_spec answers None for a None entry
+    with pytest.raises(ValueError, match=r"^--topology=v5e:2x2: .*needs libtpu.*pip install -e '\.\[plan\]'$"):
+        topology_mesh("v5e:2x2", 1)

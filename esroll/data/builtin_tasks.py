@@ -9,7 +9,7 @@ needs no answer key).
 from __future__ import annotations
 
 from esroll import rewards
-from esroll.config import DataConfig
+from esroll.config import ConfigError, DataConfig
 from esroll.data.batching import split_examples
 from esroll.data.gsm8k import load_gsm8k
 from esroll.data.gsm_symbolic import make_gsm_symbolic_splits
@@ -39,6 +39,13 @@ def countdown_reward(example: Example, completion: str) -> float:
 
 
 def _held_out(rows: list[Example], cfg: DataConfig) -> tuple[list[Example], list[Example]]:
+    distinct = len({e.prompt for e in rows})
+    if cfg.eval_size > distinct:
+        raise ConfigError(
+            "data.eval_size",
+            cfg.eval_size,
+            f"at most {distinct}: data.task={cfg.task!r} has {distinct} distinct prompts at this data.n_examples",
+        )
     train, held_out = split_examples(rows, cfg.eval_size, cfg.seed)
     if not train:
         raise ValueError(f"config: no training examples left for data.task={cfg.task!r} after the held-out split")
@@ -88,9 +95,28 @@ def gsm8k_splits(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
     return _held_out(rows, cfg)
 
 
-register_task("gsm8k", gsm8k_splits, numeric_reward, parse_answer=numeric_answer, eval_scores=NUMERIC_SCORES)
-register_task("arithmetic", arithmetic_splits, numeric_reward, parse_answer=numeric_answer, eval_scores=NUMERIC_SCORES)
-register_task("countdown", countdown_splits, countdown_reward)
 register_task(
-    "gsm_symbolic", gsm_symbolic_splits, numeric_reward, parse_answer=numeric_answer, eval_scores=NUMERIC_SCORES
+    "gsm8k",
+    gsm8k_splits,
+    numeric_reward,
+    parse_answer=numeric_answer,
+    eval_scores=NUMERIC_SCORES,
+    reads=("path", "eval_path"),
+)
+register_task(
+    "arithmetic",
+    arithmetic_splits,
+    numeric_reward,
+    parse_answer=numeric_answer,
+    eval_scores=NUMERIC_SCORES,
+    reads=("n_examples", "digits", "ops", "n_terms", "word_problems"),
+)
+register_task("countdown", countdown_splits, countdown_reward, reads=("n_examples", "countdown_numbers"))
+register_task(
+    "gsm_symbolic",
+    gsm_symbolic_splits,
+    numeric_reward,
+    parse_answer=numeric_answer,
+    eval_scores=NUMERIC_SCORES,
+    reads=("n_examples",),
 )

@@ -60,7 +60,9 @@ def _parquet_rows(path: Path) -> Iterator[tuple[Any, str]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to .jsonl") from None
+        raise ImportError(
+            f"reading {path} needs pyarrow (pip install -e '.[tasks]'), or convert it to .jsonl"
+        ) from None
     for index, row in enumerate(pq.read_table(path).to_pylist(), start=1):
         yield row, f"{path}: row {index}"
 
@@ -70,7 +72,7 @@ def _hub_rows(name: str, split: str, config: str) -> Iterator[tuple[Any, str]]:
         import datasets
     except ImportError:
         raise ImportError(
-            f"{name!r} is not a local file, and loading it by name needs `datasets` (pip install datasets); "
+            f"{name!r} is not a local file, and loading it by name needs `datasets` (pip install -e '.[tasks]'); "
             "or pass a local .jsonl/.parquet path"
         ) from None
     try:

@@ -2,7 +2,7 @@
 completion against a row by its task's scorer."""
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, NamedTuple
 
 from esroll import rewards
@@ -89,6 +89,8 @@ class TaskSpec(NamedTuple):
         strings, and `esroll.experiment.check_names` then refuses the label-free mode for the task.
     eval_scores: ((name, fn(example, completion) -> float), ...): held-out scores logged as eval_<name> next to
         eval_accuracy (the reward).
+    reads: the `TASK_KNOBS` of the data section its `splits` reads (None: all of them, not declared); a knob it does
+        not read is refused when set on the command line (`esroll.experiment.unread_keys`).
     """
 
     name: str
@@ -97,6 +99,12 @@ class TaskSpec(NamedTuple):
     prompt: Callable[[Example], str] = own_prompt
     parse_answer: Callable[[Example, str], str | None] | None = None
     eval_scores: tuple[tuple[str, Scorer], ...] = ()
+    reads: tuple[str, ...] | None = None
+
+
+# The keys of the data section that only some tasks read; the others (sizes of the held-out split, seeds, template,
+# reward) apply to every task.
+TASK_KNOBS = ("path", "eval_path", "n_examples", "digits", "ops", "n_terms", "word_problems", "countdown_numbers")
 
 
 TASKS: dict[str, TaskSpec] = {}  # name -> spec; the built-in tasks are registered by `esroll.data.builtin_tasks`
@@ -110,12 +118,18 @@ def register_task(
     prompt: Callable[[Example], str] = own_prompt,
     parse_answer: Callable[[Example, str], str | None] | None = None,
     eval_scores: Mapping[str, Scorer] | None = None,
+    reads: Iterable[str] | None = None,
     replace: bool = False,
 ) -> TaskSpec:
     """Register the task `data.task = name` selects (the fields are `TaskSpec`'s) and return its spec. A name already
     registered is refused unless `replace` is set, so that two modules cannot silently shadow each other's task."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"task name {name!r}: expected a non-empty string")
+    if reads is not None:
+        reads = tuple(reads)
+        unknown = [k for k in reads if k not in TASK_KNOBS]
+        if unknown:
+            raise ValueError(f"task {name!r}: reads {unknown[0]!r}, not one of {', '.join(TASK_KNOBS)}")
     if name in TASKS and not replace:
         raise ValueError(f"task {name!r} is already registered (pass replace=True to replace it)")
     extra = tuple((eval_scores or {}).items())
@@ -129,7 +143,7 @@ def register_task(
     for key, _ in extra:
         if not isinstance(key, str) or not key.isidentifier() or key == "accuracy":
             raise ValueError(f"task {name!r}: eval score name {key!r} must be an identifier other than 'accuracy'")
-    spec = TaskSpec(name, splits, reward, prompt, parse_answer, extra)
+    spec = TaskSpec(name, splits, reward, prompt, parse_answer, extra, reads)
     TASKS[name] = spec
     return spec
 
