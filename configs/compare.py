@@ -14,7 +14,8 @@ validation AUC (`experiment.data.validation_size` > 0); the best is run on `seed
 
 The method configs are derived from the training configs, so they stay in sync: the base experiment is the looroll
 config, and every other method's overrides are exactly where its training config differs from it (e.g. grpo is
-configs/default.py:grpo, but for the learning rate the default variant sets, see below). `looroll_r8` is looroll at
+configs/default.py:grpo), but for the learning rates the default variant sets (ES Adam lr 1e-3, GRPO 1e-4; below,
+and what the tuned variants start from). `looroll_r8` is looroll at
 rank 8 (not run unless named in `methods`).
 
 Variants:
@@ -28,8 +29,9 @@ Variants:
                          `data.min_difficulty = 2`; 75 held-out questions, never in the shipped model's training:
                          validation 25, test 50): the same 4 methods; 2 settings × 1 tuning seed × 45 s, then 5
                          evaluation seeds × 90 s: 52 min on 2 CPU cores (measured; docs/results/tuned_hard.md).
-  es_fall                Why untuned LOO-ROLL falls after its peak: lr 1e-3 (its default) vs 3e-4, vs cosine-decayed,
-                         vs σ 0.0025; 3 seeds × 120 s, about 30 min on 2 CPU cores (docs/results/es_fall.md).
+  es_fall                Why untuned LOO-ROLL falls after its peak: lr 1e-3 (the comparisons') vs 3e-4, vs
+                         cosine-decayed, vs σ 0.0025; 3 seeds × 120 s, about 30 min on 2 CPU cores
+                         (docs/results/es_fall.md).
   gsm8k_qwen3_<size>     GSM8K with Qwen3 <size> in 0.6b, 1.7b, 4b, 8b (configs/gsm8k_qwen3.py, whose docstring gives
                          the flags for model and data paths). Needs accelerators; not run yet on any (plan the
                          target first: docs/scaling.md).
@@ -112,9 +114,10 @@ GRPO_SPACE = {
 
 
 def _es_fall() -> ConfigDict:
-    """Why untuned LOO-ROLL rises then falls on the default task: its default (Adam lr 1e-3, σ 0.005) against a
-    smaller learning rate, the same learning rate decayed, and a smaller σ; 3 seeds × 120 s, ~30 min on 2 cores."""
-    c = get_config("default")  # its experiment is LOO-ROLL's default: the arms override only what they change
+    """Why untuned LOO-ROLL rises then falls on the default task: the comparisons' setting (Adam lr 1e-3, σ 0.005)
+    against a smaller learning rate, the same learning rate decayed, and a smaller σ; 3 seeds × 120 s, ~30 min on 2
+    cores."""
+    c = get_config("default")  # its experiment is the comparisons' LOO-ROLL: the arms override only what they change
     c.overrides = {
         "looroll": {},
         "lr_low": {"optimizer": {"lr": 3e-4}},
@@ -166,7 +169,10 @@ def get_config(arg: str | None = None) -> ConfigDict:
         # A GRPO step takes ~2-3x an ES step here: evaluating every 3 steps gives every curve a point every ~10 s
         # (evaluation time is not charged to the budget).
         grpo.train.eval_every = 3
-        return _comparison({"looroll": default.get_config(), "eggroll": default.get_config("eggroll"), "grpo": grpo})
+        es = {m: default.get_config(m) for m in ("looroll", "eggroll")}
+        for cd in es.values():  # ES at Adam lr 1e-3: the setting these comparisons measured and tune around
+            cd.optimizer.lr = 1e-3
+        return _comparison({**es, "grpo": grpo})
     if arg == "quick":
         experiments = {m: default.get_config("quick") for m in ("looroll", "eggroll")}
         experiments["eggroll"].method = "eggroll"
