@@ -61,6 +61,7 @@ import numpy as np
 
 from esroll.config import AdvantageConfig
 from esroll.data import Example, cluster_key
+from esroll.registry import Registry
 
 Array = jax.Array
 Shaping = Callable[..., Array]
@@ -86,9 +87,11 @@ def _grouped(fn: Callable[[Array, Array], Array]) -> Shaping:
 
 Estimator = Callable[..., "Estimate"]  # fn(group: Group, options: AdvantageConfig, state: dict | None) -> Estimate
 
-SHAPINGS: dict[str, Shaping] = {}  # name -> the lifted shaping, fn(rewards, valid=None) -> shaped
+SHAPINGS: Registry[Shaping] = Registry("fitness shaping", "es.shaping")  # name -> the lifted shaping
 # name -> (estimator, initial state or None); every shaping is one too, under its own name
-ESTIMATORS: dict[str, tuple[Estimator, Callable[[AdvantageConfig], Any] | None]] = {}
+ESTIMATORS: Registry[tuple[Estimator, Callable[[AdvantageConfig], Any] | None]] = Registry(
+    "advantage estimator", "grpo.advantage"
+)
 SINGLE_ROLLOUT: set[str] = set()  # estimators that work with one completion per prompt
 # name -> the fields of `grpo.adv` (AdvantageConfig) the estimator reads; None: not declared (taken as all of them)
 OPTIONS: dict[str, tuple[str, ...] | None] = {}
@@ -110,7 +113,7 @@ def register_shaping(name: str, fn: Callable[[Array, Array], Array] | None = Non
     decorator that registers what it decorates and returns it lifted."""
     if fn is None:
         return lambda f: register_shaping(name, f, replace=replace)
-    _check_new(name, fn, replace, SHAPINGS, ESTIMATORS)
+    _check_new(name, fn, replace, SHAPINGS)
     shaped = _grouped(fn)
     SHAPINGS[name] = shaped
     _set_estimator(name, _from_shaping(shaped), None, single_rollout=False, label_free_only=False, options=())
@@ -150,7 +153,7 @@ def register_advantage(
             options=options,
             replace=replace,
         )
-    _check_new(name, fn, replace, ESTIMATORS)
+    _check_new(name, fn, replace)
     if init is not None and not callable(init):
         raise TypeError(f"advantage estimator {name!r}: init must be callable, got {init!r}")
     if options is not None:
@@ -164,13 +167,11 @@ def register_advantage(
     return fn
 
 
-def _check_new(name: str, fn, replace: bool, *registries: dict) -> None:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"registered name {name!r}: expected a non-empty string")
+def _check_new(name: str, fn, replace: bool, *also_in: dict) -> None:
+    """Shapings and estimators share one namespace: every shaping is also the estimator of its name."""
+    ESTIMATORS.check_new(name, replace=replace, also_in=also_in)
     if not callable(fn):
         raise TypeError(f"{name!r}: {fn!r} is not callable")
-    if not replace and any(name in r for r in registries):
-        raise ValueError(f"{name!r} is already registered (pass replace=True to replace it)")
 
 
 def _set_estimator(name: str, fn: Estimator, init, *, single_rollout: bool, label_free_only: bool, options) -> None:

@@ -31,7 +31,7 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
     reward_names = rewards.reward_names()
     checks = [
         ("method", cfg.method in METHODS, f"one of {', '.join(METHODS)}"),
-        ("data.task", task is not None, f"one of {', '.join(TASKS)}"),
+        ("data.task", task is not None, TASKS.expected()),
         ("data.template", cfg.data.template in TEMPLATES, f"one of {', '.join(TEMPLATES)}"),
         ("data.reward", cfg.data.reward in reward_names, f"one of {', '.join(reward_names)}"),
         (

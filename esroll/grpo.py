@@ -77,7 +77,7 @@ def check_names(g: GRPOConfig) -> None:
     single = g.advantage in advantages.SINGLE_ROLLOUT
     unknown = [v for v in g.variants if v not in grpo_variants.VARIANTS]
     checks = [
-        ("advantage", g.advantage in advantages.ESTIMATORS, f"one of {', '.join(advantages.ESTIMATORS)}"),
+        ("advantage", g.advantage in advantages.ESTIMATORS, advantages.ESTIMATORS.expected()),
         ("group_size", single or g.group_size >= 2, ">= 2"),
         ("variants", not unknown, f"names among {', '.join(grpo_variants.VARIANTS)}"),
         ("aggregation", g.aggregation in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from esroll.config import GRPOConfig
+from esroll.registry import Registry
 
 Array = Any  # a jax.Array inside the loss, a numpy array on the host
 
@@ -87,7 +88,7 @@ class Variant:
         return {k: v.mean() for k, v in metrics_U.items()}
 
 
-VARIANTS: dict[str, Variant] = {}
+VARIANTS: Registry[Variant] = Registry("GRPO variant", "grpo.variants")
 
 
 def register_variant(name: str, variant: Variant | None = None, *, replace: bool = False):
@@ -96,14 +97,10 @@ def register_variant(name: str, variant: Variant | None = None, *, replace: bool
     variant; without it, a class decorator that registers an instance of the class it decorates."""
     if variant is None:
         return lambda cls: (register_variant(name, cls(), replace=replace), cls)[1]
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"registered name {name!r}: expected a non-empty string")
+    VARIANTS.check_new(name, replace=replace)
     if not isinstance(variant, Variant):
         raise TypeError(f"GRPO variant {name!r}: expected a Variant instance, got {variant!r}")
-    if name in VARIANTS and not replace:
-        raise ValueError(f"{name!r} is already registered (pass replace=True to replace it)")
-    VARIANTS[name] = variant
-    return variant
+    return VARIANTS.add(name, variant, replace=replace)
 
 
 def active(g: GRPOConfig) -> list[tuple[str, Variant]]:

@@ -17,6 +17,8 @@ import re
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
+from esroll.registry import Registry
+
 TAIL_CHARS = 4000
 MAX_NUMBER_DIGITS = 30
 MAX_EXPR_CHARS = 200
@@ -197,8 +199,8 @@ def countdown_reward(completion: str, numbers: Sequence[int], target: int, *, fo
 # ---- the reward registry: the names `data.reward` takes
 
 RewardFn = Callable[[Any, str], float]
-REWARDS: dict[str, RewardFn] = {}
 LABEL_FREE = "majority"  # `data.reward`'s label-free mode: a vote among a prompt's completions, not a function
+REWARDS: Registry[RewardFn] = Registry("reward", "data.reward", reserved=(LABEL_FREE,))
 
 
 def register_reward(name: str, fn: RewardFn | None = None, *, replace: bool = False):
@@ -216,14 +218,10 @@ def register_reward(name: str, fn: RewardFn | None = None, *, replace: bool = Fa
     cannot silently swap a reward. Returns `fn`; without `fn`, a decorator that registers what it decorates."""
     if fn is None:
         return lambda f: register_reward(name, f, replace=replace)
-    if not isinstance(name, str) or not name or name == LABEL_FREE:
-        raise ValueError(f"reward name {name!r}: expected a non-empty string other than {LABEL_FREE!r}")
+    REWARDS.check_new(name, replace=replace)
     if not callable(fn):
         raise TypeError(f"reward {name!r}: {fn!r} is not callable")
-    if name in REWARDS and not replace:
-        raise ValueError(f"reward {name!r} is already registered (pass replace=True to replace it)")
-    REWARDS[name] = fn
-    return fn
+    return REWARDS.add(name, fn, replace=replace)
 
 
 def reward_names() -> tuple[str, ...]:
@@ -233,6 +231,4 @@ def reward_names() -> tuple[str, ...]:
 
 def get_reward(name: str) -> RewardFn:
     """The reward function registered as `name`."""
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; known: {', '.join(REWARDS)}")
-    return REWARDS[name]
+    return REWARDS.lookup(name)

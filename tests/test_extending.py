@@ -61,6 +61,7 @@ def registries(tmp_path, monkeypatch):
         (rewards.REWARDS, dict(rewards.REWARDS)),
         (advantages.SHAPINGS, dict(advantages.SHAPINGS)),
         (advantages.ESTIMATORS, dict(advantages.ESTIMATORS)),
+        (advantages.OPTIONS, dict(advantages.OPTIONS)),
         (grpo_variants.VARIANTS, dict(grpo_variants.VARIANTS)),
     ]
     flags = [(s, set(s)) for s in (advantages.SINGLE_ROLLOUT, advantages.LABEL_FREE_ONLY)]
@@ -316,3 +317,30 @@ def test_the_tasks_prompt_format_is_what_the_template_wraps(registries):
     task, _ = load_task(cfg, train, held_out)
     text = PLAIN_TEMPLATE.format(question=f"{train[0].prompt} Only the number.")
     assert task.prompt_ids(train[:1]) == [task.tokenizer.encode(text, add_special_tokens=False)]
+
+
+def test_every_registry_checks_a_config_name_with_its_key():
+    """The one mechanism behind the registries: a name unknown to one is refused with the config key that names it
+    and the registered names; a reserved name is accepted by the check and refused by registration."""
+    from esroll.config import ConfigError
+    from esroll.registry import Registry
+
+    for registry, key in (
+        (TASKS, "data.task"),
+        (rewards.REWARDS, "data.reward"),
+        (advantages.SHAPINGS, "es.shaping"),
+        (advantages.ESTIMATORS, "grpo.advantage"),
+        (grpo_variants.VARIANTS, "grpo.variants"),
+    ):
+        assert isinstance(registry, Registry) and registry.key == key
+        name = next(iter(registry))
+        registry.check(name)
+        with pytest.raises(
+            ConfigError, match=rf"^config: invalid value for '{key}': 'nope' \(expected one of {name}, "
+        ):
+            registry.check("nope")
+        with pytest.raises(ValueError, match=rf"unknown .* 'nope'; expected one of {name}, "):
+            registry.lookup("nope")
+    rewards.REWARDS.check("majority")  # the label-free mode: a valid data.reward, not an entry
+    with pytest.raises(ValueError, match="'majority' is reserved"):
+        rewards.REWARDS.add("majority", _echo)

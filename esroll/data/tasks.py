@@ -7,6 +7,7 @@ from typing import Any, Literal, NamedTuple
 
 from esroll import rewards
 from esroll.config import DataConfig
+from esroll.registry import Registry
 
 # The fixed "plain" template. The tiny shipped model is trained on synthetic arithmetic with exactly this template
 # and the completion `Example.target_text` (" 47"), so changing it invalidates that model.
@@ -107,7 +108,7 @@ class TaskSpec(NamedTuple):
 TASK_KNOBS = ("path", "eval_path", "n_examples", "digits", "ops", "n_terms", "word_problems", "countdown_numbers")
 
 
-TASKS: dict[str, TaskSpec] = {}  # name -> spec; the built-in tasks are registered by `esroll.data.builtin_tasks`
+TASKS: Registry[TaskSpec] = Registry("task", "data.task")  # the built-ins: `esroll.data.builtin_tasks`
 
 
 def register_task(
@@ -123,15 +124,12 @@ def register_task(
 ) -> TaskSpec:
     """Register the task `data.task = name` selects (the fields are `TaskSpec`'s) and return its spec. A name already
     registered is refused unless `replace` is set, so that two modules cannot silently shadow each other's task."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"task name {name!r}: expected a non-empty string")
+    TASKS.check_new(name, replace=replace)
     if reads is not None:
         reads = tuple(reads)
         unknown = [k for k in reads if k not in TASK_KNOBS]
         if unknown:
             raise ValueError(f"task {name!r}: reads {unknown[0]!r}, not one of {', '.join(TASK_KNOBS)}")
-    if name in TASKS and not replace:
-        raise ValueError(f"task {name!r} is already registered (pass replace=True to replace it)")
     extra = tuple((eval_scores or {}).items())
     named = {"splits": splits, "reward": reward, "prompt": prompt}
     if parse_answer is not None:
@@ -143,16 +141,12 @@ def register_task(
     for key, _ in extra:
         if not isinstance(key, str) or not key.isidentifier() or key == "accuracy":
             raise ValueError(f"task {name!r}: eval score name {key!r} must be an identifier other than 'accuracy'")
-    spec = TaskSpec(name, splits, reward, prompt, parse_answer, extra, reads)
-    TASKS[name] = spec
-    return spec
+    return TASKS.add(name, TaskSpec(name, splits, reward, prompt, parse_answer, extra, reads), replace=replace)
 
 
 def task_spec(name: str) -> TaskSpec:
     """The registered task `name`."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASKS)}")
-    return TASKS[name]
+    return TASKS.lookup(name)
 
 
 def score(example: Example, completion: str) -> float:

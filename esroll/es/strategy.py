@@ -39,8 +39,8 @@ def check_names(cfg: ESSettings) -> None:
     `esroll.config` check everything else when they are built but cannot see these registries; `make_strategy` runs
     this, so that a config built by hand is refused before anything runs."""
     checks = [
-        ("shaping", cfg.shaping in advantages.SHAPINGS, f"one of {', '.join(advantages.SHAPINGS)}"),
-        ("prompt_shaping", cfg.prompt_shaping in advantages.SHAPINGS, f"one of {', '.join(advantages.SHAPINGS)}"),
+        ("shaping", cfg.shaping in advantages.SHAPINGS, advantages.SHAPINGS.expected()),
+        ("prompt_shaping", cfg.prompt_shaping in advantages.SHAPINGS, advantages.SHAPINGS.expected()),
     ]
     if isinstance(cfg, ESConfig):
         checks.insert(0, ("method", cfg.method in estimators.METHODS, f"one of {', '.join(estimators.METHODS)}"))
