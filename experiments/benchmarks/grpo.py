@@ -135,26 +135,15 @@ def grpo_step_vs_trl(args) -> dict:
             side: _idtask.grpo_stepper(cfg, model_cfg, params, batches, prompt_len, m) for side, m in meshes.items()
         }
         if args.no_peers:
-            log = {}
-            for i in range(steps):
-                _idtask.run_steppers(steppers, i, log)
+            log = _idtask.run_steppers_alone(steppers, steps)
         else:
             log = _trl_interleaved(cfg, folder, batches, steps, steppers)
     timed_steps = range(warmup, steps)
-    ours = {
-        side: statistics.median(log[f"{side}_tokens"][i] / log[f"{side}_s"][i] for i in timed_steps)
-        for side in steppers
-    }
-    esroll_figures = {
-        **{f"esroll_tokens_per_s{side.removeprefix('ours')}": v for side, v in ours.items()},
-        **{
-            f"esroll_step_s{side.removeprefix('ours')}": [log[f"{side}_s"][i] for i in timed_steps] for side in steppers
-        },
-        "completion_tokens_per_step": log["ours_tokens"][warmup],
-        **_idtask.grpo_context(name, cfg, prompt_len, warmup, timed, meshes),
-    }
+    context = _idtask.grpo_context(name, cfg, prompt_len, warmup, timed, meshes)
+    esroll_figures = _idtask.esroll_grpo_figures(log, steppers, warmup, context)
     if args.no_peers:
         return _idtask.ours_only("grpo_step_vs_trl", esroll_figures)
+    ours = {side: _idtask.step_rate(log, side, warmup) for side in steppers}
     trl_tps = {
         threads: statistics.median(
             log["trl_tokens"][i] / log["trl_s"][i] for i in timed_steps if log["trl_threads"][i] == threads

@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -124,10 +123,12 @@ def generate_vs_tunix(args) -> dict:
         "reps": reps,
         "timing": _TIMING,
     }
+
+    def esroll_rates(t: dict) -> dict:
+        return {f"esroll_tokens_per_s{side.removeprefix('ours')}": generated / t[side] for side in meshes}
+
     if args.no_peers:
-        t = _median_times(runs, reps)
-        rates = {f"esroll_tokens_per_s{side.removeprefix('ours')}": generated / t[side] for side in meshes}
-        return _idtask.ours_only("generate_vs_tunix", rates | esroll_figures)
+        return _idtask.ours_only("generate_vs_tunix", esroll_rates(_median_times(runs, reps)) | esroll_figures)
     import tunix
     from tunix.generate import sampler as sampler_lib
 
@@ -145,7 +146,7 @@ def generate_vs_tunix(args) -> dict:
     agree = float(np.mean(np.asarray(runs["ours"]()) == np.stack(theirs().tokens)))
     return {
         **{f"generate_vs_tunix{side.removeprefix('ours')}": t["tunix"] / t[side] for side in meshes},
-        **{f"esroll_tokens_per_s{side.removeprefix('ours')}": generated / t[side] for side in meshes},
+        **esroll_rates(t),
         "tunix_tokens_per_s": generated / t["tunix"],
         "greedy_token_agreement": agree,
         **esroll_figures,
@@ -182,23 +183,10 @@ def grpo_step_vs_tunix(args) -> dict:
     steppers = {
         side: _idtask.grpo_stepper(cfg, model_cfg, params, batches, prompt_len, m) for side, m in meshes.items()
     }
+    context = _idtask.grpo_context(name, cfg, prompt_len, warmup, timed, meshes)
     if args.no_peers:
-        log = {}
-        for i in range(steps):
-            _idtask.run_steppers(steppers, i, log)
-        rate = {
-            side: statistics.median(k / s for k, s in zip(log[f"{side}_tokens"][warmup:], log[f"{side}_s"][warmup:]))
-            for side in steppers
-        }
-        return _idtask.ours_only(
-            "grpo_step_vs_tunix",
-            {
-                **{f"esroll_tokens_per_s{side.removeprefix('ours')}": rate[side] for side in steppers},
-                **{f"esroll_step_s{side.removeprefix('ours')}": log[f"{side}_s"][warmup:] for side in steppers},
-                "completion_tokens_per_step": log["ours_tokens"][warmup],
-                **_idtask.grpo_context(name, cfg, prompt_len, warmup, timed, meshes),
-            },
-        )
+        log = _idtask.run_steppers_alone(steppers, steps)
+        return _idtask.ours_only("grpo_step_vs_tunix", _idtask.esroll_grpo_figures(log, steppers, warmup, context))
     import tunix
     from tunix.rl import rl_cluster as rl_cluster_lib
     from tunix.rl.grpo import grpo_learner
@@ -254,19 +242,14 @@ def grpo_step_vs_tunix(args) -> dict:
         log["tunix_s"].append(time.perf_counter() - start)
         log["tunix_tokens"].append(produced[-1])
         _idtask.run_steppers(steppers, i, log)
-    rate = {
-        side: statistics.median(k / s for k, s in zip(log[f"{side}_tokens"][warmup:], log[f"{side}_s"][warmup:]))
-        for side in ("tunix", *steppers)
-    }
+    ours = {side: _idtask.step_rate(log, side, warmup) for side in steppers}
+    tunix_rate = _idtask.step_rate(log, "tunix", warmup)
     return {
-        **{f"grpo_step_vs_tunix{side.removeprefix('ours')}": rate[side] / rate["tunix"] for side in steppers},
-        **{f"esroll_tokens_per_s{side.removeprefix('ours')}": rate[side] for side in steppers},
-        "tunix_tokens_per_s": rate["tunix"],
-        **{f"esroll_step_s{side.removeprefix('ours')}": log[f"{side}_s"][warmup:] for side in steppers},
+        **{f"grpo_step_vs_tunix{side.removeprefix('ours')}": v / tunix_rate for side, v in ours.items()},
+        "tunix_tokens_per_s": tunix_rate,
+        **_idtask.esroll_grpo_figures(log, steppers, warmup, context),
         "tunix_step_s": log["tunix_s"][warmup:],
-        "completion_tokens_per_step": log["ours_tokens"][warmup],
         "tunix_completion_tokens_per_step": log["tunix_tokens"][warmup],
-        **_idtask.grpo_context(name, cfg, prompt_len, warmup, timed, meshes),
         "tunix_devices": tmesh.size,
         "tunix_version": getattr(tunix, "__version__", "unknown"),
         "unmatched": "Tunix on a 1 × 1 mesh (as its CPU examples run); esroll on the devices its trainers use for "
