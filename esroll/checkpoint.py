@@ -17,6 +17,7 @@ from typing import Any
 
 from etils import epath
 
+from esroll.config import dotted
 from esroll.errors import InputError
 
 
@@ -125,7 +126,7 @@ def check_workdir(workdir: str | os.PathLike, config: dict, overwrite: bool) -> 
 def extension(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     """{key: (old value, new value)} when config `new` is config `old` with some `EXTENDABLE` keys raised and nothing
     else changed (a time budget of 0 is unbounded: raising means a larger budget or 0); else {}."""
-    old, new = _flat(old), _flat(json.loads(_dumps(new)))
+    old, new = dotted(old), dotted(json.loads(_dumps(new)))
     changed = {k: (old.get(k), new.get(k)) for k in old.keys() | new.keys() if old.get(k) != new.get(k)}
     if not changed or any(k not in EXTENDABLE for k in changed):
         return {}
@@ -147,13 +148,6 @@ def saved_config(workdir: str | os.PathLike) -> dict | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: not valid JSON ({e.msg}); move the file aside or use another --workdir") from None
-
-
-def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
 
 
 def claim_workdir(workdir: str | os.PathLike, config: dict) -> None:

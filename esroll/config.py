@@ -82,6 +82,14 @@ def unknown_key(key: str, known: Iterable[str]) -> str:
 SCHEDULES = ("constant", "linear", "cosine")
 
 
+def dotted(d: dict, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: leaf value} of a nested dict, keys as a config file spells them ("es.sigma")."""
+    out = {}
+    for k, v in d.items():
+        out.update(dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def make_schedule(kind: str, start: float, final: float, horizon: int, warmup: int = 0) -> float | optax.Schedule:
     """The schedule as optax takes it (see `esroll.schedules`): a plain float when it is constant with no warm-up
     (the optimizer state is then the same as without a schedule), else a function of the step (int, traced or not)."""

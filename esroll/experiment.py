@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from esroll import advantages, curriculum, grpo, grpo_variants, rewards
-from esroll.config import AdvantageConfig, ConfigError, ExperimentConfig, check_fields
+from esroll.config import AdvantageConfig, ConfigError, ExperimentConfig, check_fields, dotted
 from esroll.data import TASKS, TEMPLATES
 from esroll.data.tasks import TASK_KNOBS
 from esroll.es import estimators, strategy
@@ -112,15 +112,8 @@ def unread_keys(cfg: ExperimentConfig) -> dict[str, str]:
         if cfg.es.samples == 1:
             rules["es.sample_reduce"] = "es.samples is 1: one answer per member and prompt, nothing to reduce"
     unread = {}
-    for key in _leaf_keys(dataclasses.asdict(cfg)):
+    for key in dotted(dataclasses.asdict(cfg)):
         why = rules.get(key) or next((w for k, w in rules.items() if k.endswith(".") and key.startswith(k)), None)
         if why:
             unread[key] = why
     return unread
-
-
-def _leaf_keys(d: dict, prefix: str = "") -> list[str]:
-    keys = []
-    for k, v in d.items():
-        keys += _leaf_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
-    return keys

@@ -22,11 +22,11 @@ from tqdm.auto import tqdm
 
 from esroll import curriculum, memory, parallel, sharding
 from esroll.checkpoint import Checkpointer, check_workdir, claim_workdir, extension, saved_config, workdir_path
-from esroll.config import ExperimentConfig, make_schedule
+from esroll.config import ExperimentConfig, dotted, make_schedule
 from esroll.data import Example, batch_indices, cluster_key, make_splits
 from esroll.errors import InputError, reading
 from esroll.es_train import make_es_method
-from esroll.experiment import check_names
+from esroll.experiment import check_names, unread_keys
 from esroll.grpo import make_grpo_method, make_policy_gradient
 from esroll.metrics import MetricsWriter, first_eval, last_eval, plot_eval_curve, read_metrics
 from esroll.models import save_hf
@@ -325,20 +325,17 @@ def _eval_rows_per_device(cfg: ExperimentConfig, task: Task, mesh, params, state
     return memory.rows_per_device(cfg, task.cfg, task.prompt_multiple, mesh, resident, rows)
 
 
+_HORIZONS = ("optimizer.horizon", "es.sigma_horizon", "grpo.adv.horizon", "curriculum.prefix_horizon")
+
+
 def _extension_notes(cfg: ExperimentConfig, extended: dict, start_step: int) -> list[str]:
     """What a rerun that raised train.steps / train.time_budget_s does, and how the run's schedules carry on: each
     is a function of the step with a horizon of its own, so the continued run is the run that had the larger value
     from the start; past a horizon a schedule holds its final value."""
     changes = ", ".join(f"{key} {a} -> {b}" for key, (a, b) in sorted(extended.items()))
     notes = [f"extending the run ({changes}) from its checkpoint at step {start_step}"]
-    o, es, c = cfg.optimizer, cfg.es, cfg.curriculum
-    horizons = {
-        "optimizer.horizon": o.horizon if o.schedule != "constant" or o.warmup_steps else 0,
-        "es.sigma_horizon": es.sigma_horizon if cfg.method != "grpo" and es.sigma_schedule != "constant" else 0,
-        "grpo.adv.horizon": cfg.grpo.adv.horizon if cfg.method == "grpo" and cfg.grpo.advantage == "agrae" else 0,
-        "curriculum.prefix_horizon": c.prefix_horizon if c.prefix else 0,
-    }
-    ended = [f"{k} = {v}" for k, v in horizons.items() if v]
+    values, unread = dotted(dataclasses.asdict(cfg)), unread_keys(cfg)  # a schedule's horizon is read iff it acts
+    ended = [f"{k} = {values[k]}" for k in _HORIZONS if k not in unread and values[k]]
     if ended:
         notes.append(
             f"schedules keep their horizons ({', '.join(ended)}; the optimizer's in updates): each holds its final "

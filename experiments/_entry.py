@@ -171,16 +171,15 @@ def help_text(argv: list[str]) -> str:
             parts += head + [f"  {'':<{width}}{line}" for line in text[1:]]
         parts += ["", "--print_config with --config (and any --config.KEY=VALUE) prints the resolved values."]
     parts += ["", f"keys of {spec} (override with --config.KEY=VALUE):"]
-    parts += [f"  {key} = {value!r}" for key, value in flatten(cd.to_dict())]
+    parts += [f"  {key} = {value!r}" for key, value in _flatten(cd.to_dict())]
     return "\n".join(parts)
 
 
-def flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
-    """(dotted key, value) for every leaf of a nested dict."""
+def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
     out = []
     for k, v in d.items():
         if isinstance(v, dict) and v and k != "overrides":  # a comparison's overrides read best as one dict
-            out += flatten(v, f"{prefix}{k}.")
+            out += _flatten(v, f"{prefix}{k}.")
         else:
             out.append((f"{prefix}{k}", v))
     return out

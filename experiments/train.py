@@ -15,11 +15,11 @@ import dataclasses
 from absl import flags
 from ml_collections import config_flags
 
-from esroll.config import ExperimentConfig, from_config_dict, method_switch_error
+from esroll.config import ExperimentConfig, dotted, from_config_dict, method_switch_error
 from esroll.errors import InputError
 from esroll.experiment import check_names, unread_keys
 from esroll.train import train_and_evaluate
-from experiments._entry import flatten, load_config, override_values, run
+from experiments._entry import load_config, override_values, run
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file (configs/*.py[:variant]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the exported model.")
@@ -51,7 +51,7 @@ def resolved_config(cfg: ExperimentConfig, unread: dict[str, str]) -> str:
     line; a key the run does not read is marked with why."""
     overrides = override_values()
     lines = [f"# {flags.FLAGS['config'].config_filename}: the resolved config; '*' marks a command-line override"]
-    for key, value in flatten(dataclasses.asdict(cfg)):
+    for key, value in dotted(dataclasses.asdict(cfg)).items():
         mark = "*" if key in overrides else " "
         note = f"  # not read: {unread[key]}" if key in unread else ""
         lines.append(f"{mark} {key} = {value!r}{note}")
