@@ -1,4 +1,4 @@
-"""The group-advantage estimators (`esroll.advantages.ESTIMATORS`) and their ES counterparts, compared with the
+"""The group-advantage estimators (`esroll.grpo.advantages.ESTIMATORS`) and their ES counterparts, compared with the
 fair-comparison protocol of `esroll.compare` (equal tuning budgets, settings chosen on validation, fresh evaluation
 seeds, paired differences against plain GRPO).
 

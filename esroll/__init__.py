@@ -26,10 +26,10 @@ size of that axis. Each letter means one thing across the whole library:
     O  output width of a linear
     R  rank of a low-rank perturbation
     M  members: of the ES population, or of one GRPO group (a prompt's completions; the GRPO papers' G); the
-       entries one baseline is shared over (`esroll.advantages`)
+       entries one baseline is shared over (`esroll.baselines`, `esroll.grpo.advantages`)
     E  ES directions (E_k): E = M/2 antithetic (EGGROLL), E = M for LOO-ROLL
     C  chunks of directions (`esroll.es.estimators.weighted_sum`)
-    X  prompts (examples) of a step; the groups of `esroll.advantages`
+    X  prompts (examples) of a step; the groups of `esroll.grpo.advantages`
     U  microbatches (GRPO)
 
 Mathematical symbols in docstrings (the gradient G, the noise matrix E = ABᵀ/√r, the variance V, an index k) follow

@@ -240,11 +240,11 @@ class ESSettings:
     population: members M per step. rank: r of E = ABᵀ/√r. sigma: perturbation radius (member i is θ ± σ·E_i); it
     follows `sigma_schedule` (`esroll.schedules`: constant | linear | cosine) to `sigma_final` over `sigma_horizon`
     steps, the same σ_t in the members' perturbation and in the estimator's 1/σ.
-    shaping: a name in `esroll.advantages.SHAPINGS`, applied to the fitness before the estimator (raw keeps it
+    shaping: a name in `esroll.es.shaping.SHAPINGS`, applied to the fitness before the estimator (raw keeps it
     unbiased; zscore makes the update independent of the reward scale).
     How rewards become a member's fitness: each member answers each of the step's prompts `samples` times (K; more
     than 1 needs train.temperature > 0), `sample_reduce` folds the K rewards (mean, or max: max@K, pass@K on 0/1
-    rewards), `prompt_shaping` (a name in `esroll.advantages.SHAPINGS`, across the members, prompt by prompt:
+    rewards), `prompt_shaping` (a name in `esroll.es.shaping.SHAPINGS`, across the members, prompt by prompt:
     GRPO's group-relative normalisation, with the population as the group; raw: none) and the mean over prompts.
     A prompt_shaping that divides by or ranks against the members' rewards (zscore, grpo, grpo_population_std,
     centered_ranks) makes each member's fitness depend on the other members' perturbations, which breaks the
@@ -333,7 +333,7 @@ def _compiles(pattern: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-    """Options of the group-advantage estimators (a config file's `grpo.adv`, `esroll.advantages`); each estimator
+    """Options of the group-advantage estimators (a config file's `grpo.adv`, `esroll.grpo.advantages`); each estimator
     reads only its own.
 
     horizon: the steps over which A-GRAE's schedules run (agrae needs it >= 1).
@@ -408,7 +408,7 @@ class AdvantageConfig:
 
 @dataclasses.dataclass(frozen=True)
 class StareConfig:
-    """STARE's options (`grpo.stare`; on when "stare" is in `grpo.variants`, `esroll.grpo_variants.Stare`): while the
+    """STARE's options (`grpo.stare`; on when "stare" is in `grpo.variants`, `esroll.grpo.variants.Stare`): while the
     gate is open, the completion tokens whose surprisal −log π_old is above the batch's `quantile`-quantile get their
     advantage scaled by 1 + alpha·sign(A) (as a token weight, so with β > 0 it scales their KL term too). The gate
     starts closed, opens when the previous step's measured policy entropy is ≤ entropy_low and closes when it is
@@ -431,7 +431,7 @@ class StareConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AcpoConfig:
-    """ACPO's options (`grpo.acpo`; on when "acpo" is in `grpo.variants`, `esroll.grpo_variants.Acpo`): the clip
+    """ACPO's options (`grpo.acpo`; on when "acpo" is in `grpo.variants`, `esroll.grpo.variants.Acpo`): the clip
     range of each token is 1 ± ε_k of its group k (tokens grouped by π_old at `edges`),
     ε_k = clip(scale·std_k(ρ), min, max), the ratios' spread in that group of the microbatch; `grpo.epsilon_low` /
     `epsilon_high` are then unused. Ratios leave 1 only off-policy (μ ≥ 2 or several minibatches), so on-policy every
@@ -459,7 +459,7 @@ class AcpoConfig:
 @dataclasses.dataclass(frozen=True)
 class ProgressConfig:
     """The progress advantage's options (`grpo.progress`; on when "progress" is in `grpo.variants`,
-    `esroll.grpo_variants.Progress`): every token's advantage gets + coef·(log π_θ − log π_ref), no gradient through
+    `esroll.grpo.variants.Progress`): every token's advantage gets + coef·(log π_θ − log π_ref), no gradient through
     it, π_ref the initial policy (kept for it): zero at the reference, so it adds to the advantage and never scales
     it."""
 
@@ -474,13 +474,13 @@ class GRPOConfig:
     """GRPO settings (a config file's `grpo` section, `esroll.grpo`). Each step samples `group_size` completions per
     prompt at `temperature`, then takes `inner_iterations` (μ) passes of `minibatches` optimizer steps each; a
     minibatch's gradient is summed over `microbatches` (a memory knob only, except under ACPO, whose bounds are per
-    microbatch). advantage: a registered group-advantage estimator (`esroll.advantages.ESTIMATORS`: "grpo" is TRL's
+    microbatch). advantage: a registered group-advantage estimator (`esroll.grpo.advantages.ESTIMATORS`: "grpo" is TRL's
     scale_rewards="group"; rloo, dr_grpo, agrae, bv_blend, gmae, maxpo, lampo, ntf, ddrl, ...), with its options in
     `adv` (`AdvantageConfig`); group_size 1 only for the single-rollout estimators (ntf). aggregation: a name of
     `esroll.grpo.AGGREGATIONS` (see `esroll.grpo.token_weights`); beta: weight of the k3 KL to the initial policy
     (0 keeps no reference model).
 
-    variants: registered modifications of the plain step and loss (`esroll.grpo_variants.VARIANTS`), applied in this
+    variants: registered modifications of the plain step and loss (`esroll.grpo.variants.VARIANTS`), applied in this
     order: "stare" (token reweighting behind an entropy gate, options in `stare`), "acpo" (a clip range per token
     group, `acpo`), "progress" (the progress advantage, `progress`). None by default, and then the loss is
     bit-identical to plain GRPO's.

@@ -23,9 +23,13 @@ of the prompt, so its tokens are outside the loss.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
 import numpy as np
 
-from esroll.config import CurriculumConfig
+from esroll.config import CurriculumConfig, ExperimentConfig
+from esroll.data import Example, batch_indices, cluster_key
 
 PREFIX_SOURCES = ("solution", "target")  # what AdaPrefix takes its prefix from (`CurriculumConfig.prefix_source`)
 
@@ -124,3 +128,84 @@ def prefix_update(
     idx = np.asarray(idx)
     k[idx] = np.clip(k[idx] + gain * (target - np.asarray(success, np.float64)), 0.0, np.asarray(lengths)[idx])
     return k.astype(np.float32)
+
+
+# ---- the trainer's view: each step's batch and the state it checkpoints
+
+
+class Batch(NamedTuple):
+    """One step's training prompts: the examples (with any assisted prefix), their indices in the training split,
+    and the prefix tokens each was given (AdaPrefix; 0 without it)."""
+
+    examples: list[Example]
+    idx: np.ndarray  # [X] int
+    given: np.ndarray  # [X] int
+
+
+class Curriculum:
+    """The training batch of each step and the state of the curriculum methods (`esroll.curriculum`): without them,
+    `get_batch`'s fixed order; with ADS, the scheduler's choice; with AdaPrefix, each example's assisted prefix. Its
+    state is saved in the checkpoint beside the parameters (key "curriculum")."""
+
+    def __init__(self, cfg: ExperimentConfig, train: list, tokenizer):
+        self.cfg, self.c, self.train, self.tokenizer = cfg, cfg.curriculum, train, tokenizer
+        self.state: dict[str, np.ndarray] = {}
+        if self.c.ads:
+            keys = [cluster_key(e, self.c.ads_cluster_key) for e in train]
+            self.names = sorted(set(keys))
+            self.cluster_of = np.array([self.names.index(k) for k in keys])
+            self.state.update(ads_init(self.cluster_of))
+        if self.c.prefix:
+            self.source_ids = [self._source_ids(e) for e in train]
+            self.lengths = np.array([len(ids) for ids in self.source_ids])
+            self.state["prefix_k"] = prefix_init(self.lengths, self.c.prefix_init)
+
+    def _source_ids(self, e) -> list[int]:
+        text = e.solution if self.c.prefix_source == "solution" else e.target_text
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def saved(self) -> dict[str, np.ndarray]:
+        """What the checkpoint holds of the curriculum: its state (empty when both methods are off); the trainer
+        places it replicated on the mesh, so every process has it."""
+        return dict(self.state)
+
+    def restore(self, state: dict) -> None:
+        """Continue from `saved()` as a checkpoint restored it (host arrays)."""
+        if self.state:
+            self.state = {k: np.asarray(v) for k, v in state.items()}
+
+    def batch(self, step: int) -> Batch:
+        X, seed = self.cfg.train.prompts_per_step, self.cfg.data.batch_seed
+        if self.c.ads:
+            idx = ads_select(self.state, self.cluster_of, X, self.c, seed, step)
+        else:
+            idx = batch_indices(len(self.train), X, seed, step)
+        examples = [self.train[i] for i in idx]
+        given = np.zeros(len(idx), int)
+        if self.c.prefix:
+            given = prefix_tokens(self.state["prefix_k"][idx], step, self.c.prefix_horizon)
+            examples = [
+                dataclasses.replace(e, prefix=self.tokenizer.decode(self.source_ids[i][:n]) if n else "")
+                for e, i, n in zip(examples, idx, given)
+            ]
+        return Batch(examples, np.asarray(idx), np.asarray(given))
+
+    def update(self, step: int, batch: Batch, success: np.ndarray) -> dict[str, float]:
+        """Take in the per-prompt success of the step that trained on `batch`; the metrics of what the methods act
+        on."""
+        out: dict[str, float] = {}
+        if self.c.ads:
+            updated = ads_update(self.state, self.cluster_of, batch.idx, success, self.c.ads_decay)
+            self.state.update(updated)
+            out.update(ads_metrics(self.state, batch.idx, self.names, self.c.ads_temperature))
+        if self.c.prefix:
+            k = prefix_update(
+                self.state["prefix_k"], batch.idx, success, self.lengths, self.c.prefix_target, self.c.prefix_gain
+            )
+            self.state["prefix_k"] = k
+            out["prefix_tokens"] = float(batch.given.mean())
+            out["prefix_assistance"] = assistance(step, self.c.prefix_horizon)
+            out["prefix_k_mean"] = float(k.mean())
+            # the spread of the per-example controller states (tokens, before the withdrawal's scaling)
+            out.update({f"prefix_k_q{q}": float(v) for q, v in zip((10, 50, 90), np.percentile(k, (10, 50, 90)))})
+        return out

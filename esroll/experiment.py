@@ -3,7 +3,7 @@
 `esroll.config` imports nothing from esroll, so `from_config_dict` checks a config's structure and ranges but cannot
 see which ES methods, fitness shapings, advantage estimators, aggregations, remat policies, tasks, rewards, prompt
 templates or prefix sources exist: each registry lives with its implementation, where later code can add to it (the
-public `register_*` functions of `esroll.data`, `esroll.rewards` and `esroll.advantages`), so a name registered by
+public `register_*` functions of `esroll.data`, `esroll.rewards`, `esroll.es.shaping` and `esroll.grpo`), so a name registered by
 the user's own module before the config is checked is accepted like a built-in one. `check_names`
 checks those keys, and the options whose meaning depends on what a name implements, once the config is built. The
 trainer runs it first thing (`esroll.train.train_and_evaluate`), and so does every entry point right after
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from esroll import advantages, curriculum, grpo, grpo_variants, rewards
+from esroll import curriculum, grpo, rewards
+from esroll.grpo import advantages, variants as grpo_variants
 from esroll.config import AdvantageConfig, ConfigError, ExperimentConfig, check_fields, dotted
 from esroll.data import TASKS, TEMPLATES
 from esroll.data.tasks import TASK_KNOBS

@@ -83,7 +83,7 @@ def forward_flops(
 ) -> int:
     """One cache-free forward over `rows` sequences of `context` tokens: every layer at every position, attention
     among the sequence's own positions, and the head at `head_positions` positions per row (default all `context`,
-    as `esroll.models.forward` returns every position's logits; `esroll.sampling.sequence_logprobs` applies it to the
+    as `esroll.models.forward` returns every position's logits; `esroll.scoring.sequence_logprobs` applies it to the
     N completion positions only)."""
     _check(rows=rows, context=context)
     head_positions = context if head_positions is None else head_positions
@@ -136,7 +136,7 @@ def train_flops(
     causal: bool = True,
     remat: str | None = None,
 ) -> int:
-    """One forward and backward pass of `rows` scored sequences (GRPO's loss: `esroll.sampling.sequence_logprobs`
+    """One forward and backward pass of `rows` scored sequences (GRPO's loss: `esroll.scoring.sequence_logprobs`
     over prompt + completion, P + N positions, the head at the N completion positions).
 
     Convention: the backward pass costs twice the forward, so the total is 3 × forward_flops(cfg, rows, P + N,

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from esroll import es_train, grpo, memory, parallel, sharding
+from esroll import grpo, memory, parallel, sharding
+from esroll.es import method as es_method
 from esroll.config import ExperimentConfig, make_optimizer
 from esroll.models import ModelConfig, Perturbation, abstract_params
 from esroll.sampling import lower_generate
@@ -236,9 +237,9 @@ def plan_es(
     t = _Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
     es_cfg = cfg.es_config
     params = sharding.with_shardings(t.shapes, sharding.master_shardings(mesh, t.shapes), cfg.model.master_dtype)
-    strategy = es_train._strategy(es_train.strategy_config(es_cfg), cfg.optimizer, mesh)
+    strategy = es_method.compiled_strategy(es_method.strategy_config(es_cfg), cfg.optimizer, mesh)
     state = sharding.with_shardings(
-        jax.eval_shape(strategy.init, params, t.key), es_train.state_shardings(es_cfg, cfg.optimizer, mesh, params)
+        jax.eval_shape(strategy.init, params, t.key), es_method.state_shardings(es_cfg, cfg.optimizer, mesh, params)
     )
     resident = t.resident(params, state)
     masters_and_state = resident["masters"] + resident["optimizer state"]

@@ -10,10 +10,13 @@ runs and pairs each view covers reported (n_seeds_tokens, n_pairs_tokens, n_seed
 
 Reads only the workdir (comparison.json and each run's config.json and metrics.jsonl), so it redraws the report of a
 finished or partly finished comparison; notebooks/compare.ipynb calls the same functions. Statistics, tables and
-figures cover finished runs; runs.csv lists every run that has an evaluation, finished or not.
+figures cover finished runs; runs.csv lists every run that has an evaluation, finished or not. `write_report` writes
+the CSV tables itself, results.md from `esroll.report_tables` and the figures from `esroll.report_plots`, which draw
+on the runs and summaries read here.
 
-The workdir's layout and the rule for a finished run are defined here and used by `esroll.compare` too. This module
-imports neither JAX nor `esroll.compare` (which imports the training configs): reading a comparison needs neither.
+The workdir's layout and the rule for a finished run are defined here and used by `esroll.compare` too. This module,
+like `esroll.report_tables` and `esroll.report_plots`, imports neither JAX nor `esroll.compare` (which imports the
+training configs): reading a comparison needs neither.
 """
 
 from __future__ import annotations
@@ -330,7 +333,7 @@ def summarize(
     return out
 
 
-# ---- tables
+# ---- the report
 
 
 def write_csv(rows: Sequence[dict], path: Path) -> None:
@@ -341,273 +344,13 @@ def write_csv(rows: Sequence[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def _fmt(x: float, scale: float = 1.0, spec: str = ".1f") -> str:
-    return "—" if math.isnan(x) else f"{scale * x:{spec}}"
-
-
-def _pct(x: float) -> str:
-    return _fmt(x, 100.0)
-
-
-def _p(x: float) -> str:
-    return _fmt(x, spec=".3f")
-
-
-def _count(x: float) -> str:
-    return _fmt(x, spec=",.0f")
-
-
-def _sci(x: float) -> str:
-    return _fmt(x, spec=".3e")
-
-
-def _paired_rows(summary: Sequence[dict], ref: str, metrics: Sequence[tuple[str, str]], pairs: dict[str, str]) -> list:
-    """Rows of a paired-differences table: per method (not the reference) and metric (key, label); `pairs` names the
-    summary column counting a metric's pairs (default n_pairs)."""
-    lines = []
-    for r in summary:
-        if r["method"] == ref:
-            continue
-        for key, label in metrics:
-            lines.append(
-                f"| {r['method']} | {label} | {r[pairs.get(key, 'n_pairs')]} | {_pct(r[f'{key}_diff_mean'])} "
-                f"| [{_pct(r[f'{key}_diff_ci_low'])}, {_pct(r[f'{key}_diff_ci_high'])}] | {_p(r[f'{key}_diff_p_t'])} "
-                f"| {_p(r[f'{key}_diff_p_wilcoxon'])} | {_p(r[f'{key}_diff_p_sign'])} |"
-            )
-    return lines
-
-
-_PAIRED_HEADER = [
-    "| method | metric | pairs | mean diff | 95% CI (t) | paired t p | Wilcoxon p | sign test p |",
-    "|---|---|---|---|---|---|---|---|",
-]
-
-
-def markdown_table(summary: Sequence[dict], spec: dict) -> str:
-    """The results as Markdown: a per-method table, the paired differences against the reference, and notes."""
-    ref, budget, n = spec["reference"], spec["time_budget_s"], len(spec["seeds"])
-    lines = [
-        (
-            f"Budget {budget:g} s of training wall time per run (evaluation excluded); seeds {spec['seeds']}; "
-            "accuracy in %; mean ± sd over seeds."
-        ),
-        "",
-        "| method | seeds | final accuracy | AUC (mean accuracy over the budget) | steps | evaluations | completions "
-        "| all-equal groups |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in summary:
-        lines.append(
-            f"| {r['method']} | {r['n_seeds']} | {_pct(r['final_accuracy_mean'])} ± {_pct(r['final_accuracy_sd'])} "
-            f"| {_pct(r['auc_mean'])} ± {_pct(r['auc_sd'])} | {_fmt(r['steps_mean'], spec='.0f')} "
-            f"| {_fmt(r['evaluations_mean'], spec='.0f')} | {_fmt(r['completions_mean'], spec='.0f')} "
-            f"| {_pct(r['all_equal_groups_mean'])} |"
-        )
-    lines += ["", f"Paired differences against {ref} (method − {ref}, points of accuracy):", "", *_PAIRED_HEADER]
-    lines += _paired_rows(summary, ref, (("final_accuracy", "final accuracy"), ("auc", "AUC")), {})
-    x_c = summary[0]["range_completions"] if summary else math.nan
-    x_t = summary[0]["range_tokens"] if summary else math.nan
-    x_f = summary[0]["range_flops"] if summary else math.nan
-    lines += [
-        "",
-        "Sample efficiency",
-        "",
-        (
-            f"AUC against completions: mean accuracy over [0, X] completions generated for training, X = {_count(x_c)}; "
-            f"against tokens: over [0, X] tokens generated for training, X = {_count(x_t)}; against FLOPs: over "
-            f"[0, X] training FLOPs (rollout + update), X = {_sci(x_f)}. Final counts at the last evaluation; mean ± sd "
-            "over seeds."
-        ),
-        "",
-        (
-            "| method | seeds | AUC vs completions | AUC vs tokens | AUC vs FLOPs | final completions | final tokens "
-            "| final FLOPs |"
-        ),
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in summary:
-        fewer = [
-            f"{r[f'n_seeds_{view}']} with {what}"
-            for view, what in (("tokens", "tokens"), ("flops", "FLOPs"))
-            if r[f"n_seeds_{view}"] < r["n_seeds"]
-        ]
-        seeds = f"{r['n_seeds']}" + (f" ({', '.join(fewer)})" if fewer else "")
-        lines.append(
-            f"| {r['method']} | {seeds} | {_pct(r['auc_completions_mean'])} ± {_pct(r['auc_completions_sd'])} "
-            f"| {_pct(r['auc_tokens_mean'])} ± {_pct(r['auc_tokens_sd'])} "
-            f"| {_pct(r['auc_flops_mean'])} ± {_pct(r['auc_flops_sd'])} "
-            f"| {_count(r['final_completions_mean'])} ± {_count(r['final_completions_sd'])} "
-            f"| {_count(r['final_tokens_mean'])} ± {_count(r['final_tokens_sd'])} "
-            f"| {_sci(r['final_flops_mean'])} ± {_sci(r['final_flops_sd'])} |"
-        )
-    lines += ["", f"Paired differences against {ref} (method − {ref}, points of accuracy):", "", *_PAIRED_HEADER]
-    metrics = (
-        ("auc_completions", "AUC vs completions"),
-        ("auc_tokens", "AUC vs tokens"),
-        ("auc_flops", "AUC vs FLOPs"),
-    )
-    lines += _paired_rows(summary, ref, metrics, {"auc_tokens": "n_pairs_tokens", "auc_flops": "n_pairs_flops"})
-    untokened = [
-        f"{r['method']} ({r['n_seeds'] - r['n_seeds_tokens']})" for r in summary if r["n_seeds_tokens"] < r["n_seeds"]
-    ]
-    skipped = (
-        (
-            f" Finished runs whose metrics carry no generation counters (logged before they existed): "
-            f"{', '.join(untokened)}; their completions are steps × completions per step, and the tokens view "
-            "(AUC, final tokens, the range and the pairs) leaves them out."
-        )
-        if untokened
-        else ""
-    )
-    unflopped = [
-        f"{r['method']} ({r['n_seeds'] - r['n_seeds_flops']})" for r in summary if r["n_seeds_flops"] < r["n_seeds"]
-    ]
-    if unflopped:
-        skipped += (
-            f" Finished runs whose metrics carry no FLOPs counter throughout (logged before it existed, or resumed "
-            f"from a checkpoint that predates it): {', '.join(unflopped)}; the FLOPs view (AUC, final FLOPs, the range "
-            "and the pairs) leaves them out."
-        )
-    lines += [
-        "",
-        (
-            f"Notes. With n = {n} seeds the Wilcoxon signed-rank and sign tests cannot give a two-sided p below "
-            f"2·0.5^n = {2 * 0.5**n:.3g}, however large the effect; the t-test assumes normal differences, which "
-            f"n = {n} cannot check; — marks an undefined value (e.g. all differences equal). Final accuracy: the "
-            "evaluation after the step that used up the budget. AUC: trapezoids between evaluations over [0, budget], "
-            "held at the last value, divided by the budget. Evaluations: ES population members × steps (each member "
-            "scores all of a step's prompts); GRPO sampled completions. Completions: sequences generated for training."
-        ),
-        "",
-        (
-            "Sample efficiency. The same runs, accuracy against what they generated for training instead of wall "
-            "time. Methods reach different counts within the time budget, so each count view is compared over a "
-            "common range: X is the smallest final count (at the last evaluation) among the finished runs of all "
-            "methods, and a run's AUC is its mean accuracy over [0, X] (trapezoids between evaluations, interpolated "
-            "at X, divided by X). Every method is thus scored over the same range; beyond X only some runs have "
-            f"data.{skipped}"
-        ),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def protocol_notes(workdir: Path, runs: Sequence[RunResult]) -> str:
-    """Markdown: the machine's speed over the runs (the timed evaluation before training: the same greedy decoding of
-    the same questions in every run of a method), and the tuned protocol's choices (workdir/tuning/choice.json)."""
-    lines = []
-    probes = [r.probe_s for r in runs if math.isfinite(r.probe_s)]
-    if probes:
-        med = float(np.median(probes))
-        lines += [
-            "",
-            (
-                f"Machine speed alongside: the held-out evaluation before training (greedy decoding, the same in "
-                f"every run) took {med:.2f} s median, {min(probes):.2f}–{max(probes):.2f} s over {len(probes)} runs "
-                f"({100 * (min(probes) / med - 1):+.0f}% / {100 * (max(probes) / med - 1):+.0f}%)."
-            ),
-        ]
-    choice_path = Path(workdir) / "tuning" / "choice.json"
-    if choice_path.is_file():
-        choice = json.loads(choice_path.read_text())
-        lines += [
-            "",
-            "Tuning: each method's settings (candidate 0 is its own), mean validation AUC over the tuning seeds; "
-            "the chosen one in bold, then run on the evaluation seeds and scored on the test split.",
-            "",
-            "| method | candidate | setting | validation AUC per tuning seed (%) | mean (%) |",
-            "|---|---|---|---|---|",
-        ]
-        for method, c in choice.items():
-            for cand in c["candidates"]:
-                setting = json.dumps(cand["overrides"]) if cand["overrides"] else "its own"
-                mark = "**" if cand["candidate"] == c["chosen"] else ""
-                aucs = ", ".join(_pct(a) for a in cand["validation_auc"])
-                lines.append(
-                    f"| {method} | {mark}c{cand['candidate']}{mark} | `{setting}` | {aucs} | {_pct(cand['mean'])} |"
-                )
-    return "\n".join(lines) + ("\n" if lines else "")
-
-
-# ---- figures
-
-
-def mean_curve(runs: Sequence[RunResult], grid: np.ndarray, view: str = "time") -> np.ndarray:
-    """Accuracy averaged over runs on a grid of `view`'s x (default time), each run interpolated as in
-    `area_under_curve`."""
-    return np.mean([np.interp(grid, view_x(r, view), r.accuracies) for r in runs], axis=0)
-
-
-def _finish(ax, ylabel: str) -> None:
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-
-
-def plot_curves(ax, runs: Sequence[RunResult], methods: Sequence[str], budget: float, view: str = "time") -> None:
-    """Held-out accuracy against `view`'s x (default training wall time): each seed thin, the mean over seeds thick
-    on a grid over [0, budget] (for a count view, its common range X). Runs without x in the view are left out."""
-    counted = [r for r in runs if r.method in methods and np.isfinite(view_x(r, view)).all()]
-    if view != "time" and not (counted and math.isfinite(budget) and budget > 0):
-        ax.text(0.5, 0.5, f"no finished run counts {view}", ha="center", va="center", transform=ax.transAxes)
-        ax.set_xlabel(VIEW_LABELS[view])
-        ax.set_ylabel("held-out accuracy")
-        return
-    grid = np.linspace(0.0, budget, 200)
-    for i, name in enumerate(methods):
-        mine = [r for r in counted if r.method == name]
-        if not mine:
-            continue
-        for r in mine:
-            ax.plot(view_x(r, view), r.accuracies, color=f"C{i}", alpha=0.35, lw=1, marker=".", ms=3)
-        ax.plot(grid, mean_curve(mine, grid, view), color=f"C{i}", lw=2.5, label=f"{name} (mean of {len(mine)})")
-    ax.axvline(budget, color="k", ls=":", lw=1)
-    ax.set_xlabel(VIEW_LABELS[view])
-    _finish(ax, "held-out accuracy")
-
-
-def plot_differences(ax, runs: Sequence[RunResult], methods: Sequence[str], reference: str, budget: float) -> None:
-    """Accuracy of each method minus the reference's on the same seed, over time: the paired comparison as curves."""
-    grid = np.linspace(0.0, budget, 200)
-    ref = {r.seed: r for r in runs if r.method == reference}
-    for i, name in enumerate(methods):
-        pairs = [(r, ref[r.seed]) for r in runs if r.method == name and name != reference and r.seed in ref]
-        if not pairs:
-            continue
-        diffs = [np.interp(grid, r.times, r.accuracies) - np.interp(grid, q.times, q.accuracies) for r, q in pairs]
-        for d in diffs:
-            ax.plot(grid, d, color=f"C{i}", alpha=0.35, lw=1)
-        ax.plot(grid, np.mean(diffs, axis=0), color=f"C{i}", lw=2.5, label=f"{name} − {reference}")
-    ax.axhline(0.0, color="k", lw=1)
-    ax.set_xlabel("training wall time (s)")
-    _finish(ax, f"accuracy − {reference} (same seed)")
-
-
-def plot_paired(ax, runs: Sequence[RunResult], methods: Sequence[str]) -> None:
-    """Final accuracy of each method, one line per seed joining its runs (the pairs the statistics use)."""
-    for k, seed in enumerate(sorted({r.seed for r in runs})):  # grey, not the methods' colours
-        by_method = {r.method: r.final_accuracy for r in runs if r.seed == seed}
-        xs = [i for i, m in enumerate(methods) if m in by_method]
-        ys = [by_method[methods[i]] for i in xs]
-        ax.plot(xs, ys, color="0.35", marker="osD^v<>"[k % 7], alpha=0.7, label=f"seed {seed}")
-    ax.set_xticks(range(len(methods)), methods)
-    _finish(ax, "final held-out accuracy")
-
-
-# ---- the report
-
-
-def plot_views(axes, runs: Sequence[RunResult], methods: Sequence[str], ranges: dict[str, float]) -> None:
-    """One panel per view (`VIEWS`, in order): `plot_curves` against that view's x over its range in `ranges`."""
-    for ax, view in zip(axes, VIEWS):
-        plot_curves(ax, runs, methods, ranges[view], view)
-        what = "budget" if view == "time" else "common range"
-        ax.set_title(f"against {VIEW_LABELS[view].split(' (')[0]}; {what} {ranges[view]:,.4g}", fontsize=9)
-
-
 def write_report(workdir: str | Path) -> dict[str, Path]:
     """Tables (runs.csv, results.csv, results.md) and figures (accuracy_vs_time.png; views.png: accuracy against
     wall time, completions and tokens generated, and training FLOPs) of the runs in `workdir`."""
     from matplotlib.figure import Figure  # not pyplot: the process's backend is left as it is
+
+    from esroll.report_plots import plot_curves, plot_differences, plot_paired, plot_views  # both import this module
+    from esroll.report_tables import markdown_table, protocol_notes
 
     workdir = Path(workdir)
     spec, runs = load_comparison(workdir)

@@ -17,6 +17,8 @@ import re
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from esroll.registry import Registry
 
 TAIL_CHARS = 4000
@@ -232,3 +234,31 @@ def reward_names() -> tuple[str, ...]:
 def get_reward(name: str) -> RewardFn:
     """The reward function registered as `name`."""
     return REWARDS.lookup(name)
+
+
+# ---- the label-free mode: votes among a prompt's completions
+
+
+def majority_rewards(answers: np.ndarray) -> np.ndarray:
+    """The label-free reward: 1 where a response's answer is a modal answer of its row (ties: every tied answer),
+    0 elsewhere and for no answer (-1). answers [X, M] int -> [X, M] float32.
+
+    A response's reward depends on the other responses of its row. In ES (`esroll.es.method.member_fitness`) a row
+    holds every member's answers to one prompt, so member i's fitness depends on the other members' perturbations
+    and theirs on member i's: LOO-ROLL's leave-one-out baseline is then not independent of member i's direction, and
+    neither ES estimator is unbiased for the population field (docs/theory.md)."""
+    a = np.asarray(answers)
+    same = (a[:, :, None] == a[:, None, :]) & (a[:, None, :] >= 0)
+    counts = same.sum(-1)  # how many responses of the row share each response's answer
+    top = counts.max(1, keepdims=True)
+    return ((counts == top) & (a >= 0) & (top > 0)).astype(np.float32)
+
+
+def answer_id(answer: str | None) -> int:
+    """A parsed answer as a stable non-negative integer below 2^52 (exact in float64, the same on every host and
+    process); -1 for no answer."""
+    import hashlib
+
+    if answer is None:
+        return -1
+    return int(hashlib.blake2b(answer.encode(), digest_size=8).hexdigest(), 16) >> 12

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from esroll import parallel
-from esroll.advantages import majority_rewards
+from esroll.rewards import majority_rewards
 from esroll.data import Example, eval_score_names
 from esroll.models import Perturbation
 from esroll.sampling import generate, pad_prompts
@@ -175,7 +175,7 @@ def rollout(
 def training_rewards(out: Rollout, label_free: bool) -> tuple[np.ndarray, dict[str, float]]:
     """Each row's training reward [B] and what to log of it. With `label_free` (data.reward = "majority"), a row's
     reward is whether its answer is a modal answer of all the rows answering its example (every ES member and
-    sample, every GRPO completion of the group; `esroll.advantages.majority_rewards`), and the gold reward the rows
+    sample, every GRPO completion of the group; `esroll.rewards.majority_rewards`), and the gold reward the rows
     carry is logged as a diagnostic beside how often the vote agrees with it; otherwise the gold reward itself."""
     if not label_free:
         return out.reward_B, {}

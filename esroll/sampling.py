@@ -8,6 +8,10 @@ Shapes (batch, padded prompt length, `max_new_tokens`), the sampling settings, `
 parameters, factors, keys, EOS ids, the pad id and the row offset are traced. A training run
 thus compiles `generate` once per prompt-length bucket (`pad_prompts`) and chunk size, not once per step or chunk.
 
+The scoring of given completions (`sequence_logprobs`) is `esroll.scoring`; how
+`generate`'s arguments split into traced and static ones, and where its rows and KV cache sit on a mesh, is
+`esroll.sampling_layout`.
+
 Shape letters (see `esroll`): B rows, P padded prompt length, N new tokens, T positions, S cache slots, V vocabulary.
 """
 
@@ -22,10 +26,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from esroll.models import KVCache, ModelConfig, Perturbation, forward, init_cache
-from esroll.models.transformer import head
+from esroll.sampling_layout import _arguments, _constrain, _constrain_cache
+
+__all__ = ["Generation", "generate", "lower_generate", "pad_prompts"]
 
 Array = jax.Array
 
@@ -145,95 +151,6 @@ def lower_generate(cfg: ModelConfig, params: dict, prompt_BxP, key, **kwargs) ->
     return _generate.lower(*args, **kw)
 
 
-MODEL_AXIS = "model"  # the mesh axis parameters are split over (tensor parallelism), see `esroll.parallel`
-
-
-def _arguments(
-    cfg,
-    params,
-    prompt_BxP,
-    key,
-    *,
-    max_new_tokens,
-    temperature,
-    top_p,
-    top_k,
-    eos_ids,
-    prompt_mask,
-    perturb,
-    pad_id,
-    cache_dtype,
-    phases,
-    row_offset,
-    unroll,
-) -> tuple[tuple, dict]:
-    """`_generate`'s arguments (traced ones positional, static ones by keyword) from `generate`'s."""
-    B, P = prompt_BxP.shape
-    mesh, axis = _row_split(prompt_BxP)
-    model_mesh = _model_split(prompt_BxP)
-    if model_mesh is not None:  # GSPMD: `axis` is where the rows are (if anywhere), for the cache's constraints
-        mesh, axis = model_mesh, prompt_BxP.sharding.spec[0] if prompt_BxP.sharding.spec else None
-    if prompt_mask is None:
-        prompt_mask = (
-            jax.ShapeDtypeStruct((B, P), bool, sharding=prompt_BxP.sharding)
-            if isinstance(prompt_BxP, jax.ShapeDtypeStruct)
-            else jnp.ones((B, P), bool)
-        )
-    args = (
-        params,
-        _traced(prompt_BxP, jnp.int32),
-        _traced(prompt_mask, bool),
-        key,
-        perturb,
-        _traced(row_offset, jnp.int32),
-    )
-    kwargs = {
-        "cfg": cfg,
-        "eos_ids": jnp.asarray(list(eos_ids) or [-1], jnp.int32),
-        "pad_id": jnp.int32(pad_id),
-        "max_new_tokens": int(max_new_tokens),
-        "temperature": float(temperature),
-        "top_p": float(top_p),
-        "top_k": int(top_k),
-        "cache_dtype": jnp.dtype(cache_dtype or params["embed"].dtype),
-        "phases": int(phases),
-        "unroll": int(unroll),
-        "mesh": mesh,
-        "axis": axis,
-        "tensor_parallel": model_mesh is not None,
-    }
-    return args, kwargs
-
-
-def _traced(x, dtype):
-    """x as an array of `dtype`; a ShapeDtypeStruct (ahead-of-time lowering) as it is, if of that dtype."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        if x.dtype != jnp.dtype(dtype):
-            raise TypeError(f"expected a ShapeDtypeStruct of {jnp.dtype(dtype)}, got {x.dtype}")
-        return x
-    return jnp.asarray(x, dtype)
-
-
-def _row_split(x) -> tuple[Mesh | None, str | tuple | None]:
-    """The mesh and axis (or axes) that split `x`'s rows over more than one device; (None, None) otherwise."""
-    sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or not sharding.spec or sharding.spec[0] is None:
-        return None, None
-    axis = sharding.spec[0]
-    names = axis if isinstance(axis, tuple) else (axis,)
-    if math.prod(sharding.mesh.shape[n] for n in names) == 1:
-        return None, None
-    return sharding.mesh, axis
-
-
-def _model_split(x) -> Mesh | None:
-    """The mesh of `x`'s NamedSharding when it has a "model" axis of more than one device; None otherwise."""
-    sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or sharding.mesh.shape.get(MODEL_AXIS, 1) == 1:
-        return None
-    return sharding.mesh
-
-
 _STATIC = (
     "cfg",
     "max_new_tokens",
@@ -309,21 +226,6 @@ def _generate(
             tokens=at(gen.tokens, axis, None), logprobs=at(gen.logprobs, axis, None), lengths=at(gen.lengths, axis)
         )
     return gen._replace(steps=gen.steps.max())  # one count per device under shard_map
-
-
-def _constrain(x, *spec, mesh):
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
-
-
-def _constrain_cache(cache: KVCache, *, cfg, mesh, rows) -> KVCache:
-    """The cache with its rows over `rows` (the prompt's row axis, or None) and its kv heads over the model axis
-    (replicated when the model axis does not divide the kv heads, or already splits the rows), for GSPMD."""
-    row_names = rows if isinstance(rows, tuple) else (rows,)
-    split = cfg.num_kv_heads % mesh.shape[MODEL_AXIS] == 0 and MODEL_AXIS not in row_names
-    heads = MODEL_AXIS if split else None
-    at = functools.partial(_constrain, mesh=mesh)
-    spec = (None, rows, None, heads, None)  # [L, B, S, K, H]
-    return KVCache(at(cache.k, *spec), at(cache.v, *spec), valid_BxS=at(cache.valid_BxS, rows, None), index=cache.index)
 
 
 def _decode(
@@ -443,104 +345,3 @@ def _sample(logits_BxV: Array, max_B: Array, keys_B: Array, temperature: float, 
     gumbel = functools.partial(jax.random.gumbel, shape=logits_BxV.shape[1:], dtype=logits_BxV.dtype)
     perturbed_BxV = logits_BxV + jax.vmap(gumbel)(keys_B)
     return jnp.argmax(perturbed_BxV, -1).astype(jnp.int32)
-
-
-def sequence_logprobs(
-    cfg: ModelConfig,
-    params: dict,
-    prompt_BxP: Array,
-    prompt_mask_BxP: Array,
-    completion_BxN: Array,
-    completion_mask_BxN: Array,
-    *,
-    perturb: Perturbation | None = None,
-    remat: str | None = None,
-    chunk: int = 0,
-    with_entropy: bool = False,
-    layer_params=None,
-    unroll: int = 1,
-) -> Array | tuple[Array, Array]:
-    """Log-probability [B, N] of each completion token given its prefix, from one full forward over prompt+completion;
-    with `with_entropy`, also the entropy [B, N] of the whole next-token distribution at each completion position.
-
-    Raw logits (temperature 1), as `Generation.logprobs`; 0 where the completion mask is False. Not jitted and free
-    of Python control flow on values, so GRPO can differentiate it inside its own jitted step.
-
-    Memory: the decoder runs to its final hidden states only (`forward(return_hidden=True)`), and the head is applied
-    to the N positions that predict completion tokens (P-1 .. P+N-2; never the prompt's), `chunk` positions at a time
-    (0 = all N at once), each chunk under `jax.checkpoint`: the largest logits buffer is [B, chunk, V] float32, in the
-    forward and in the backward pass (which recomputes a chunk's logits instead of keeping them). At V ~ 150k the
-    whole-sequence [B, T, V] float32 logits and log-softmax would dominate the step's memory. `remat` is the decoder's
-    per-layer rematerialisation (`esroll.models.transformer.REMAT_POLICIES`), `layer_params` its per-layer map of the
-    weights, `unroll` its layers per scan iteration (`forward`). The entropy is a
-    metric: it carries no gradient.
-    """
-    P, N = prompt_BxP.shape[1], completion_BxN.shape[1]
-    tokens_BxT = jnp.concatenate([prompt_BxP, completion_BxN], 1)
-    mask_BxT = jnp.concatenate([prompt_mask_BxP, completion_mask_BxN], 1).astype(bool)
-    hidden_BxTxD, _ = forward(
-        cfg,
-        params,
-        tokens_BxT,
-        mask_BxT=mask_BxT,
-        perturb=perturb,
-        remat=remat,
-        return_hidden=True,
-        layer_params=layer_params,
-        unroll=unroll,
-    )
-    # The hidden state at position P-1+j predicts completion token j.
-    logprobs_BxN, entropy_BxN = _completion_logprobs(
-        cfg, params, hidden_BxTxD[:, P - 1 : -1], completion_BxN, perturb, chunk or N, with_entropy
-    )
-    logprobs_BxN = jnp.where(completion_mask_BxN, logprobs_BxN, 0.0)
-    if not with_entropy:
-        return logprobs_BxN
-    return logprobs_BxN, jnp.where(completion_mask_BxN, entropy_BxN, 0.0)
-
-
-def _completion_logprobs(
-    cfg: ModelConfig,
-    params: dict,
-    hidden_BxNxD: Array,
-    tokens_BxN: Array,
-    perturb: Perturbation | None,
-    chunk: int,
-    with_entropy: bool,
-) -> tuple[Array, Array | None]:
-    """log softmax(head(h))[token] and, with_entropy, the entropy of softmax(head(h)), [B, N] each, over chunks of
-    `chunk` positions (a `lax.map`; N is zero-padded up to a multiple, and the padding sliced off). Each chunk runs
-    under `jax.checkpoint`, so only its hidden states and outputs outlive it."""
-    B, N, D = hidden_BxNxD.shape
-    C = max(1, min(chunk, N))
-    n_chunks = -(-N // C)
-    pad = n_chunks * C - N
-    hidden_BxNxD = jnp.pad(hidden_BxNxD, ((0, 0), (0, pad), (0, 0)))
-    tokens_BxN = jnp.pad(tokens_BxN, ((0, 0), (0, pad)))
-    hidden_KxBxCxD = hidden_BxNxD.reshape(B, n_chunks, C, D).swapaxes(0, 1)
-    tokens_KxBxC = tokens_BxN.reshape(B, n_chunks, C).swapaxes(0, 1)
-
-    @jax.checkpoint
-    def one_chunk(xs):
-        h_BxCxD, tokens_BxC = xs
-        logits_BxCxV = head(cfg, params, h_BxCxD, perturb)
-        lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
-        token_logit_BxC = jnp.take_along_axis(logits_BxCxV, tokens_BxC[..., None], -1)[..., 0]
-        if not with_entropy:
-            return token_logit_BxC - lse_BxC, None
-        # H = logsumexp(z) - Σ softmax(z)·z, of the logits without their gradient (a metric).
-        logits_BxCxV = jax.lax.stop_gradient(logits_BxCxV)
-        sg_lse_BxC = jax.lax.stop_gradient(lse_BxC)
-        probs_BxCxV = jnp.exp(logits_BxCxV - sg_lse_BxC[..., None])
-        entropy_BxC = sg_lse_BxC - jnp.sum(probs_BxCxV * logits_BxCxV, axis=-1)
-        return token_logit_BxC - lse_BxC, entropy_BxC
-
-    if n_chunks == 1:
-        logprobs_KxBxC, entropy_KxBxC = jax.tree.map(lambda y: y[None], one_chunk((hidden_KxBxCxD[0], tokens_KxBxC[0])))
-    else:
-        logprobs_KxBxC, entropy_KxBxC = jax.lax.map(one_chunk, (hidden_KxBxCxD, tokens_KxBxC))
-
-    def unchunk(y_KxBxC):
-        return y_KxBxC.swapaxes(0, 1).reshape(B, n_chunks * C)[:, :N]
-
-    return unchunk(logprobs_KxBxC), None if entropy_KxBxC is None else unchunk(entropy_KxBxC)

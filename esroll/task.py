@@ -10,12 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from esroll import sharding
-from esroll.advantages import answer_id
 from esroll.config import ExperimentConfig
 from esroll.data import Example, eval_scores, format_prompt, parse_answer, score, task_spec
 from esroll.models import abstract_params, load_hf
 from esroll.models.hf import resolve
-from esroll.rewards import LABEL_FREE, get_reward
+from esroll.rewards import LABEL_FREE, answer_id, get_reward
 
 
 class Task(NamedTuple):
@@ -37,7 +36,7 @@ class Task(NamedTuple):
         return np.array([self.reward_fn(e, s) for e, s in zip(examples, texts)], np.float32)
 
     def answer_ids(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """[rows] int64: each row's parsed answer (`esroll.data.parse_answer`) as `esroll.advantages.answer_id`
+        """[rows] int64: each row's parsed answer (`esroll.data.parse_answer`) as `esroll.rewards.answer_id`
         (-1: none), what label-free rewards vote on."""
         texts = self.answers(examples, tokens, lengths)
         return np.array([answer_id(parse_answer(e, s)) for e, s in zip(examples, texts)], np.int64)

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +19,13 @@ import numpy as np
 from etils import epath
 from tqdm.auto import tqdm
 
-from esroll import curriculum, memory, parallel, sharding
+from esroll import memory, parallel, sharding
 from esroll.checkpoint import Checkpointer, check_workdir, claim_workdir, extension, saved_config, workdir_path
 from esroll.config import ExperimentConfig, dotted, make_schedule
-from esroll.data import Example, batch_indices, cluster_key, make_splits
+from esroll.curriculum import Curriculum
+from esroll.data import Example, make_splits
 from esroll.errors import InputError, reading
-from esroll.es_train import make_es_method
+from esroll.es.method import make_es_method
 from esroll.experiment import check_names, unread_keys
 from esroll.grpo import make_grpo_method, make_policy_gradient
 from esroll.metrics import MetricsWriter, first_eval, last_eval, plot_eval_curve, read_metrics
@@ -52,84 +52,6 @@ def evaluate(
         for name, score_B in out.scores.items():
             totals[name] = totals.get(name, 0.0) + float(score_B.sum(dtype=np.float64))
     return {f"eval_{name}": total / len(examples) for name, total in totals.items()}
-
-
-class Batch(NamedTuple):
-    """One step's training prompts: the examples (with any assisted prefix), their indices in the training split,
-    and the prefix tokens each was given (AdaPrefix; 0 without it)."""
-
-    examples: list[Example]
-    idx: np.ndarray  # [X] int
-    given: np.ndarray  # [X] int
-
-
-class Curriculum:
-    """The training batch of each step and the state of the curriculum methods (`esroll.curriculum`): without them,
-    `get_batch`'s fixed order; with ADS, the scheduler's choice; with AdaPrefix, each example's assisted prefix. Its
-    state is saved in the checkpoint beside the parameters (key "curriculum")."""
-
-    def __init__(self, cfg: ExperimentConfig, train: list, tokenizer, mesh):
-        self.cfg, self.c, self.train, self.tokenizer, self.mesh = cfg, cfg.curriculum, train, tokenizer, mesh
-        self.state: dict[str, np.ndarray] = {}
-        if self.c.ads:
-            keys = [cluster_key(e, self.c.ads_cluster_key) for e in train]
-            self.names = sorted(set(keys))
-            self.cluster_of = np.array([self.names.index(k) for k in keys])
-            self.state.update(curriculum.ads_init(self.cluster_of))
-        if self.c.prefix:
-            self.source_ids = [self._source_ids(e) for e in train]
-            self.lengths = np.array([len(ids) for ids in self.source_ids])
-            self.state["prefix_k"] = curriculum.prefix_init(self.lengths, self.c.prefix_init)
-
-    def _source_ids(self, e) -> list[int]:
-        text = e.solution if self.c.prefix_source == "solution" else e.target_text
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def saved(self) -> dict:
-        """What the checkpoint holds of the curriculum: its state, replicated on the mesh (every process has it)."""
-        if not self.state:
-            return {}
-        return {"curriculum": parallel.put_replicated(self.mesh, {k: jnp.asarray(v) for k, v in self.state.items()})}
-
-    def restore(self, restored: dict) -> None:
-        if self.state:
-            self.state = {k: np.asarray(v) for k, v in parallel.to_host(restored["curriculum"]).items()}
-
-    def batch(self, step: int) -> Batch:
-        X, seed = self.cfg.train.prompts_per_step, self.cfg.data.batch_seed
-        if self.c.ads:
-            idx = curriculum.ads_select(self.state, self.cluster_of, X, self.c, seed, step)
-        else:
-            idx = batch_indices(len(self.train), X, seed, step)
-        examples = [self.train[i] for i in idx]
-        given = np.zeros(len(idx), int)
-        if self.c.prefix:
-            given = curriculum.prefix_tokens(self.state["prefix_k"][idx], step, self.c.prefix_horizon)
-            examples = [
-                dataclasses.replace(e, prefix=self.tokenizer.decode(self.source_ids[i][:n]) if n else "")
-                for e, i, n in zip(examples, idx, given)
-            ]
-        return Batch(examples, np.asarray(idx), np.asarray(given))
-
-    def update(self, step: int, batch: Batch, success: np.ndarray) -> dict[str, float]:
-        """Take in the per-prompt success of the step that trained on `batch`; the metrics of what the methods act
-        on."""
-        out: dict[str, float] = {}
-        if self.c.ads:
-            updated = curriculum.ads_update(self.state, self.cluster_of, batch.idx, success, self.c.ads_decay)
-            self.state.update(updated)
-            out.update(curriculum.ads_metrics(self.state, batch.idx, self.names, self.c.ads_temperature))
-        if self.c.prefix:
-            k = curriculum.prefix_update(
-                self.state["prefix_k"], batch.idx, success, self.lengths, self.c.prefix_target, self.c.prefix_gain
-            )
-            self.state["prefix_k"] = k
-            out["prefix_tokens"] = float(batch.given.mean())
-            out["prefix_assistance"] = curriculum.assistance(step, self.c.prefix_horizon)
-            out["prefix_k_mean"] = float(k.mean())
-            # the spread of the per-example controller states (tokens, before the withdrawal's scaling)
-            out.update({f"prefix_k_q{q}": float(v) for q, v in zip((10, 50, 90), np.percentile(k, (10, 50, 90)))})
-        return out
 
 
 def _learning_rate(cfg: ExperimentConfig):
@@ -194,7 +116,15 @@ def train_and_evaluate(
         pg = make_policy_gradient(cfg, task, mesh) if cfg.train.diagnostics_pg else None
         method = make_es_method(cfg, task, mesh, rows_per_device=rows_per_device, policy_gradient=pg)
     state = method.init(params, jax.random.key(cfg.seed))
-    batches = Curriculum(cfg, train, task.tokenizer, mesh)  # what each step trains on (ADS, AdaPrefix)
+    batches = Curriculum(cfg, train, task.tokenizer)  # what each step trains on (ADS, AdaPrefix)
+
+    def saved_curriculum() -> dict:  # replicated on the mesh: every process has it
+        state = batches.saved()
+        return (
+            {"curriculum": parallel.put_replicated(mesh, {k: jnp.asarray(v) for k, v in state.items()})}
+            if state
+            else {}
+        )
 
     # ---- claim the workdir (the run can start), then restore if it holds this run
     if lead:
@@ -203,9 +133,10 @@ def train_and_evaluate(
     start_step, elapsed = 0, 0.0
     generated = {"completions": 0, "tokens": 0, "flops": 0}  # cumulative, as the records log them (the compute ledger)
     if ckpt_step is not None:
-        restored, meta = ckpt.restore({"params": params, "state": state, **batches.saved()})  # the shardings
+        restored, meta = ckpt.restore({"params": params, "state": state, **saved_curriculum()})  # the shardings
         params, state = restored["params"], restored["state"]
-        batches.restore(restored)
+        if "curriculum" in restored:
+            batches.restore(parallel.to_host(restored["curriculum"]))
         start_step, elapsed = int(meta["step"]), float(meta["wall_time"])
         generated = {k: int(meta.get(k, 0)) for k in generated}
     metrics = MetricsWriter(workdir, keep_through=ckpt_step, enabled=lead)
@@ -269,7 +200,7 @@ def train_and_evaluate(
             tok_s=f"{n_tokens / dt:.0f}",
         )
         if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-            saved = {"params": params, "state": state, **batches.saved()}
+            saved = {"params": params, "state": state, **saved_curriculum()}
             ckpt.save(step, saved, {"step": step, "wall_time": elapsed, **generated})
             saved_step = step
         if stop_after_steps is not None and step - start_step >= stop_after_steps:
@@ -279,7 +210,7 @@ def train_and_evaluate(
             return {"initial_eval_accuracy": acc0, "resumed_from": start_step, "stopped_at": step, "params": params}
     bar.close()
     if saved_step != step:  # the time budget ended the loop between checkpoints
-        saved = {"params": params, "state": state, **batches.saved()}
+        saved = {"params": params, "state": state, **saved_curriculum()}
         ckpt.save(step, saved, {"step": step, "wall_time": elapsed, **generated})
     ckpt.wait()
     ckpt.close()

@@ -1,4 +1,4 @@
-"""esroll.advantages' group-advantage estimators (A-GRAE, BV-Blend, GMAE, MaxPO, LamPO, negative token filtering,
+"""esroll.grpo's group-advantage estimators (A-GRAE, BV-Blend, GMAE, MaxPO, LamPO, negative token filtering,
 DDRL) and the label-free majority reward: hand-computed small groups, the invariances each claims, unbiasedness by
 exhaustive enumeration (MaxPO), exact centring, and their reductions to GRPO / RLOO when their knobs are off."""
 
@@ -10,10 +10,14 @@ import math
 import numpy as np
 import pytest
 
-from esroll import advantages as A
+from esroll import baselines
+from esroll import config as C
+from esroll import rewards as R
+from esroll.grpo import advantages as A
+from esroll.grpo import estimators as E
 from esroll.errors import ConfigError
 
-O = A.AdvantageConfig()
+O = C.AdvantageConfig()
 
 
 def est(name, rewards, options=O, state=None, **fields):
@@ -28,16 +32,16 @@ def est(name, rewards, options=O, state=None, **fields):
 
 def test_agrae_without_asymmetry_or_focus_is_grpo():
     r = np.random.default_rng(0).integers(0, 2, (5, 6)).astype(float)
-    o = A.AdvantageConfig(agrae_positive=1.0, agrae_positive_final=1.0, agrae_focus=0.0, horizon=10)
+    o = C.AdvantageConfig(agrae_positive=1.0, agrae_positive_final=1.0, agrae_focus=0.0, horizon=10)
     for step in (0, 5, 20):
-        np.testing.assert_allclose(est("agrae", r, o, step=step).advantage, A.grpo(r), rtol=1e-6)
+        np.testing.assert_allclose(est("agrae", r, o, step=step).advantage, baselines.grpo(r), rtol=1e-6)
 
 
 def test_agrae_hand_computed():
     # One success in four: mean 1/4, sample std 1/2, so GRPO gives [3/2, -1/2, -1/2, -1/2] (up to its 1e-4).
     r = [[1.0, 0.0, 0.0, 0.0]]
     base = np.array([1.5, -0.5, -0.5, -0.5]) * 0.5 / (0.5 + 1e-4)
-    o = A.AdvantageConfig(agrae_positive=1.0, agrae_positive_final=0.5, agrae_focus=0.5, horizon=10)
+    o = C.AdvantageConfig(agrae_positive=1.0, agrae_positive_final=0.5, agrae_focus=0.5, horizon=10)
     # step 0: β = 1, t = 0, weight 1 + 0.5·(2·1/4 − 1) = 3/4 (a hard group weighs less early)
     np.testing.assert_allclose(est("agrae", r, o, step=0).advantage[0], base * 0.75, rtol=1e-6)
     # step 5: β = 3/4 on the positive entry, t = 1/2: every group weighs 1
@@ -61,14 +65,14 @@ def test_agrae_is_permutation_equivariant_and_zero_on_equal_groups():
 def test_bv_blend_without_history_is_grpo_with_the_population_std():
     r = np.random.default_rng(3).integers(0, 2, (4, 8)).astype(float)
     out = est("bv_blend", r, cluster=np.zeros(4, int))
-    np.testing.assert_allclose(out.advantage, A.grpo_population_std(r), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out.advantage, baselines.grpo_population_std(r), rtol=1e-5, atol=1e-6)
 
 
 def test_bv_blend_hand_computed_equal_group_and_history_update():
     # Cluster 0's history: weight 10, mean 1/2, second moment 1/2 (variance 1/4). SEM = √((1/4 + 1/4) / 10) = √0.05,
     # λ = 0.5 / (1 + 0.05 / 0.01) = 1/12. A group of four 1s: μ = 1 − λ/2, σ² = λ/4 + λ(1 − λ)/4 = 23/576,
     # so every entry gets (λ/2) / (√23 / 24) = 1/√23.
-    state = A.bv_blend_init(O)
+    state = E.bv_blend_init(O)
     state["weight"][0], state["mean"][0], state["sq"][0] = 10.0, 0.5, 0.5
     out = est("bv_blend", [[1.0, 1.0, 1.0, 1.0]], state=state, cluster=np.array([0]))
     np.testing.assert_allclose(out.advantage[0], np.full(4, 1 / np.sqrt(23)), rtol=1e-3)
@@ -85,7 +89,7 @@ def test_bv_blend_hand_computed_equal_group_and_history_update():
 
 
 def test_bv_blend_is_permutation_equivariant_within_a_group():
-    state = A.bv_blend_init(O)
+    state = E.bv_blend_init(O)
     state["weight"][:] = 5.0
     state["mean"][:] = state["sq"][:] = 0.3
     r = np.random.default_rng(4).random((3, 6))
@@ -103,22 +107,22 @@ def test_bv_blend_is_permutation_equivariant_within_a_group():
 def test_majority_rewards():
     answers = np.array([[7, 7, 3, -1], [1, 2, 3, 4], [-1, -1, -1, -1], [5, 5, 6, 6]])
     expected = [[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]]  # ties: every modal answer; no answer: 0
-    np.testing.assert_array_equal(A.majority_rewards(answers), expected)
+    np.testing.assert_array_equal(R.majority_rewards(answers), expected)
 
 
 def test_gmae_is_k_over_k_plus_one_rloo_for_context_free_rewards():
     """Closed form, and the enumeration it replaces: E_T[r_i − mean_T r] = k/(k+1)·(r_i − mean_{j≠i} r_j)."""
     r = np.random.default_rng(6).random((2, 6))
     for k in (1, 3, 5):
-        o = A.AdvantageConfig(gmae_context=k)
+        o = C.AdvantageConfig(gmae_context=k)
         closed = est("gmae", r, o).advantage
-        np.testing.assert_allclose(closed, k / (k + 1) * np.asarray(A.rloo(r)), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(closed, k / (k + 1) * np.asarray(baselines.rloo(r)), rtol=1e-5, atol=1e-6)
         for x in range(2):
-            enumerated = A.gmae_enumerate(6, k, lambda T, x=x: r[x, list(T)])
+            enumerated = E.gmae_enumerate(6, k, lambda T, x=x: r[x, list(T)])
             np.testing.assert_allclose(closed[x], enumerated, rtol=1e-5, atol=1e-6)
     # k = G − 1: the one context is the group itself, which is Dr. GRPO
     np.testing.assert_allclose(
-        est("gmae", r, A.AdvantageConfig(gmae_context=5)).advantage, A.dr_grpo(r), rtol=1e-5, atol=1e-6
+        est("gmae", r, C.AdvantageConfig(gmae_context=5)).advantage, baselines.dr_grpo(r), rtol=1e-5, atol=1e-6
     )
 
 
@@ -127,15 +131,15 @@ def test_gmae_majority_vote_hand_computed():
     # {0,1,3} -> 1/3; {0,2,3} -> three-way tie, all rewarded, 0. Mean 2/9. For 2 (B): {2,0,1} -> 0 − 2/3; the other
     # two contexts are ties -> 0; mean −2/9. The plain majority vote of the whole group would give (1,1,0,0).
     answers = np.array([[11, 11, 22, 33]])
-    out = est("gmae", A.majority_rewards(answers), A.AdvantageConfig(gmae_context=2), answers=answers)
+    out = est("gmae", R.majority_rewards(answers), C.AdvantageConfig(gmae_context=2), answers=answers)
     np.testing.assert_allclose(out.advantage[0], [2 / 9, 2 / 9, -2 / 9, -2 / 9], rtol=1e-6)
 
 
 def test_gmae_sampled_contexts_are_seeded():
     answers = np.random.default_rng(7).integers(0, 3, (2, 12))
-    o = A.AdvantageConfig(gmae_context=6, gmae_max_contexts=20)  # C(11, 6) = 462 contexts: sampled
-    one = est("gmae", A.majority_rewards(answers), o, answers=answers, step=4, seed=1).advantage
-    again = est("gmae", A.majority_rewards(answers), o, answers=answers, step=4, seed=1).advantage
+    o = C.AdvantageConfig(gmae_context=6, gmae_max_contexts=20)  # C(11, 6) = 462 contexts: sampled
+    one = est("gmae", R.majority_rewards(answers), o, answers=answers, step=4, seed=1).advantage
+    again = est("gmae", R.majority_rewards(answers), o, answers=answers, step=4, seed=1).advantage
     np.testing.assert_array_equal(one, again)
     assert np.abs(one.sum(1)).max() < 1.0  # an average of centred advantages over sampled contexts: near 0
 
@@ -145,21 +149,23 @@ def test_gmae_sampled_contexts_are_seeded():
 
 def test_maxpo_with_k1_is_rloo():
     r = np.random.default_rng(8).random((3, 5))
-    np.testing.assert_allclose(est("maxpo", r, A.AdvantageConfig(maxpo_k=1)).advantage, A.rloo(r), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        est("maxpo", r, C.AdvantageConfig(maxpo_k=1)).advantage, baselines.rloo(r), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_maxpo_pass_at_2_hand_computed():
     # One success in four, K = 2: s_0 = 3/6 (every pair with response 0 has max 1), s_j = 1/6. The others' pass@2
     # estimate is 0 for response 0 and 2/3 for each other response (two of the three pairs of {1, 0, 0} hold the 1).
     # A_0 = (4/2)·(1/2) − 0 = 1, A_j = (4/2)·(1/6) − 2/3 = −1/3.
-    out = est("maxpo", [[1.0, 0.0, 0.0, 0.0]], A.AdvantageConfig(maxpo_k=2))
+    out = est("maxpo", [[1.0, 0.0, 0.0, 0.0]], C.AdvantageConfig(maxpo_k=2))
     np.testing.assert_allclose(out.advantage[0], [1, -1 / 3, -1 / 3, -1 / 3], rtol=1e-6)
 
 
 @pytest.mark.parametrize("K", [2, 3])
 def test_maxpo_is_exactly_centred(K):
     r = np.random.default_rng(K).random((6, 7)).round(1)  # ties included
-    out = est("maxpo", r, A.AdvantageConfig(maxpo_k=K))
+    out = est("maxpo", r, C.AdvantageConfig(maxpo_k=K))
     np.testing.assert_allclose(out.advantage.sum(1), 0.0, atol=1e-5)
 
 
@@ -173,7 +179,7 @@ def test_maxpo_subset_weights_match_brute_force():
     baseline = [
         np.mean([max(np.delete(r, i)[list(S)]) for S in itertools.combinations(range(G - 1), K)]) for i in range(G)
     ]
-    np.testing.assert_allclose(A.maxpo_group(r, K), G / K * brute - np.array(baseline), rtol=1e-12)
+    np.testing.assert_allclose(E.maxpo_group(r, K), G / K * brute - np.array(baseline), rtol=1e-12)
 
 
 @pytest.mark.parametrize("G,K", [(3, 2), (4, 2), (4, 3)])
@@ -187,7 +193,7 @@ def test_maxpo_is_unbiased_for_the_max_at_k_gradient(G, K):
     lhs = np.zeros(3)
     for ys in itertools.product(range(3), repeat=G):
         prob = np.prod(p[list(ys)])
-        adv = A.maxpo_group(v[list(ys)], K)
+        adv = E.maxpo_group(v[list(ys)], K)
         lhs += prob * sum(adv[i] * score[y] for i, y in enumerate(ys))
     grad = np.zeros(3)
     for ys in itertools.product(range(3), repeat=K):
@@ -197,7 +203,7 @@ def test_maxpo_is_unbiased_for_the_max_at_k_gradient(G, K):
 
 def test_maxpo_needs_more_responses_than_k():
     with pytest.raises(ValueError, match="more responses than K"):
-        A.maxpo_group(np.zeros(2), 2)
+        E.maxpo_group(np.zeros(2), 2)
 
 
 # ---------------------------------------------------------------- LamPO
@@ -206,8 +212,8 @@ def test_maxpo_needs_more_responses_than_k():
 def test_lampo_without_temperature_is_rloo():
     r = np.random.default_rng(9).random((3, 5))
     ell = np.random.default_rng(10).normal(size=(3, 5))
-    out = est("lampo", r, A.AdvantageConfig(lampo_temperature=0.0), seq_logp=ell)
-    np.testing.assert_allclose(out.advantage, A.rloo(r), rtol=1e-5, atol=1e-6)
+    out = est("lampo", r, C.AdvantageConfig(lampo_temperature=0.0), seq_logp=ell)
+    np.testing.assert_allclose(out.advantage, baselines.rloo(r), rtol=1e-5, atol=1e-6)
 
 
 def test_lampo_hand_computed_pair():
@@ -244,12 +250,12 @@ def test_ntf_single_rollout_batch_baseline_and_filtered_tokens():
     expected = np.array([[1, 1, 1], [0, 1, 0], [1, 0, 1], [1, 1, 1]], np.float32)[:, None, :]
     np.testing.assert_array_equal(out.token_weight, expected)
     assert out.metrics["ntf_filtered_fraction"] == pytest.approx(3 / 5)  # of the negatives' 5 completion tokens
-    none = est("ntf", r, A.AdvantageConfig(ntf_filter_prob=1.0), token_logp=logp, token_mask=mask)
+    none = est("ntf", r, C.AdvantageConfig(ntf_filter_prob=1.0), token_logp=logp, token_mask=mask)
     assert np.all(none.token_weight[mask] == 1)  # 1: nothing filtered (a sampled token never has probability 1 here)
 
 
 def test_ntf_ema_baseline_follows_earlier_batches():
-    o = A.AdvantageConfig(ntf_baseline="ema", ntf_normalize=False, ntf_decay=0.5)
+    o = C.AdvantageConfig(ntf_baseline="ema", ntf_normalize=False, ntf_decay=0.5)
     first = est("ntf", [[1.0], [1.0]], o)  # no history yet: the batch mean
     np.testing.assert_allclose(first.advantage, 0.0)
     second = est("ntf", [[0.0], [1.0]], o, state=first.state)  # baseline 1 (the EMA of one batch of mean 1)
@@ -268,14 +274,14 @@ def test_ddrl_hand_computed_groups_and_balance():
             [1, 2, 3, 4, 6],  # 1/5 <= 0.3: all five negative
         ]
     )
-    out = est("ddrl", A.majority_rewards(answers), answers=answers, step=3, seed=2)
+    out = est("ddrl", R.majority_rewards(answers), answers=answers, step=3, seed=2)
     a = out.advantage
     assert np.all(a[1] == 0)
     assert set(np.unique(a)) <= {-1.0, 0.0, 1.0}
     # 4 positives against 6 negatives: 4 of each kept
     assert (a > 0).sum() == 4 and (a < 0).sum() == 4 and np.all(a[0, :4] == 1)
     assert out.metrics["ddrl_excluded_groups"] == pytest.approx(1 / 3)
-    again = est("ddrl", A.majority_rewards(answers), answers=answers, step=3, seed=2).advantage
+    again = est("ddrl", R.majority_rewards(answers), answers=answers, step=3, seed=2).advantage
     np.testing.assert_array_equal(a, again)
 
 
@@ -358,17 +364,17 @@ def test_options_are_checked():
     cd.data.reward = "majority"
     check_names(from_config_dict(cd.to_dict()))
     with pytest.raises(ConfigError, match="ddrl_high"):
-        A.AdvantageConfig(ddrl_high=0.5)
+        C.AdvantageConfig(ddrl_high=0.5)
     with pytest.raises(ConfigError, match="agrae_focus"):
-        A.AdvantageConfig(agrae_focus=1.0)
+        C.AdvantageConfig(agrae_focus=1.0)
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         A.estimate("nope", A.Group(np.zeros((1, 2))), O)
 
 
 def test_answer_ids_are_stable_and_exact_in_float64():
-    ids = [A.answer_id(s) for s in ("42", "-7", "3.5", "1000000")]
+    ids = [R.answer_id(s) for s in ("42", "-7", "3.5", "1000000")]
     assert len(set(ids)) == 4 and all(0 <= i < 2**52 and float(i) == i for i in ids)
-    assert A.answer_id("42") == ids[0] and A.answer_id(None) == -1
+    assert R.answer_id("42") == ids[0] and R.answer_id(None) == -1
 
 
 # ---------------------------------------------------------------- in the trainers
@@ -378,7 +384,7 @@ def test_es_member_fitness_counterparts():
     """ES's counterparts: max@K over each member's K samples, GRPO's per-prompt normalisation across the members,
     and the label-free reward as the majority answer over every member's samples of a prompt."""
     from esroll.es.strategy import ESSettings
-    from esroll.es_train import member_fitness
+    from esroll.es.method import member_fitness
     from esroll.rollout import Rollout, prompt_means, training_rewards
 
     M, X, K = 3, 2, 2
@@ -421,7 +427,7 @@ def test_es_prompt_shaping_by_a_common_shift_leaves_the_estimate_as_raw(method):
     change the weights member by member, coupling each member's fitness to the others' perturbations."""
     from esroll.es.estimators import direction_weights
     from esroll.es.strategy import ESSettings
-    from esroll.es_train import member_fitness
+    from esroll.es.method import member_fitness
 
     M, X = 6, 5
     reward = np.random.default_rng(14).random(M * X).astype(np.float32)

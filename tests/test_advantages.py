@@ -1,4 +1,4 @@
-"""esroll.advantages: hand-computed values for every shaping, the invariances each claims, masking, errors.
+"""esroll.baselines through esroll.es.shaping: hand-computed values for every shaping, the invariances each claims, masking, errors.
 
 GRPO follows TRL: (r − mean) / (std + 1e-4) with the sample std (ddof = 1; a group of one valid entry has std 0);
 `grpo_population_std` keeps the population std (ddof = 0).
@@ -10,7 +10,7 @@ import chex
 import numpy as np
 import pytest
 
-from esroll import advantages
+from esroll.es import shaping as advantages
 
 NAMES = sorted(advantages.SHAPINGS)
 SHIFT_INVARIANT = ("zscore", "grpo", "grpo_population_std", "dr_grpo", "rloo", "centered_ranks")
@@ -228,5 +228,5 @@ def test_get_returns_the_registered_function():
 
 
 def test_unknown_name():
-    with pytest.raises(ValueError, match=r"unknown fitness shaping / advantage 'bogus'; known: raw, zscore"):
+    with pytest.raises(ValueError, match=r"unknown fitness shaping 'bogus'; expected one of raw, zscore"):
         advantages.get("bogus")

@@ -13,7 +13,8 @@ import optax
 import pytest
 
 from configs.default import get_config
-from esroll import advantages, config, curriculum, errors, es, experiment, grpo, schedules
+from esroll import config, curriculum, errors, es, experiment, grpo, schedules
+from esroll.grpo import advantages
 from esroll.config import ConfigError, ExperimentConfig, InputError, from_config_dict
 from esroll.es import estimators
 from esroll.experiment import check_names
@@ -50,6 +51,35 @@ def test_config_imports_nothing_from_esroll():
     assert "esroll" not in roots, imported
     allowed = set(sys.stdlib_module_names) | {"__future__", "optax", "ml_collections"}
     assert roots <= allowed, roots - allowed
+
+
+def _imports(path) -> set[str]:
+    """The esroll-or-project modules `path` imports anywhere (top level, functions, TYPE_CHECKING), as written."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            out |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    return out
+
+
+def test_the_layers_keep_apart():
+    """ES and GRPO never import each other; the model knows no method, no data and no reward; the library never
+    imports experiments/ or configs/ (docs/architecture.md, "What never imports what")."""
+    rules = {
+        "es": ("esroll.grpo",),
+        "grpo": ("esroll.es",),
+        "models": tuple(f"esroll.{m}" for m in ("es", "grpo", "data", "rewards", "rollout", "task", "train")),
+    }
+    for path in sorted(PACKAGE.rglob("*.py")):
+        imported = _imports(path)
+        assert not {m for m in imported if m.split(".")[0] in ("experiments", "configs")}, path
+        part = path.relative_to(PACKAGE).parts[0]
+        for banned in rules.get(part, ()):
+            bad = {m for m in imported if m == banned or m.startswith(banned + ".")}
+            assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
 
 
 def test_config_and_errors_do_not_import_jax():

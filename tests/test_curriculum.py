@@ -103,7 +103,7 @@ def adaprefix_grpo():
     from esroll import parallel
     from esroll.data import make_splits
     from esroll.task import load_task
-    from esroll.train import Curriculum
+    from esroll.curriculum import Curriculum
 
     from conftest import quick_config
 
@@ -113,7 +113,7 @@ def adaprefix_grpo():
     train, held_out = make_splits(cfg.data)
     mesh = parallel.make_mesh(1)
     task, params = load_task(cfg, train, held_out, mesh)
-    return cfg, train, held_out, task, params, mesh, Curriculum(cfg, train, task.tokenizer, mesh)
+    return cfg, train, held_out, task, params, mesh, Curriculum(cfg, train, task.tokenizer)
 
 
 def test_adaprefix_prefix_is_prompt_and_outside_the_grpo_loss(adaprefix_grpo, monkeypatch):
@@ -126,6 +126,7 @@ def test_adaprefix_prefix_is_prompt_and_outside_the_grpo_loss(adaprefix_grpo, mo
     import jax
 
     from esroll import grpo, rollout
+    from esroll.grpo import method as grpo_method
 
     cfg, train, _, task, params, mesh, batches = adaprefix_grpo
     examples, idx, given = batches.batch(0)
@@ -149,7 +150,7 @@ def test_adaprefix_prefix_is_prompt_and_outside_the_grpo_loss(adaprefix_grpo, mo
         return recorded
 
     monkeypatch.setattr(rollout, "generate", recording_generate)
-    monkeypatch.setattr(grpo, "make_update", recording_make_update)
+    monkeypatch.setattr(grpo_method, "make_update", recording_make_update)
     method = grpo.make_grpo_method(cfg, task, mesh)
     method.step(params, method.init(params, jax.random.key(0)), examples, 0)
     ((gen_prompt, gen_prompt_mask, gen_tokens, gen_lengths),), (batch,) = decoded, updated
@@ -180,7 +181,7 @@ def test_adaprefix_reward_scores_prefix_and_completion_as_one_answer(adaprefix_g
     split between prefix and completion earns 1, and a prefix followed by a wrong tail 0."""
     import dataclasses
 
-    from esroll.advantages import answer_id
+    from esroll.rewards import answer_id
 
     _, train, _, task, _, _, _ = adaprefix_grpo
     e = next(e for e in train if e.answer == "153")  # target_text " 153", solution "86 + 67 = 153\n#### 153"
@@ -236,7 +237,7 @@ def test_evaluation_is_unaided_while_adaprefix_is_on(adaprefix_grpo, tmp_path, m
         return wrapped
 
     monkeypatch.setattr(trainer, "rollout", recording("eval", trainer.rollout))  # `evaluate`'s only decoder
-    monkeypatch.setattr(grpo, "rollout", recording("train", grpo.rollout))
+    monkeypatch.setattr(grpo.method, "rollout", recording("train", grpo.method.rollout))
     train_and_evaluate(cfg, tmp_path, mesh_devices=1, progress=False)
 
     assert len(calls["train"]) == 2

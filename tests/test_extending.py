@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 
 from conftest import REPO, SHIPPED_MODEL
-from esroll import advantages, grpo_variants, rewards
+from esroll import rewards
+from esroll.es import shaping
+from esroll.grpo import advantages
+from esroll.grpo import variants as grpo_variants
 from esroll.config import ConfigError, from_config_dict
 from esroll.data import TASKS, Example, register_task
 from esroll.experiment import check_names
@@ -59,7 +62,7 @@ def registries(tmp_path, monkeypatch):
     saved = [
         (TASKS, dict(TASKS)),
         (rewards.REWARDS, dict(rewards.REWARDS)),
-        (advantages.SHAPINGS, dict(advantages.SHAPINGS)),
+        (shaping.SHAPINGS, dict(shaping.SHAPINGS)),
         (advantages.ESTIMATORS, dict(advantages.ESTIMATORS)),
         (advantages.OPTIONS, dict(advantages.OPTIONS)),
         (grpo_variants.VARIANTS, dict(grpo_variants.VARIANTS)),
@@ -167,9 +170,9 @@ def test_variant_example(registries):
 def test_shaping_example(registries):
     run_section("A fitness shaping (ES)", registries)
     check_trained(registries, "above_median")
-    shaped = advantages.get("above_median")
+    shaped = shaping.get("above_median")
     np.testing.assert_array_equal(shaped(np.array([3.0, 1.0, 2.0, np.nan])), [0.5, -0.5, 0.0, 0.0])
-    assert "above_median" in advantages.ESTIMATORS  # a shaping is a stateless group advantage too
+    assert "above_median" not in advantages.ESTIMATORS  # ES's registry only: GRPO's estimators are registered apart
 
 
 def test_a_registered_task_trains_by_name_from_the_command_line(registries):
@@ -235,9 +238,9 @@ def test_a_name_is_registered_once_unless_replaced(registries):
     with pytest.raises(ValueError, match="already registered"):
         rewards.register_reward("gold", _echo)
     with pytest.raises(ValueError, match="already registered"):
-        advantages.register_shaping("zscore", lambda r, valid: r)
+        shaping.register_shaping("zscore", lambda r, valid: r)
     with pytest.raises(ValueError, match="already registered"):
-        advantages.register_advantage("grpo", lambda g, o, s: None)  # the shapings are estimators too
+        advantages.register_advantage("grpo", lambda g, o, s: None)  # the group-relative built-ins are estimators
     with pytest.raises(ValueError, match="already registered"):
         grpo_variants.register_variant("stare", grpo_variants.Variant())
     with pytest.raises(TypeError, match="Variant instance"):
@@ -281,7 +284,7 @@ def test_a_registered_advantage_is_estimated_with_its_state(registries):
     state = advantages.init_state("counting", AdvantageConfig())
     out = advantages.estimate("counting", advantages.Group(np.ones((2, 3))), AdvantageConfig(), state)
     assert int(out.state["n"]) == 1 and out.advantage.shape == (2, 3)
-    assert "counting" not in advantages.SHAPINGS and "counting" not in advantages.SINGLE_ROLLOUT
+    assert "counting" not in shaping.SHAPINGS and "counting" not in advantages.SINGLE_ROLLOUT
     cd = _quick("grpo_quick")
     cd.grpo.update(advantage="counting", group_size=1)
     with pytest.raises(ConfigError, match=r"^config: invalid value for 'grpo.group_size': 1 \(expected >= 2\)"):
@@ -328,7 +331,7 @@ def test_every_registry_checks_a_config_name_with_its_key():
     for registry, key in (
         (TASKS, "data.task"),
         (rewards.REWARDS, "data.reward"),
-        (advantages.SHAPINGS, "es.shaping"),
+        (shaping.SHAPINGS, "es.shaping"),
         (advantages.ESTIMATORS, "grpo.advantage"),
         (grpo_variants.VARIANTS, "grpo.variants"),
     ):

@@ -35,7 +35,7 @@ from esroll.grpo import (
     token_weights,
 )
 from esroll.grpo import grpo_loss as _grpo_loss
-from esroll.grpo_variants import (
+from esroll.grpo.variants import (
     PROGRESS_BUCKETS,
     VARIANTS,
     LossTerms,
@@ -45,7 +45,7 @@ from esroll.grpo_variants import (
     stare_token_weights,
 )
 from esroll.models import forward, load_hf
-from esroll.sampling import sequence_logprobs
+from esroll.scoring import sequence_logprobs
 from esroll.task import load_task
 from esroll.train import train_and_evaluate
 

@@ -20,7 +20,7 @@ import pytest
 from esroll import ledger
 from esroll.es import noise
 from esroll.models import KVCache, LowRank, ModelConfig, Perturbation, forward, param_shapes
-from esroll.sampling import sequence_logprobs
+from esroll.scoring import sequence_logprobs
 
 TOL = 0.05  # XLA's elementwise FLOPs are 1.2-2.6% of the total for these configs, forward and backward
 

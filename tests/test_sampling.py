@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from esroll.models import LowRank, Perturbation, forward, load_hf
-from esroll.sampling import generate, lower_generate, pad_prompts, sequence_logprobs
+from esroll.sampling import generate, lower_generate, pad_prompts
+from esroll.scoring import sequence_logprobs
 
 from conftest import FAMILIES, build_tiny_hf
 

@@ -13,7 +13,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from esroll import es, parallel, sharding
-from esroll.es_train import _strategy, state_shardings
+from esroll.es.method import compiled_strategy, state_shardings
 from esroll.models import ModelConfig, Perturbation, forward, model_config
 from esroll.models import abstract_params as param_shapes_tree
 
@@ -89,10 +89,10 @@ def test_tensor_parallel_perturbed_logits_and_es_update_equal_one_device():
         mesh = parallel.make_mesh(8, model=model)
         np.testing.assert_allclose(_perturbed_logits(mesh, params, deltas, tokens, member), ref_logits, atol=2e-5)
         optim = dataclasses.replace(quick_config().optimizer, name="adam", lr=1e-2)
-        tell = _strategy(ES, optim, mesh).tell
+        tell = compiled_strategy(ES, optim, mesh).tell
         masters = sharding.place(jax.tree.map(np.array, params), sharding.master_shardings(mesh, params))  # donated
         sharded_state = jax.jit(
-            _strategy(ES, optim, mesh).init, out_shardings=state_shardings(ES, optim, mesh, params)
+            compiled_strategy(ES, optim, mesh).init, out_shardings=state_shardings(ES, optim, mesh, params)
         )(masters, parallel.put_replicated(mesh, jax.random.key(1)))
         new, new_state, _ = tell(sharded_state, masters, parallel.put_replicated(mesh, fitness))
         chex.assert_trees_all_close(jax.device_get(new), ref_params, atol=1e-6)

@@ -88,13 +88,13 @@ def test_policy_gradient_is_the_ascent_direction_of_its_completions(monkeypatch)
     train, held_out = make_splits(cfg.data)
     mesh = parallel.make_mesh(1)
     task, params = load_task(cfg, train, held_out, mesh)
-    captured, sample = [], grpo.rollout
+    captured, sample = [], grpo.method.rollout
 
     def rollout(*args, **kwargs):  # the real rollout, its output kept
         captured.append(sample(*args, **kwargs))
         return captured[-1]
 
-    monkeypatch.setattr(grpo, "rollout", rollout)
+    monkeypatch.setattr(grpo.method, "rollout", rollout)
     X, G = cfg.train.prompts_per_step, cfg.grpo.group_size
     pg = grpo.make_policy_gradient(cfg, task, mesh)(params, get_batch(train, X, cfg.data.seed, 0), 0)
     (out,) = captured

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from esroll import advantages
+from esroll.es import shaping as shapings
 from esroll.es import noise
 from esroll.models import LowRank
 
@@ -67,7 +67,7 @@ def direction_weights(
         keep_M = finite_M
     kept = keep_M.sum()
     skipped = kept < max(2, math.ceil(min_valid_fraction * M))
-    f_M = advantages.get(shaping)(fitness_M, keep_M)  # zero where not kept
+    f_M = shapings.get(shaping)(fitness_M, keep_M)  # zero where not kept
     if method == "eggroll":
         w_E = (f_M[0::2] - f_M[1::2]) / (sigma * jnp.maximum(kept, 2))  # kept = M'
     else:

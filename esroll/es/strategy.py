@@ -26,21 +26,20 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from esroll import advantages
 from esroll.config import ConfigError, ESConfig, ESSettings, check_fields, make_schedule
-from esroll.es import estimators, noise
+from esroll.es import estimators, noise, shaping
 
 Array = jax.Array
 
 
 def check_names(cfg: ESSettings) -> None:
     """Raise the one-line ConfigError of the first name in `cfg` that names no implementation: its fitness shapings
-    (`esroll.advantages.SHAPINGS`) and, in an `ESConfig`, its estimator (`estimators.METHODS`). The dataclasses of
+    (`esroll.shaping.SHAPINGS`) and, in an `ESConfig`, its estimator (`estimators.METHODS`). The dataclasses of
     `esroll.config` check everything else when they are built but cannot see these registries; `make_strategy` runs
     this, so that a config built by hand is refused before anything runs."""
     checks = [
-        ("shaping", cfg.shaping in advantages.SHAPINGS, advantages.SHAPINGS.expected()),
-        ("prompt_shaping", cfg.prompt_shaping in advantages.SHAPINGS, advantages.SHAPINGS.expected()),
+        ("shaping", cfg.shaping in shaping.SHAPINGS, shaping.SHAPINGS.expected()),
+        ("prompt_shaping", cfg.prompt_shaping in shaping.SHAPINGS, shaping.SHAPINGS.expected()),
     ]
     if isinstance(cfg, ESConfig):
         checks.insert(0, ("method", cfg.method in estimators.METHODS, f"one of {', '.join(estimators.METHODS)}"))

@@ -106,7 +106,7 @@ def forward(
     layer's gradient), so no device ever holds every layer's full weights or gradients at once.
 
     With `return_hidden`, the final-normed hidden states [B, T, D] (model dtype) instead of the logits: a caller
-    that needs only some positions' logits (`esroll.sampling.sequence_logprobs`) applies `head` to those, in chunks,
+    that needs only some positions' logits (`esroll.scoring.sequence_logprobs`) applies `head` to those, in chunks,
     and never holds the [B, T, V] float32 buffer. `remat` (no cache only; a name in REMAT_POLICIES, None = "none")
     rematerialises each scanned layer for the backward pass, so that what is saved per layer is the residual stream
     ("full") or it and the weight matmuls' outputs ("dots"), never the attention scores.

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs.gsm8k_qwen3 import get_config
-from esroll import es, es_train, grpo, parallel, sharding
+from esroll import es, grpo, parallel, sharding
+from esroll.es import method as es_method
 from esroll.config import from_config_dict, make_optimizer
 from esroll.models import Perturbation
 from esroll.sampling import generate, lower_generate
@@ -187,8 +188,8 @@ def _es_phases(cfg, masters, mesh, rows, prompt, new, reps) -> tuple[dict, dict]
     X = ES_PROMPTS
     M = rows // X
     es_cfg = dataclasses.replace(c.es_config, population=M)
-    strategy = es_train._strategy(es_cfg, c.optimizer, mesh)  # the trainer's jitted ask / tell
-    shardings = es_train.state_shardings(es_cfg, c.optimizer, mesh, masters)  # as the trainer lays the state out
+    strategy = es_method.compiled_strategy(es_cfg, c.optimizer, mesh)  # the trainer's jitted ask / tell
+    shardings = es_method.state_shardings(es_cfg, c.optimizer, mesh, masters)  # as the trainer lays the state out
     state = jax.jit(strategy.init, out_shardings=shardings)(masters, parallel.put_replicated(mesh, jax.random.key(0)))
     compute = sharding.caster(mesh, c.model.dtype)(masters)
     prompt_BxP = jnp.asarray(np.tile(_prompts(cfg, X, prompt, 1), (M, 1)))

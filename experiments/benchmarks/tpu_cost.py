@@ -84,7 +84,8 @@ import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec
 
-from esroll import es, es_train, grpo, parallel, sharding
+from esroll import es, grpo, parallel, sharding
+from esroll.es import method as es_method
 from esroll.config import from_config_dict, make_optimizer
 from esroll.models import STACKED, KVCache, Perturbation, forward, init_cache, model_config, param_shapes
 
@@ -318,11 +319,11 @@ class _Target:
 
     @functools.cached_property
     def strategy(self):
-        return es_train._strategy(es_train.strategy_config(self.cfg.es_config), self.cfg.optimizer, self.mesh)
+        return es_method.compiled_strategy(es_method.strategy_config(self.cfg.es_config), self.cfg.optimizer, self.mesh)
 
     def es_state(self, masters):
         es_cfg = self.cfg.es_config
-        shardings = es_train.state_shardings(es_cfg, self.cfg.optimizer, self.mesh, masters)
+        shardings = es_method.state_shardings(es_cfg, self.cfg.optimizer, self.mesh, masters)
         state = jax.eval_shape(self.strategy.init, masters, self.key)
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
 

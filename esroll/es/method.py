@@ -20,17 +20,18 @@ import time
 import jax
 import numpy as np
 
-from esroll import advantages, es, ledger, memory, parallel, sharding
-from esroll.es.diagnostics import rank_diagnostics, step_diagnostics
+from esroll import es, ledger, memory, parallel, sharding
 from esroll.config import ESConfig, ExperimentConfig, OptimConfig, make_optimizer
 from esroll.data import Example
+from esroll.es import shaping
+from esroll.es.diagnostics import rank_diagnostics, step_diagnostics
 from esroll.models import abstract_params
 from esroll.rollout import Sampling, prompt_means, rollout, training_rewards
 from esroll.task import Method, StepOutput, Task
 
 
 @functools.cache
-def _strategy(es_cfg: ESConfig, optim: OptimConfig, mesh) -> es.Strategy:
+def compiled_strategy(es_cfg: ESConfig, optim: OptimConfig, mesh) -> es.Strategy:
     """The strategy with jitted ask / tell, one per (ES config, optimizer config, mesh) in a process, so that runs of
     one process (a comparison's warm-up and its timed runs) share their compilation. `ask`'s deltas follow the
     weights' tensor-parallel layout; `tell` donates the master parameters and the state, computes each device's shard
@@ -60,7 +61,7 @@ def _strategy(es_cfg: ESConfig, optim: OptimConfig, mesh) -> es.Strategy:
 @functools.cache
 def _diagnostics(es_cfg: ESConfig, model_cfg):
     """The jitted diagnostics of an ES step (`esroll.es.diagnostics`): the split-half figures, on the mesh, and the
-    update's effective ranks, on one device. One pair per (ES config, model) in a process, as `_strategy`, so that
+    update's effective ranks, on one device. One pair per (ES config, model) in a process, as `compiled_strategy`, so that
     the runs of one process compile them once."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params(model_cfg))
     return jax.jit(functools.partial(step_diagnostics, es_cfg)), jax.jit(
@@ -109,7 +110,7 @@ def member_fitness(es_settings, reward_B: np.ndarray, M: int, X: int, gold_B: np
     broken_M = ~np.isfinite(checked).all(axis=(1, 2))
     reduce = np.max if es_settings.sample_reduce == "max" else np.mean
     per_prompt_XxM = reduce(rewards_MxXxK, axis=2).T
-    shaped_XxM = np.asarray(advantages.get(es_settings.prompt_shaping)(per_prompt_XxM), np.float64)
+    shaped_XxM = np.asarray(shaping.get(es_settings.prompt_shaping)(per_prompt_XxM), np.float64)
     return np.where(broken_M, np.nan, shaped_XxM.mean(axis=0)).astype(np.float32)
 
 
@@ -122,7 +123,7 @@ def make_es_method(
     from the parameters and fitness `tell` reads, before it runs (nothing of it reaches the update); with
     `policy_gradient` (`esroll.grpo.make_policy_gradient`, for `train.diagnostics_pg`) their cosine with it too."""
     es_cfg = cfg.es_config
-    strategy = _strategy(strategy_config(es_cfg), cfg.optimizer, mesh)
+    strategy = compiled_strategy(strategy_config(es_cfg), cfg.optimizer, mesh)
     to_compute = sharding.caster(mesh, cfg.model.dtype)
     M, X, K = cfg.es.population, cfg.train.prompts_per_step, cfg.es.samples
     # Rows member-major, then prompt, then sample: row (m·X + x)·K + k is member m's k-th answer to prompt x.

@@ -1,0 +1,31 @@
+"""The check of a GRPO config's names against the registries of the modules that implement them."""
+
+from __future__ import annotations
+
+from esroll.config import GRPOConfig, check_fields
+from esroll.grpo import advantages
+from esroll.grpo import variants as grpo_variants
+from esroll.grpo.loss import AGGREGATIONS
+from esroll.models.transformer import REMAT_POLICIES
+
+
+def check_names(g: GRPOConfig) -> None:
+    """Raise the one-line ConfigError of the first name in `g` that names no implementation (its advantage estimator,
+    `esroll.grpo.advantages.ESTIMATORS`; its variants, `esroll.grpo.variants.VARIANTS`; its aggregation, `AGGREGATIONS`;
+    its remat policy, `esroll.models.transformer.REMAT_POLICIES`), of a group size the estimator cannot use (>= 2,
+    but for the single-rollout estimators, `esroll.grpo.advantages.SINGLE_ROLLOUT`), or of settings a variant refuses
+    (`Variant.check`). `GRPOConfig` (in `esroll.config`) checks everything else when it is built but cannot see these
+    registries; `make_update` and `make_grpo_method` run this, so that a config built by hand is refused before
+    anything runs."""
+    single = g.advantage in advantages.SINGLE_ROLLOUT
+    unknown = [v for v in g.variants if v not in grpo_variants.VARIANTS]
+    checks = [
+        ("advantage", g.advantage in advantages.ESTIMATORS, advantages.ESTIMATORS.expected()),
+        ("group_size", single or g.group_size >= 2, ">= 2"),
+        ("variants", not unknown, f"names among {', '.join(grpo_variants.VARIANTS)}"),
+        ("aggregation", g.aggregation in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),
+        ("remat", isinstance(g.remat, str) and g.remat in REMAT_POLICIES, f"one of {', '.join(REMAT_POLICIES)}"),
+    ]
+    check_fields(g, checks, "GRPOConfig")
+    for _, variant in grpo_variants.active(g):
+        variant.check(g)

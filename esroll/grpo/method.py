@@ -1,0 +1,257 @@
+"""GRPO, the gradient-based baseline: same model, prompts, sampler and rewards as ES; only the estimator differs.
+
+One step: G completions per prompt from `generate` (which also returns π_old per token) → rewards → group
+advantages (`esroll.grpo.advantages`) → `inner_iterations` passes over `minibatches` minibatches, one optimizer step
+each (`esroll.grpo.update`), on the clipped surrogate plus β·KL to the initial policy (`esroll.grpo.loss`).
+
+π_old. The first minibatch of the first pass is scored by the parameters that sampled it, so its ratio is computed as
+exp(logp − stop_gradient(logp)): exactly 1, with the policy gradient as its gradient. Every later update uses the
+log-probabilities `generate` returned (KV-cache path; they may differ from a full forward by ~1e-6, far inside any
+clip range), so no extra forward pass is spent on π_old.
+
+Sampling (`esroll.rollout`) decodes from the same cast of the masters that ES decodes from, tensor-parallel over
+"model", rows split over "data".
+
+Shapes (the legend in `esroll/__init__.py`): X prompts per step, M completions per prompt (`group_size`), B = X·M rows,
+P padded prompt length, N = max_new_tokens, U microbatches of b rows per minibatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from esroll import ledger, parallel, sharding
+from esroll.config import AdvantageConfig, ConfigError, ExperimentConfig, make_optimizer
+from esroll.data import Example
+from esroll.grpo import advantages
+from esroll.grpo import variants as grpo_variants
+from esroll.grpo.checks import check_names
+from esroll.grpo.diagnostics import split_half_diagnostics
+from esroll.grpo.loss import token_weights
+from esroll.grpo.update import (
+    GRPOState,
+    Rollouts,
+    _split_host,
+    init_state,
+    keeps_reference,
+    make_gradient,
+    make_update,
+    pad_rows,
+    state_shardings,
+    update_config,
+)
+from esroll.grpo.variants import Sampled
+from esroll.rollout import Sampling, prompt_means, rollout, training_rewards
+from esroll.task import Method, StepOutput, Task
+
+
+def make_batches(
+    out, mask_BxN, advantage_BxN, factor_BxN, aggregation: str, minibatches: int, microbatches: int, mesh: Mesh
+) -> list[Rollouts]:
+    """A step's B sampled rows as `minibatches` `Rollouts` on `mesh`, each split into `microbatches` of b rows (b
+    padded to a multiple of the data axis with masked rows). Minibatch m is rows [m·B/n_mini, (m+1)·B/n_mini), whole
+    prompt groups when n_mini divides X; its token weights (`token_weights`, times `factor_BxN`) are computed over
+    its real rows, before the padding."""
+    B = mask_BxN.shape[0]
+    b = B // (minibatches * microbatches)  # rows per microbatch
+    data = parallel.data_size(mesh)
+    b_padded = -(-b // data) * data
+    micro_rows = NamedSharding(mesh, PartitionSpec(None, parallel.AXIS))
+    batches = []
+    for m in range(minibatches):
+        rows = slice(m * microbatches * b, (m + 1) * microbatches * b)
+        weight = (
+            np.asarray(token_weights(mask_BxN[rows], aggregation)) * np.broadcast_to(factor_BxN, mask_BxN.shape)[rows]
+        )
+        fields = (
+            out.prompt_BxP[rows],
+            out.prompt_mask_BxP[rows],
+            out.tokens_BxN[rows],
+            mask_BxN[rows],
+            out.logprobs_BxN[rows],
+            advantage_BxN[rows],
+            weight.astype(np.float32),
+        )
+        split = (pad_rows(x.reshape(microbatches, b, *x.shape[1:]), b_padded) for x in fields)
+        batches.append(Rollouts(*(parallel.put(micro_rows, x) for x in split)))
+    return batches
+
+
+def _completion_mask(out) -> np.ndarray:
+    return np.arange(out.tokens_BxN.shape[1])[None, :] < out.length_B[:, None]
+
+
+def _group(out, rewards_XxM, mask_BxN, examples, step_index: int, seed: int, label_free: bool) -> advantages.Group:
+    """What the advantage estimators read of a step's X × M sampled rows (`esroll.grpo.advantages.Group`)."""
+    X, M = rewards_XxM.shape
+    N = mask_BxN.shape[1]
+    seq_logp = np.where(mask_BxN, out.logprobs_BxN, 0.0).sum(1) / np.maximum(out.length_B, 1)
+    return advantages.Group(
+        rewards_XxM,
+        step=step_index,
+        seed=seed,
+        seq_logp=seq_logp.reshape(X, M),
+        token_logp=out.logprobs_BxN.reshape(X, M, N),
+        token_mask=mask_BxN.reshape(X, M, N),
+        answers=out.answer_B.reshape(X, M) if label_free else None,
+        examples=examples,
+    )
+
+
+def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_device: int | None = None) -> Method:
+    """The GRPO method; sampling decodes `rows_per_device` rows per device at once (as `esroll.plan` chose them),
+    else `parallel.rows_per_device` (0: all of a device's share). `step` expects the masters as `esroll.task.load_task`
+    places them on `mesh` and the state as `init` (or a restore into its layout) leaves it; the update returns both in
+    that layout, so it compiles once. A name in `cfg.grpo` that no module implements is refused first
+    (`check_names`, naming the key as a config file spells it)."""
+    g = cfg.grpo
+    try:
+        check_names(g)
+    except ConfigError as e:
+        raise e.under("grpo.") from None
+    X, M, N = cfg.train.prompts_per_step, g.group_size, cfg.train.max_new_tokens
+    label_free = cfg.data.reward == "majority"  # rewards from the group's majority answer, not the gold one
+    to_compute = sharding.caster(mesh, cfg.model.dtype)  # the decoding copy (model.dtype) of the masters
+    sample_key = jax.random.key(cfg.seed + 1)
+    sampling = Sampling.of(N, g.temperature, cfg.parallel, rows_per_device or cfg.parallel.rows_per_device)
+    compiled = update_config(g)
+    step_update = make_update(task.cfg, compiled, cfg.optimizer, mesh, cfg.model.dtype)
+    optimizer = make_optimizer(cfg.optimizer)
+    variants = grpo_variants.active(g)
+    example_B = np.repeat(np.arange(X), M)  # rows prompt-major: row x·M + j answers prompt x
+    every = cfg.train.diagnostics_every
+    # FLOPs of the update (`esroll.ledger`): μ passes of forward + backward over every row, and the reference's
+    # forward when one is kept.
+    passes = g.inner_iterations
+    update_flops = passes * ledger.train_flops(task.cfg, X * M, task.prompt_multiple, N, remat=g.remat)
+    if keeps_reference(g):
+        update_flops += passes * ledger.forward_flops(task.cfg, X * M, task.prompt_multiple + N, head_positions=N)
+
+    def init(params, key):
+        del key  # sampling keys are fold_in(seed, step); nothing else is random
+
+        make = functools.partial(init_state, g, optimizer)
+        return jax.jit(make, out_shardings=state_shardings(g, cfg.optimizer, mesh, params))(params)
+
+    def step(params, state: GRPOState, examples: list[Example], step_index: int) -> StepOutput:
+        # ---- sample M completions per prompt and score them
+        key = jax.random.fold_in(sample_key, step_index)
+        out = rollout(
+            task, mesh, to_compute(params), examples, example_B, key, sampling, completions=True, answers=label_free
+        )
+        reward_B, metrics = training_rewards(out, label_free)
+        rewards_XxM = reward_B.reshape(X, M)
+        mask_BxN = _completion_mask(out)
+
+        # ---- advantages, then the variants' token weights
+        own, variant_state = _split_host(g, state.host)
+        group = _group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, label_free)
+        estimate = advantages.estimate(g.advantage, group, g.adv, own)
+        advantage_BxN = np.broadcast_to(estimate.advantage.reshape(-1, 1), (X * M, N)).astype(np.float32)
+        factor_BxN = np.ones((X * M, N), np.float32)
+        if estimate.token_weight is not None:  # the estimator's per-token factor (e.g. ntf's filtered tokens: 0)
+            factor_BxN = factor_BxN * estimate.token_weight.reshape(X * M, N)
+        sampled = Sampled(out.logprobs_BxN, mask_BxN, advantage_BxN, rewards_XxM, step_index)
+        for name, variant in variants:
+            factor, more = variant.token_weight(g, variant_state[name], sampled)
+            factor_BxN = factor_BxN if factor is None else factor_BxN * factor
+            metrics.update(more)
+
+        def batches_of(factor):
+            return make_batches(
+                out, mask_BxN, advantage_BxN, factor_BxN * factor, g.aggregation, g.minibatches, g.microbatches, mesh
+            )
+
+        # ---- on diagnostic steps, the split-half figures of the step's gradient at its start (never fed back)
+        start = time.perf_counter()
+        if every and (step_index + 1) % every == 0:
+            gradient = make_gradient(task.cfg, compiled, mesh, cfg.model.dtype)
+            metrics.update(split_half_diagnostics(gradient, params, state.ref_params, batches_of, X, M))
+            metrics["s_diagnostics"] = time.perf_counter() - start
+            start = time.perf_counter()
+
+        # ---- μ passes over the minibatches, the first update on-policy
+        batches = batches_of(np.float32(1.0))
+        history = []
+        for iteration in range(g.inner_iterations):
+            for m, batch in enumerate(batches):
+                params, state, update_metrics = step_update(
+                    params, state, batch, jnp.asarray(iteration == 0 and m == 0)
+                )
+                history.append(update_metrics)
+        update_metrics = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *history)
+        jax.block_until_ready(params)
+        metrics["s_update"] = time.perf_counter() - start
+
+        # ---- the host-side state for the next step
+        host = dict(estimate.state or {})
+        for name, variant in variants:
+            new = variant.update_state(g, variant_state[name], update_metrics)
+            host.update({f"{name}_{k}": v for k, v in new.items()})
+        if host:
+            state = state._replace(host=parallel.put_replicated(mesh, {k: jnp.asarray(v) for k, v in host.items()}))
+        generate_flops = ledger.rollout_flops(task.cfg, out.prompt_BxP.shape[1], out.length_B)
+        metrics.update(
+            update_metrics,
+            fitness_mean=rewards_XxM.mean(),
+            fitness_std=rewards_XxM.std(),
+            advantage_abs=np.abs(estimate.advantage).mean(),
+            s_rollout=out.seconds["generate"],
+            s_scoring=out.seconds["score"],
+            flops_generate=float(generate_flops),
+            flops_update=float(update_flops),
+            **(estimate.metrics or {}),
+        )
+        if M > 1:  # a group of one is trivially all-equal
+            metrics["frac_groups_all_equal"] = np.mean(np.all(rewards_XxM == rewards_XxM[:, :1], axis=1))
+        prompt_reward = prompt_means(example_B, reward_B, X)
+        flops = generate_flops + update_flops
+        return StepOutput(params, state, metrics, int(out.length_B.sum()), prompt_reward, flops)
+
+    return Method(init, step)
+
+
+def make_policy_gradient(cfg: ExperimentConfig, task: Task, mesh: Mesh):
+    """pg(params, examples, step_index) -> the plain on-policy GRPO gradient, as an ascent direction in the masters'
+    tree: `grpo.group_size` completions per prompt sampled from `params` at `grpo.temperature` (keys from
+    seed + 2, apart from every other draw of a run), rewarded as the run's reward, group advantages (`grpo`), the
+    plain loss (no variant, no KL). What an ES run's diagnostics compare its estimate with on the same prompts
+    (`esroll.es.diagnostics.step_diagnostics`)."""
+    g = dataclasses.replace(update_config(cfg.grpo), beta=0.0, variants=(), minibatches=1, microbatches=1)
+    X, G, N = cfg.train.prompts_per_step, cfg.grpo.group_size, cfg.train.max_new_tokens
+    label_free = cfg.data.reward == "majority"
+    to_compute = sharding.caster(mesh, cfg.model.dtype)
+    sampling = Sampling.of(N, cfg.grpo.temperature, cfg.parallel, cfg.parallel.rows_per_device)
+    gradient = make_gradient(task.cfg, g, mesh, cfg.model.dtype)
+    key = jax.random.key(cfg.seed + 2)
+    example_B = np.repeat(np.arange(X), G)
+
+    def pg(params, examples: list[Example], step_index: int):
+        step_key = jax.random.fold_in(key, step_index)
+        out = rollout(
+            task,
+            mesh,
+            to_compute(params),
+            examples,
+            example_B,
+            step_key,
+            sampling,
+            completions=True,
+            answers=label_free,
+        )
+        reward_B, _ = training_rewards(out, label_free)
+        advantage_B = advantages.estimate("grpo", advantages.Group(reward_B.reshape(X, G)), AdvantageConfig()).advantage
+        mask_BxN = _completion_mask(out)
+        advantage_BxN = np.broadcast_to(advantage_B.reshape(-1, 1), mask_BxN.shape).astype(np.float32)
+        (batch,) = make_batches(out, mask_BxN, advantage_BxN, np.float32(1.0), g.aggregation, 1, 1, mesh)
+        grads, _ = gradient(params, None, batch, jnp.asarray(True))
+        return jax.tree.map(jnp.negative, grads)
+
+    return pg
