@@ -68,10 +68,10 @@ def _arms(c: ConfigDict) -> dict[str, dict]:
         "rloo": g(advantage="rloo"),
         # Sized from tuned_hard's GRPO rate (244-310 steps in 90 s) for a 30-s run; the hard comparison then took 67-79
         # steps in 30 s, so its schedules end 2/3 to 4/5 of the way (β ≈ 0.6-0.67 at the last step, not 0.5).
-        "agrae": g(advantage="agrae", adv={"horizon": 100}),
+        "agrae": g(advantage="agrae", adv={"agrae": {"horizon": 100}}),
         "bv_blend": g(advantage="bv_blend"),
         "gmae": g(advantage="gmae"),
-        "maxpo": g(advantage="maxpo", adv={"maxpo_k": 2}),
+        "maxpo": g(advantage="maxpo", adv={"maxpo": {"k": 2}}),
         "lampo": g(advantage="lampo"),
         "ntf": ntf,
         "looroll": looroll,

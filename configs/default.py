@@ -3,11 +3,11 @@
     python -m experiments.train --config configs/default.py --workdir runs/default
 
 Hardware: 2 CPU cores. Expected: held-out exact match rises by at least 10 points within 5 minutes of wall time (the
-measured numbers: docs/results/default.md). Every key starts at its default in `esroll.config` (list them with
+measured numbers: docs/results/default.md). Every key starts at its default (`esroll.experiment.default_config`; list them with
 `python -m experiments.train --config configs/default.py --help`); this file sets what the experiment changes.
 """
 
-from esroll.config import ExperimentConfig, config_dict
+from esroll.experiment import default_config
 
 VARIANTS = {
     "looroll": "LOO-ROLL, population 64, Adam lr 3e-4, 70 steps (the default)",
@@ -22,7 +22,7 @@ def get_config(arg: str | None = None):
     variant = arg or "looroll"
     if variant not in VARIANTS:
         raise ValueError(f"configs/default.py: unknown variant {arg!r} (expected one of {', '.join(VARIANTS)})")
-    c = config_dict(ExperimentConfig())
+    c = default_config()
     c.method = "looroll"
     c.es.sigma = 0.005  # ~6% of the tiny model's weight scale; 0.02 collapsed accuracy
     c.es.shaping = "raw"

@@ -78,11 +78,15 @@ def get_config(arg: str | None = None) -> ConfigDict:
         "grpo_ads": _with(grpo, curriculum={"ads": True}),
         "looroll_ads": _with(looroll, curriculum={"ads": True}),
         "grpo_stare": _with(
-            grpo, grpo={"variants": ("stare",), "stare": {"quantile": 0.8, "entropy_low": 0.8, "entropy_high": 1.0}}
+            grpo,
+            grpo={
+                "variants": ("stare",),
+                "variant_options": {"stare": {"quantile": 0.8, "entropy_low": 0.8, "entropy_high": 1.0}},
+            },
         ),
         "grpo_mu2": _with(grpo, grpo={"inner_iterations": 2}),
         "grpo_acpo": _with(grpo, grpo={"inner_iterations": 2, "variants": ("acpo",)}),
-        "grpo_progress": _with(grpo, grpo={"variants": ("progress",), "progress": {"coef": 0.1}}),
+        "grpo_progress": _with(grpo, grpo={"variants": ("progress",), "variant_options": {"progress": {"coef": 0.1}}}),
     }
     names = ("grpo", "grpo_adaprefix", "looroll_ads") if arg == "quick" else ARMS
     c.methods = ",".join(names)

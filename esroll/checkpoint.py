@@ -17,7 +17,7 @@ from typing import Any
 
 from etils import epath
 
-from esroll.config import dotted
+from esroll.config import dotted, migrate
 from esroll.errors import InputError
 
 
@@ -140,12 +140,13 @@ def extension(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
 
 
 def saved_config(workdir: str | os.PathLike) -> dict | None:
-    """The config.json of the run in `workdir` (None: there is none)."""
+    """The config.json of the run in `workdir` (None: there is none), with keys renamed since it was written moved to
+    their new places (`esroll.config.migrate`), so that the run resumes."""
     path = workdir_path(workdir) / "config.json"
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        return migrate(json.loads(path.read_text()))
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: not valid JSON ({e.msg}); move the file aside or use another --workdir") from None
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from esroll.config import ExperimentConfig, from_config_dict
+from esroll.config import ExperimentConfig, from_config_dict, migrate
 from esroll.experiment import check_names
 from esroll.metrics import read_metrics
 from esroll.report import SPEC_FILE, area_under_curve, run_dir, run_ended
@@ -236,7 +236,7 @@ def is_complete(directory: Path, cfg: ExperimentConfig) -> bool:
     """True when `directory` holds a finished run of `cfg`."""
     config_path = directory / "config.json"
     config = _config_json(cfg)
-    if not config_path.is_file() or json.loads(config_path.read_text()) != config:
+    if not config_path.is_file() or migrate(json.loads(config_path.read_text())) != config:
         return False
     return run_ended(read_metrics(directory / "metrics.jsonl"), config["train"])
 

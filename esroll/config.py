@@ -69,12 +69,109 @@ def check_fields(obj, checks: Iterable[tuple[str, bool, str]], where: str) -> No
 
 
 def unknown_key(key: str, known: Iterable[str]) -> str:
-    """'unknown key 'es.sigmaa' (did you mean 'es.sigma'?)' — the nearest known key of the same section."""
+    """'unknown key 'es.sigmaa' (did you mean 'es.sigma'?)' — the nearest known key of the same section; for a key
+    that was renamed, its new name."""
+    if key in RENAMED:
+        return f"config: key '{key}' is now '{RENAMED[key]}'"
+    if any(k.startswith(key + ".") for k in RENAMED):
+        renamed = sorted({RENAMED[k].rsplit(".", 1)[0] for k in RENAMED if k.startswith(key + ".")})
+        return f"config: section '{key}' is now {', '.join(map(repr, renamed))}"
     known = sorted(known)
     prefix, _, name = key.rpartition(".")
     close = difflib.get_close_matches(name, known, n=1)
     hint = f"did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else f"known: {', '.join(known)}"
     return f"config: unknown key '{key}' ({hint})"
+
+
+# ---- options registered beside an implementation
+
+
+class Options(dict):
+    """The options of registered implementations, by name: `grpo.adv` ({estimator: its options}),
+    `grpo.variant_options`, `es.shaping_options`. An implementation registers its own frozen options dataclass beside
+    its code (`esroll.registry.Registry.add(..., options=)`), so adding one with a hyperparameter edits no config
+    module; this module, which cannot see the registries, keeps each section as the config file wrote it (a mapping
+    of mappings), and `esroll.experiment.check_names` builds every registered name's dataclass from it (refusing
+    unknown names and keys with the nearest one) and fills in the defaults of those not set.
+
+    Immutable and hashable like the frozen dataclasses around it (compiled programs are cached per config)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for key, value in dict.items(self):
+            dict.__setitem__(self, key, _frozen(value))
+
+    def __hash__(self):  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
+
+    def __reduce__(self):
+        return type(self), (dict(self),)
+
+    def _immutable(self, *args, **kwargs):
+        raise TypeError("config options are immutable: build a new Options (or use dataclasses.replace)")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _immutable  # type: ignore
+
+
+def _frozen(value: Any) -> Any:
+    """A config file's value as an immutable one: mappings as `Options`, lists as tuples."""
+    if isinstance(value, Options) or dataclasses.is_dataclass(value):
+        return value
+    if hasattr(value, "items"):  # a dict or an ml-collections ConfigDict
+        return Options({k: v for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+# Keys renamed when estimators and variants took their options beside their code: old dotted key -> new one. A
+# config file or command line that sets an old key is refused with one line naming the new one; a run's saved
+# config.json written with the old keys is read through `migrate`, so the run resumes.
+RENAMED = {
+    **{
+        f"grpo.adv.{old}": f"grpo.adv.agrae.{new}"
+        for old, new in (
+            ("horizon", "horizon"),
+            ("agrae_positive", "positive"),
+            ("agrae_positive_final", "positive_final"),
+            ("agrae_focus", "focus"),
+        )
+    },
+    "grpo.adv.cluster_key": "grpo.adv.bv_blend.cluster_key",
+    **{f"grpo.adv.bv_{k}": f"grpo.adv.bv_blend.{k}" for k in ("clusters", "decay", "blend_max", "sem", "prior_var")},
+    "grpo.adv.gmae_context": "grpo.adv.gmae.context",
+    "grpo.adv.gmae_max_contexts": "grpo.adv.gmae.max_contexts",
+    "grpo.adv.maxpo_k": "grpo.adv.maxpo.k",
+    "grpo.adv.lampo_temperature": "grpo.adv.lampo.temperature",
+    **{f"grpo.adv.ntf_{k}": f"grpo.adv.ntf.{k}" for k in ("baseline", "decay", "normalize", "filter_prob")},
+    **{f"grpo.adv.ddrl_{k}": f"grpo.adv.ddrl.{k}" for k in ("low", "high", "value")},
+    **{
+        f"grpo.stare.{k}": f"grpo.variant_options.stare.{k}"
+        for k in ("quantile", "alpha", "entropy_low", "entropy_high")
+    },
+    **{f"grpo.acpo.{k}": f"grpo.variant_options.acpo.{k}" for k in ("edges", "scale", "min", "max")},
+    "grpo.progress.coef": "grpo.variant_options.progress.coef",
+}
+_ADDED_SECTIONS = ("es.shaping_options", "grpo.variant_options")  # empty in a config.json that predates them
+
+
+def migrate(config: dict) -> dict:
+    """A saved config.json (nested dicts) with every `RENAMED` key moved to its new place and the sections added
+    since present; a config without old keys comes back equal."""
+    flat = dotted(config)
+    if not any(k in RENAMED for k in flat):
+        return config
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = RENAMED.get(key, key).split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    for key in _ADDED_SECTIONS:
+        section, name = key.split(".")
+        out.setdefault(section, {}).setdefault(name, {})
+    return out
 
 
 # ---- schedules of the learning rate and of ES's σ
@@ -252,6 +349,7 @@ class ESSettings:
     shift every member's fitness alike (rloo also scales it by M/(M − 1) when every reward is finite), which leaves
     the estimator's weights as raw gives them. Label-free rewards (data.reward = majority) couple the members the
     same way.
+    shaping_options: the options of the shapings that registered some, by name (`es.shaping_options.<name>.<key>`).
     Leaf selection by path regex (see `esroll.es.noise`): defaults freeze embed / lm_head and vectors, perturb other
     matrices.
     chunk_size: directions per chunk when `tell` sums the update (0: all at once).
@@ -269,6 +367,7 @@ class ESSettings:
     samples: int = 1
     sample_reduce: str = "mean"
     prompt_shaping: str = "raw"
+    shaping_options: Options = Options()
     lowrank_patterns: tuple[str, ...] = (".*",)
     dense_patterns: tuple[str, ...] = ()
     frozen_patterns: tuple[str, ...] = ("embed", "lm_head")
@@ -332,158 +431,21 @@ def _compiles(pattern: str) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class AdvantageConfig:
-    """Options of the group-advantage estimators (a config file's `grpo.adv`, `esroll.grpo.advantages`); each estimator
-    reads only its own.
-
-    horizon: the steps over which A-GRAE's schedules run (agrae needs it >= 1).
-    agrae_positive / agrae_positive_final: A-GRAE's factor on positive advantages at step 0 / from the horizon on
-        (linear in between; 1 = symmetric GRPO). agrae_focus: its difficulty-focus strength κ in [0, 1): a group of
-        success rate p is weighted 1 + κ·(1 − 2t)·(2p − 1), t = step / horizon (capped at 1): easy groups first,
-        hard ones by the end.
-    cluster_key: what groups prompts into BV-Blend's clusters (`esroll.data.cluster_key`): difficulty (the example's
-        difficulty bucket: carries of a sum, else the worked solution's steps), task, or a field of the example's
-        meta. bv_clusters: the size of BV-Blend's cluster table (cluster keys are hashed into it); bv_decay: its EMA
-        decay per update of a cluster (a cluster absent from a step keeps its history as it is); bv_blend_max: the
-        largest weight history gets; bv_sem: the standard error at which history gets half of
-        bv_blend_max; bv_prior_var: the variance assumed of a cluster before it has history (the SEM proxy's prior).
-    gmae_context: k, the other responses in a context (0: group_size // 2); gmae_max_contexts: above this many
-        contexts per response, a seeded sample of them is averaged (exact enumeration below it).
-    maxpo_k: K of MaxPO's max@K (pass@K on 0/1 rewards); needs group_size > K.
-    lampo_temperature: τ of LamPO's pair confidence 2σ(−τ·sign(r_i − r_j)·(ℓ_i − ℓ_j)), ℓ the mean token
-        log-probability (0: every pair weighs 1, which is RLOO).
-    ntf_baseline: batch | ema (the EMA of earlier batches' mean reward, decay ntf_decay); ntf_normalize: divide by the
-        batch's reward std; ntf_filter_prob: a negative sample's tokens sampled with probability ≥ this are not
-        penalised (1: nothing filtered).
-    ddrl_low / ddrl_high: a group whose modal answer is held by a fraction ≤ low of it is all negative, ≥ high has its
-        modal answers positive and the rest negative, in between it is left out; ddrl_value: the fixed advantage a.
-    """
-
-    horizon: int = 0
-    agrae_positive: float = 1.0
-    agrae_positive_final: float = 0.5
-    agrae_focus: float = 0.5
-    cluster_key: str = "difficulty"
-    bv_clusters: int = 64
-    bv_decay: float = 0.9
-    bv_blend_max: float = 0.5
-    bv_sem: float = 0.1
-    bv_prior_var: float = 0.25
-    gmae_context: int = 0
-    gmae_max_contexts: int = 256
-    maxpo_k: int = 2
-    lampo_temperature: float = 1.0
-    ntf_baseline: str = "batch"
-    ntf_decay: float = 0.9
-    ntf_normalize: bool = True
-    ntf_filter_prob: float = 0.5
-    ddrl_low: float = 0.3
-    ddrl_high: float = 0.6
-    ddrl_value: float = 1.0
-
-    def __post_init__(self):
-        checks = [
-            ("horizon", self.horizon >= 0, ">= 0"),
-            ("agrae_positive", self.agrae_positive >= 0, ">= 0"),
-            ("agrae_positive_final", self.agrae_positive_final >= 0, ">= 0"),
-            ("agrae_focus", 0 <= self.agrae_focus < 1, "in [0, 1)"),
-            ("bv_clusters", self.bv_clusters >= 1, ">= 1"),
-            ("bv_decay", 0 <= self.bv_decay < 1, "in [0, 1)"),
-            ("bv_blend_max", 0 <= self.bv_blend_max < 1, "in [0, 1)"),
-            ("bv_sem", self.bv_sem > 0, "> 0"),
-            ("bv_prior_var", self.bv_prior_var > 0, "> 0"),
-            ("gmae_context", self.gmae_context >= 0, ">= 0 (0: group_size // 2)"),
-            ("gmae_max_contexts", self.gmae_max_contexts >= 1, ">= 1"),
-            ("maxpo_k", self.maxpo_k >= 1, ">= 1"),
-            ("lampo_temperature", self.lampo_temperature >= 0, ">= 0"),
-            ("ntf_baseline", self.ntf_baseline in ("batch", "ema"), "batch or ema"),
-            ("ntf_decay", 0 <= self.ntf_decay < 1, "in [0, 1)"),
-            ("ntf_filter_prob", 0 < self.ntf_filter_prob <= 1, "in (0, 1]"),
-            ("ddrl_high", 0.5 < self.ddrl_high <= 1, "in (0.5, 1] (a unique modal answer)"),
-            ("ddrl_low", 0 <= self.ddrl_low < self.ddrl_high, "in [0, ddrl_high)"),
-            ("ddrl_value", self.ddrl_value > 0, "> 0"),
-        ]
-        check_fields(self, checks, "AdvantageConfig")
-
-
-@dataclasses.dataclass(frozen=True)
-class StareConfig:
-    """STARE's options (`grpo.stare`; on when "stare" is in `grpo.variants`, `esroll.grpo.variants.Stare`): while the
-    gate is open, the completion tokens whose surprisal −log π_old is above the batch's `quantile`-quantile get their
-    advantage scaled by 1 + alpha·sign(A) (as a token weight, so with β > 0 it scales their KL term too). The gate
-    starts closed, opens when the previous step's measured policy entropy is ≤ entropy_low and closes when it is
-    ≥ entropy_high."""
-
-    quantile: float = 0.8
-    alpha: float = 0.5
-    entropy_low: float = 0.3
-    entropy_high: float = 0.6
-
-    def __post_init__(self):
-        checks = [
-            ("quantile", 0 < self.quantile < 1, "in (0, 1)"),
-            ("alpha", 0 <= self.alpha <= 1, "in [0, 1]"),
-            ("entropy_low", self.entropy_low >= 0, ">= 0"),
-            ("entropy_high", self.entropy_high > self.entropy_low, "> entropy_low"),
-        ]
-        check_fields(self, checks, "StareConfig")
-
-
-@dataclasses.dataclass(frozen=True)
-class AcpoConfig:
-    """ACPO's options (`grpo.acpo`; on when "acpo" is in `grpo.variants`, `esroll.grpo.variants.Acpo`): the clip
-    range of each token is 1 ± ε_k of its group k (tokens grouped by π_old at `edges`),
-    ε_k = clip(scale·std_k(ρ), min, max), the ratios' spread in that group of the microbatch; `grpo.epsilon_low` /
-    `epsilon_high` are then unused. Ratios leave 1 only off-policy (μ ≥ 2 or several minibatches), so on-policy every
-    ε_k is `min` and nothing changes."""
-
-    edges: tuple[float, ...] = (0.1, 0.5, 0.9)
-    scale: float = 2.0
-    min: float = 0.1
-    max: float = 0.4
-
-    def __post_init__(self):
-        checks = [
-            (
-                "edges",
-                all(0 < e < 1 for e in self.edges) and list(self.edges) == sorted(set(self.edges)),
-                "increasing probabilities in (0, 1)",
-            ),
-            ("scale", self.scale > 0, "> 0"),
-            ("min", 0 < self.min <= self.max, "in (0, max]"),
-            ("max", self.max < 1, "< 1 (the lower bound 1 − ε must stay positive)"),
-        ]
-        check_fields(self, checks, "AcpoConfig")
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgressConfig:
-    """The progress advantage's options (`grpo.progress`; on when "progress" is in `grpo.variants`,
-    `esroll.grpo.variants.Progress`): every token's advantage gets + coef·(log π_θ − log π_ref), no gradient through
-    it, π_ref the initial policy (kept for it): zero at the reference, so it adds to the advantage and never scales
-    it."""
-
-    coef: float = 0.1
-
-    def __post_init__(self):
-        check_fields(self, [("coef", self.coef > 0, "> 0")], "ProgressConfig")
-
-
-@dataclasses.dataclass(frozen=True)
 class GRPOConfig:
     """GRPO settings (a config file's `grpo` section, `esroll.grpo`). Each step samples `group_size` completions per
     prompt at `temperature`, then takes `inner_iterations` (μ) passes of `minibatches` optimizer steps each; a
     minibatch's gradient is summed over `microbatches` (a memory knob only, except under ACPO, whose bounds are per
     microbatch). advantage: a registered group-advantage estimator (`esroll.grpo.advantages.ESTIMATORS`: "grpo" is TRL's
-    scale_rewards="group"; rloo, dr_grpo, agrae, bv_blend, gmae, maxpo, lampo, ntf, ddrl, ...), with its options in
-    `adv` (`AdvantageConfig`); group_size 1 only for the single-rollout estimators (ntf). aggregation: a name of
+    scale_rewards="group"; rloo, dr_grpo, agrae, bv_blend, gmae, maxpo, lampo, ntf, ddrl, ...); `adv` holds the
+    options of every estimator that registered some, by name (`grpo.adv.agrae.positive`), and the run's estimator
+    reads its own; group_size 1 only for the single-rollout estimators (ntf). aggregation: a name of
     `esroll.grpo.AGGREGATIONS` (see `esroll.grpo.token_weights`); beta: weight of the k3 KL to the initial policy
     (0 keeps no reference model).
 
     variants: registered modifications of the plain step and loss (`esroll.grpo.variants.VARIANTS`), applied in this
-    order: "stare" (token reweighting behind an entropy gate, options in `stare`), "acpo" (a clip range per token
-    group, `acpo`), "progress" (the progress advantage, `progress`). None by default, and then the loss is
-    bit-identical to plain GRPO's.
+    order: "stare" (token reweighting behind an entropy gate), "acpo" (a clip range per token group), "progress" (the
+    progress advantage); their options are in `variant_options`, by name (`grpo.variant_options.stare.alpha`). None
+    by default, and then the loss is bit-identical to plain GRPO's.
 
     Memory knobs (the update is the same whatever their values, to float rounding): remat, what the backward pass
     keeps of each decoder layer ("none": everything, including every layer's float32 attention scores; "full": only
@@ -491,12 +453,12 @@ class GRPOConfig:
     `esroll.models.transformer.REMAT_POLICIES`); logprob_chunk, the completion positions whose [rows, chunk, vocab]
     float32 logits exist at once when scoring (0 = all max_new_tokens at once).
 
-    The names (advantage, variants, aggregation, remat) and the group size an estimator needs are checked by
-    `esroll.grpo.check_names`."""
+    The names (advantage, variants, aggregation, remat), the registered options and the group size an estimator needs
+    are checked by `esroll.grpo.check_names` and `esroll.experiment.check_names`."""
 
     group_size: int = 8
     advantage: str = "grpo"
-    adv: AdvantageConfig = AdvantageConfig()
+    adv: Options = Options()
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     inner_iterations: int = 1
@@ -508,23 +470,11 @@ class GRPOConfig:
     remat: str = "full"
     logprob_chunk: int = 64
     variants: tuple[str, ...] = ()
-    stare: StareConfig = StareConfig()
-    acpo: AcpoConfig = AcpoConfig()
-    progress: ProgressConfig = ProgressConfig()
+    variant_options: Options = Options()
 
     def __post_init__(self):
         checks = [
             ("group_size", self.group_size >= 1, ">= 1"),
-            (
-                "group_size",
-                self.advantage != "maxpo" or self.group_size > self.adv.maxpo_k,
-                f"> adv.maxpo_k = {self.adv.maxpo_k} (MaxPO's leave-two-out baseline)",
-            ),
-            (
-                "adv.horizon",
-                self.advantage != "agrae" or self.adv.horizon >= 1,
-                ">= 1 for agrae (its schedules' length)",
-            ),
             ("variants", len(set(self.variants)) == len(self.variants), "each variant named once"),
             ("temperature", self.temperature > 0, "> 0"),
             ("epsilon_low", 0 <= self.epsilon_low < 1, "in [0, 1)"),
@@ -741,6 +691,8 @@ def from_config_dict(cd: Any, cls: type = ExperimentConfig, prefix: str = "") ->
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             values[key] = from_config_dict(value, hint, f"{name}.")
+        elif hint is Options:
+            values[key] = _options(name, value)
         else:
             values[key] = _typed(name, hint, value)
     try:
@@ -748,6 +700,20 @@ def from_config_dict(cd: Any, cls: type = ExperimentConfig, prefix: str = "") ->
     except ConfigError as e:
         raise e.under(prefix) from None
     return built.validate() if cls is ExperimentConfig else built
+
+
+def _options(name: str, value: Any) -> Options:
+    """A section of registered options as the config wrote it: {registered name: {key: value}}. What the names and
+    keys must be is known only to the registries (`esroll.experiment.check_names`); the structure is checked here."""
+    if not hasattr(value, "items"):
+        raise InputError(f"config: key '{name}' must be a section of options ({name}.<name>.<key>), got {value!r}")
+    for entry, options in value.items():
+        if not hasattr(options, "items") and not dataclasses.is_dataclass(options):
+            key = f"{name}.{entry}"
+            if key in RENAMED:
+                raise InputError(unknown_key(key, ()))
+            raise InputError(f"config: key '{key}' must be the options of '{entry}' ({key}.<key>), got {options!r}")
+    return Options(value)
 
 
 def _typed(name: str, hint: Any, value: Any) -> Any:

@@ -16,18 +16,49 @@ import dataclasses
 
 from esroll import curriculum, grpo, rewards
 from esroll.grpo import advantages, variants as grpo_variants
-from esroll.config import AdvantageConfig, ConfigError, ExperimentConfig, check_fields, dotted
+from esroll.config import ConfigError, ExperimentConfig, InputError, check_fields, config_dict, dotted
 from esroll.data import TASKS, TEMPLATES
 from esroll.data.tasks import TASK_KNOBS
-from esroll.es import estimators, strategy
+from esroll.es import estimators, shaping, strategy
 
 METHODS = (*estimators.METHODS, "grpo")
 
 
+# The options sections of the config (`esroll.config.Options`) and the registries whose entries bring them.
+OPTION_SECTIONS = (
+    (("grpo", "adv"), advantages.ESTIMATORS),
+    (("grpo", "variant_options"), grpo_variants.VARIANTS),
+    (("es", "shaping_options"), shaping.SHAPINGS),
+)
+
+
+def resolve_options(cfg: ExperimentConfig) -> ExperimentConfig:
+    """`cfg` with every options section complete and typed: {registered name: its options dataclass}, built from what
+    the config sets (an unknown name or key refused with one line naming the nearest) and the defaults of the rest."""
+    for (section, field), registry in OPTION_SECTIONS:
+        part = getattr(cfg, section)
+        resolved = registry.resolve(getattr(part, field))
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(part, **{field: resolved})})
+    return cfg
+
+
+def default_config():
+    """The ConfigDict config files start from: every default of `esroll.config`, and the options of every
+    registered estimator, variant and shaping at their defaults (`grpo.adv.agrae.positive`), so that a config file
+    or a `--config.KEY=VALUE` override can set them. An implementation registered after this call is not in it;
+    `check_names` still fills in its defaults."""
+    return config_dict(resolve_options(ExperimentConfig()))
+
+
 def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
-    """`cfg` when every name-valued key names a registered implementation and the options that depend on what a name
-    implements agree with it; else raise the one-line ConfigError of the first that does not, naming the key as a
-    config file spells it ("config: invalid value for 'es.shaping': 'foo' (expected one of ...)")."""
+    """`cfg` with its options sections resolved (`resolve_options`) when every name-valued key names a registered
+    implementation and the options that depend on what a name implements agree with it; else raise the one-line
+    ConfigError of the first that does not, naming the key as a config file spells it ("config: invalid value for
+    'es.shaping': 'foo' (expected one of ...)")."""
+    try:
+        cfg = resolve_options(cfg)
+    except ConfigError as e:  # raised by an options dataclass, its key already spelled in full
+        raise InputError(str(e)) from None
     task = TASKS.get(cfg.data.task)
     reward_names = rewards.reward_names()
     checks = [
@@ -53,7 +84,7 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
             check(section)
         except ConfigError as e:
             raise e.under(prefix) from None
-    label_free_only = cfg.method == "grpo" and cfg.grpo.advantage in advantages.LABEL_FREE_ONLY
+    label_free_only = cfg.method == "grpo" and advantages.ESTIMATORS[cfg.grpo.advantage].label_free_only
     if label_free_only and cfg.data.reward != "majority":
         expected = (
             f"an estimator that reads gold rewards, or data.reward='majority' ({cfg.grpo.advantage} is label-free only)"
@@ -75,18 +106,21 @@ def unread_keys(cfg: ExperimentConfig) -> dict[str, str]:
     elif not cfg.train.diagnostics_pg:
         rules["grpo."] = f"method {cfg.method!r} reads GRPO settings only for train.diagnostics_pg, which is off"
     if cfg.method == "grpo":
-        read = advantages.OPTIONS.get(cfg.grpo.advantage)
-        for field in dataclasses.fields(AdvantageConfig):
-            if read is not None and field.name not in read:
-                users = [name for name, opts in advantages.OPTIONS.items() if opts and field.name in opts]
-                rules[f"grpo.adv.{field.name}"] = (
-                    f"it is an option of grpo.advantage {' or '.join(map(repr, users)) or '(none)'}, "
-                    f"and this run's is {cfg.grpo.advantage!r}"
+        for name in advantages.ESTIMATORS:
+            if name != cfg.grpo.advantage:
+                rules[f"grpo.adv.{name}."] = (
+                    f"only grpo.advantage {name!r} reads it, and this run's is {cfg.grpo.advantage!r}"
                 )
-        for name, variant in grpo_variants.VARIANTS.items():
-            if variant.options and name not in cfg.grpo.variants:
-                rules[f"grpo.{variant.options}."] = (
+        for name in grpo_variants.VARIANTS:
+            if name not in cfg.grpo.variants:
+                rules[f"grpo.variant_options.{name}."] = (
                     f"only the GRPO variant {name!r} reads it, and grpo.variants lacks it"
+                )
+    else:
+        for name in shaping.SHAPINGS:
+            if name not in (cfg.es.shaping, cfg.es.prompt_shaping):
+                rules[f"es.shaping_options.{name}."] = (
+                    f"only the fitness shaping {name!r} reads it, and neither es.shaping nor es.prompt_shaping is it"
                 )
     task = TASKS.get(cfg.data.task)
     if task is not None and task.reads is not None:

@@ -79,7 +79,7 @@ def train_and_evaluate(
     refused before anything else (`esroll.experiment.check_names`). A finished run is reported and left untouched.
     """
     # ---- setup
-    check_names(cfg)
+    cfg = check_names(cfg)
     parallel.maybe_initialize_distributed(cfg.distributed)
     workdir = workdir_path(workdir)  # a local path made absolute, or a URL (gs://...) kept as it is
     config_dict = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))

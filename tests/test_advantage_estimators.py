@@ -11,16 +11,13 @@ import numpy as np
 import pytest
 
 from esroll import baselines
-from esroll import config as C
 from esroll import rewards as R
 from esroll.grpo import advantages as A
 from esroll.grpo import estimators as E
 from esroll.errors import ConfigError
 
-O = C.AdvantageConfig()
 
-
-def est(name, rewards, options=O, state=None, **fields):
+def est(name, rewards, options=None, state=None, **fields):
     g = A.Group(np.asarray(rewards, np.float64), **fields)
     if state is None:
         state = A.init_state(name, options)
@@ -32,7 +29,7 @@ def est(name, rewards, options=O, state=None, **fields):
 
 def test_agrae_without_asymmetry_or_focus_is_grpo():
     r = np.random.default_rng(0).integers(0, 2, (5, 6)).astype(float)
-    o = C.AdvantageConfig(agrae_positive=1.0, agrae_positive_final=1.0, agrae_focus=0.0, horizon=10)
+    o = E.agrae.AgraeOptions(positive=1.0, positive_final=1.0, focus=0.0, horizon=10)
     for step in (0, 5, 20):
         np.testing.assert_allclose(est("agrae", r, o, step=step).advantage, baselines.grpo(r), rtol=1e-6)
 
@@ -41,7 +38,7 @@ def test_agrae_hand_computed():
     # One success in four: mean 1/4, sample std 1/2, so GRPO gives [3/2, -1/2, -1/2, -1/2] (up to its 1e-4).
     r = [[1.0, 0.0, 0.0, 0.0]]
     base = np.array([1.5, -0.5, -0.5, -0.5]) * 0.5 / (0.5 + 1e-4)
-    o = C.AdvantageConfig(agrae_positive=1.0, agrae_positive_final=0.5, agrae_focus=0.5, horizon=10)
+    o = E.agrae.AgraeOptions(positive=1.0, positive_final=0.5, focus=0.5, horizon=10)
     # step 0: β = 1, t = 0, weight 1 + 0.5·(2·1/4 − 1) = 3/4 (a hard group weighs less early)
     np.testing.assert_allclose(est("agrae", r, o, step=0).advantage[0], base * 0.75, rtol=1e-6)
     # step 5: β = 3/4 on the positive entry, t = 1/2: every group weighs 1
@@ -72,7 +69,7 @@ def test_bv_blend_hand_computed_equal_group_and_history_update():
     # Cluster 0's history: weight 10, mean 1/2, second moment 1/2 (variance 1/4). SEM = √((1/4 + 1/4) / 10) = √0.05,
     # λ = 0.5 / (1 + 0.05 / 0.01) = 1/12. A group of four 1s: μ = 1 − λ/2, σ² = λ/4 + λ(1 − λ)/4 = 23/576,
     # so every entry gets (λ/2) / (√23 / 24) = 1/√23.
-    state = E.bv_blend_init(O)
+    state = E.bv_blend.bv_blend_init(E.bv_blend.BVBlendOptions())
     state["weight"][0], state["mean"][0], state["sq"][0] = 10.0, 0.5, 0.5
     out = est("bv_blend", [[1.0, 1.0, 1.0, 1.0]], state=state, cluster=np.array([0]))
     np.testing.assert_allclose(out.advantage[0], np.full(4, 1 / np.sqrt(23)), rtol=1e-3)
@@ -89,7 +86,7 @@ def test_bv_blend_hand_computed_equal_group_and_history_update():
 
 
 def test_bv_blend_is_permutation_equivariant_within_a_group():
-    state = E.bv_blend_init(O)
+    state = E.bv_blend.bv_blend_init(E.bv_blend.BVBlendOptions())
     state["weight"][:] = 5.0
     state["mean"][:] = state["sq"][:] = 0.3
     r = np.random.default_rng(4).random((3, 6))
@@ -114,15 +111,15 @@ def test_gmae_is_k_over_k_plus_one_rloo_for_context_free_rewards():
     """Closed form, and the enumeration it replaces: E_T[r_i − mean_T r] = k/(k+1)·(r_i − mean_{j≠i} r_j)."""
     r = np.random.default_rng(6).random((2, 6))
     for k in (1, 3, 5):
-        o = C.AdvantageConfig(gmae_context=k)
+        o = E.gmae.GMAEOptions(context=k)
         closed = est("gmae", r, o).advantage
         np.testing.assert_allclose(closed, k / (k + 1) * np.asarray(baselines.rloo(r)), rtol=1e-5, atol=1e-6)
         for x in range(2):
-            enumerated = E.gmae_enumerate(6, k, lambda T, x=x: r[x, list(T)])
+            enumerated = E.gmae.gmae_enumerate(6, k, lambda T, x=x: r[x, list(T)])
             np.testing.assert_allclose(closed[x], enumerated, rtol=1e-5, atol=1e-6)
     # k = G − 1: the one context is the group itself, which is Dr. GRPO
     np.testing.assert_allclose(
-        est("gmae", r, C.AdvantageConfig(gmae_context=5)).advantage, baselines.dr_grpo(r), rtol=1e-5, atol=1e-6
+        est("gmae", r, E.gmae.GMAEOptions(context=5)).advantage, baselines.dr_grpo(r), rtol=1e-5, atol=1e-6
     )
 
 
@@ -131,13 +128,13 @@ def test_gmae_majority_vote_hand_computed():
     # {0,1,3} -> 1/3; {0,2,3} -> three-way tie, all rewarded, 0. Mean 2/9. For 2 (B): {2,0,1} -> 0 − 2/3; the other
     # two contexts are ties -> 0; mean −2/9. The plain majority vote of the whole group would give (1,1,0,0).
     answers = np.array([[11, 11, 22, 33]])
-    out = est("gmae", R.majority_rewards(answers), C.AdvantageConfig(gmae_context=2), answers=answers)
+    out = est("gmae", R.majority_rewards(answers), E.gmae.GMAEOptions(context=2), answers=answers)
     np.testing.assert_allclose(out.advantage[0], [2 / 9, 2 / 9, -2 / 9, -2 / 9], rtol=1e-6)
 
 
 def test_gmae_sampled_contexts_are_seeded():
     answers = np.random.default_rng(7).integers(0, 3, (2, 12))
-    o = C.AdvantageConfig(gmae_context=6, gmae_max_contexts=20)  # C(11, 6) = 462 contexts: sampled
+    o = E.gmae.GMAEOptions(context=6, max_contexts=20)  # C(11, 6) = 462 contexts: sampled
     one = est("gmae", R.majority_rewards(answers), o, answers=answers, step=4, seed=1).advantage
     again = est("gmae", R.majority_rewards(answers), o, answers=answers, step=4, seed=1).advantage
     np.testing.assert_array_equal(one, again)
@@ -150,7 +147,7 @@ def test_gmae_sampled_contexts_are_seeded():
 def test_maxpo_with_k1_is_rloo():
     r = np.random.default_rng(8).random((3, 5))
     np.testing.assert_allclose(
-        est("maxpo", r, C.AdvantageConfig(maxpo_k=1)).advantage, baselines.rloo(r), rtol=1e-5, atol=1e-6
+        est("maxpo", r, E.maxpo.MaxPOOptions(k=1)).advantage, baselines.rloo(r), rtol=1e-5, atol=1e-6
     )
 
 
@@ -158,14 +155,14 @@ def test_maxpo_pass_at_2_hand_computed():
     # One success in four, K = 2: s_0 = 3/6 (every pair with response 0 has max 1), s_j = 1/6. The others' pass@2
     # estimate is 0 for response 0 and 2/3 for each other response (two of the three pairs of {1, 0, 0} hold the 1).
     # A_0 = (4/2)·(1/2) − 0 = 1, A_j = (4/2)·(1/6) − 2/3 = −1/3.
-    out = est("maxpo", [[1.0, 0.0, 0.0, 0.0]], C.AdvantageConfig(maxpo_k=2))
+    out = est("maxpo", [[1.0, 0.0, 0.0, 0.0]], E.maxpo.MaxPOOptions(k=2))
     np.testing.assert_allclose(out.advantage[0], [1, -1 / 3, -1 / 3, -1 / 3], rtol=1e-6)
 
 
 @pytest.mark.parametrize("K", [2, 3])
 def test_maxpo_is_exactly_centred(K):
     r = np.random.default_rng(K).random((6, 7)).round(1)  # ties included
-    out = est("maxpo", r, C.AdvantageConfig(maxpo_k=K))
+    out = est("maxpo", r, E.maxpo.MaxPOOptions(k=K))
     np.testing.assert_allclose(out.advantage.sum(1), 0.0, atol=1e-5)
 
 
@@ -179,7 +176,7 @@ def test_maxpo_subset_weights_match_brute_force():
     baseline = [
         np.mean([max(np.delete(r, i)[list(S)]) for S in itertools.combinations(range(G - 1), K)]) for i in range(G)
     ]
-    np.testing.assert_allclose(E.maxpo_group(r, K), G / K * brute - np.array(baseline), rtol=1e-12)
+    np.testing.assert_allclose(E.maxpo.maxpo_group(r, K), G / K * brute - np.array(baseline), rtol=1e-12)
 
 
 @pytest.mark.parametrize("G,K", [(3, 2), (4, 2), (4, 3)])
@@ -193,7 +190,7 @@ def test_maxpo_is_unbiased_for_the_max_at_k_gradient(G, K):
     lhs = np.zeros(3)
     for ys in itertools.product(range(3), repeat=G):
         prob = np.prod(p[list(ys)])
-        adv = E.maxpo_group(v[list(ys)], K)
+        adv = E.maxpo.maxpo_group(v[list(ys)], K)
         lhs += prob * sum(adv[i] * score[y] for i, y in enumerate(ys))
     grad = np.zeros(3)
     for ys in itertools.product(range(3), repeat=K):
@@ -203,7 +200,7 @@ def test_maxpo_is_unbiased_for_the_max_at_k_gradient(G, K):
 
 def test_maxpo_needs_more_responses_than_k():
     with pytest.raises(ValueError, match="more responses than K"):
-        E.maxpo_group(np.zeros(2), 2)
+        E.maxpo.maxpo_group(np.zeros(2), 2)
 
 
 # ---------------------------------------------------------------- LamPO
@@ -212,7 +209,7 @@ def test_maxpo_needs_more_responses_than_k():
 def test_lampo_without_temperature_is_rloo():
     r = np.random.default_rng(9).random((3, 5))
     ell = np.random.default_rng(10).normal(size=(3, 5))
-    out = est("lampo", r, C.AdvantageConfig(lampo_temperature=0.0), seq_logp=ell)
+    out = est("lampo", r, E.lampo.LamPOOptions(temperature=0.0), seq_logp=ell)
     np.testing.assert_allclose(out.advantage, baselines.rloo(r), rtol=1e-5, atol=1e-6)
 
 
@@ -250,12 +247,12 @@ def test_ntf_single_rollout_batch_baseline_and_filtered_tokens():
     expected = np.array([[1, 1, 1], [0, 1, 0], [1, 0, 1], [1, 1, 1]], np.float32)[:, None, :]
     np.testing.assert_array_equal(out.token_weight, expected)
     assert out.metrics["ntf_filtered_fraction"] == pytest.approx(3 / 5)  # of the negatives' 5 completion tokens
-    none = est("ntf", r, C.AdvantageConfig(ntf_filter_prob=1.0), token_logp=logp, token_mask=mask)
+    none = est("ntf", r, E.ntf.NTFOptions(filter_prob=1.0), token_logp=logp, token_mask=mask)
     assert np.all(none.token_weight[mask] == 1)  # 1: nothing filtered (a sampled token never has probability 1 here)
 
 
 def test_ntf_ema_baseline_follows_earlier_batches():
-    o = C.AdvantageConfig(ntf_baseline="ema", ntf_normalize=False, ntf_decay=0.5)
+    o = E.ntf.NTFOptions(baseline="ema", normalize=False, decay=0.5)
     first = est("ntf", [[1.0], [1.0]], o)  # no history yet: the batch mean
     np.testing.assert_allclose(first.advantage, 0.0)
     second = est("ntf", [[0.0], [1.0]], o, state=first.state)  # baseline 1 (the EMA of one batch of mean 1)
@@ -348,8 +345,13 @@ def test_options_are_checked():
 
     cd = get_config("grpo_quick")
     cd.grpo.advantage = "agrae"  # no horizon declared
-    with pytest.raises(ConfigError, match="adv.horizon"):
-        from_config_dict(cd.to_dict())
+    with pytest.raises(ConfigError, match=r"^config: invalid value for 'grpo.adv.agrae.horizon': 0 \(expected >= 1"):
+        check_names(from_config_dict(cd.to_dict()))
+    cd.grpo.adv.agrae.horizon = 10
+    assert check_names(from_config_dict(cd.to_dict())).grpo.adv["agrae"] == E.agrae.AgraeOptions(horizon=10)
+    cd.grpo.update(advantage="maxpo", group_size=2)  # MaxPO's leave-two-out baseline needs group_size > k = 2
+    with pytest.raises(ConfigError, match=r"^config: invalid value for 'grpo.group_size': 2 \(expected > adv.maxpo.k"):
+        check_names(from_config_dict(cd.to_dict()))
     cd = get_config("grpo_quick")
     cd.grpo.update(advantage="ntf", group_size=1)
     cd.data.reward = "majority"  # one completion cannot vote
@@ -363,12 +365,12 @@ def test_options_are_checked():
         check_names(from_config_dict(cd.to_dict()))
     cd.data.reward = "majority"
     check_names(from_config_dict(cd.to_dict()))
-    with pytest.raises(ConfigError, match="ddrl_high"):
-        C.AdvantageConfig(ddrl_high=0.5)
-    with pytest.raises(ConfigError, match="agrae_focus"):
-        C.AdvantageConfig(agrae_focus=1.0)
+    with pytest.raises(ConfigError, match="high"):
+        E.ddrl.DDRLOptions(high=0.5)
+    with pytest.raises(ConfigError, match="focus"):
+        E.agrae.AgraeOptions(focus=1.0)
     with pytest.raises(ValueError, match="unknown advantage estimator"):
-        A.estimate("nope", A.Group(np.zeros((1, 2))), O)
+        A.estimate("nope", A.Group(np.zeros((1, 2))))
 
 
 def test_answer_ids_are_stable_and_exact_in_float64():

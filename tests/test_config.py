@@ -5,6 +5,9 @@ cycle. Structure and ranges are checked when a config is built; registered names
 from __future__ import annotations
 
 import ast
+import dataclasses
+import json
+import re
 import random
 import subprocess
 import sys
@@ -14,7 +17,6 @@ import pytest
 
 from configs.default import get_config
 from esroll import config, curriculum, errors, es, experiment, grpo, schedules
-from esroll.grpo import advantages
 from esroll.config import ConfigError, ExperimentConfig, InputError, from_config_dict
 from esroll.es import estimators
 from esroll.experiment import check_names
@@ -121,7 +123,7 @@ def test_every_module_imports_first():
 
 def test_the_implementations_reexport_their_configs():
     assert es.ESConfig is config.ESConfig and es.ESSettings is config.ESSettings
-    assert grpo.GRPOConfig is config.GRPOConfig and advantages.AdvantageConfig is config.AdvantageConfig
+    assert grpo.GRPOConfig is config.GRPOConfig
     assert curriculum.CurriculumConfig is config.CurriculumConfig
     assert schedules.make_schedule is config.make_schedule and schedules.SCHEDULES is config.SCHEDULES
     for name in ("InputError", "ConfigError", "check_fields", "unknown_key"):
@@ -186,9 +188,12 @@ def test_names_that_depend_on_what_they_implement():
 
 @pytest.mark.parametrize("variant", ["looroll", "eggroll", "grpo", "quick", "grpo_quick"])
 def test_the_shipped_configs_name_registered_implementations(variant):
+    """Checking changes no value: it only types the registered options (and fills in the defaults of those unset)."""
     cfg = from_config_dict(get_config(variant).to_dict())
-    assert check_names(cfg) is cfg
-    assert check_names(ExperimentConfig()) == ExperimentConfig()
+    checked = check_names(cfg)
+    assert dataclasses.asdict(checked) == dataclasses.asdict(cfg) and check_names(checked) == checked
+    default = check_names(ExperimentConfig())
+    assert type(default.grpo.adv["agrae"]).__name__ == "AgraeOptions" and default.grpo.adv["agrae"].positive == 1.0
 
 
 def test_the_trainer_refuses_a_bad_name_before_writing(tmp_path):
@@ -221,3 +226,74 @@ def test_the_factories_refuse_configs_built_by_hand():
     with pytest.raises(ConfigError, match=r"^config: invalid value for 'grpo.advantage': 'foo'"):
         grpo.make_grpo_method(ExperimentConfig(grpo=config.GRPOConfig(advantage="foo")), None, None)
     assert experiment.METHODS == (*estimators.METHODS, "grpo")
+
+
+# ---- registered options: their keys, the renamed flat keys, and runs saved with those
+
+
+def test_registered_options_are_config_keys_checked_with_the_nearest_name():
+    cd = get_config("grpo_quick")
+    cd.grpo.update(advantage="lampo")
+    cd.grpo.adv.lampo.temperature = 0.25
+    cfg = check_names(from_config_dict(cd.to_dict()))
+    assert cfg.grpo.adv["lampo"].temperature == 0.25 and cfg.grpo.adv["maxpo"].k == 2  # the others at their defaults
+    bad = get_config("grpo_quick")
+    bad.grpo.adv.lampo.temperatur = 0.25
+    with pytest.raises(
+        InputError,
+        match=r"^config: unknown key 'grpo.adv.lampo.temperatur' \(did you mean 'grpo.adv.lampo.temperature'\?\)$",
+    ):
+        check_names(from_config_dict(bad.to_dict()))
+    bad = get_config("grpo_quick")
+    bad.grpo.adv.lampo.temperature = -1.0
+    with pytest.raises(
+        InputError, match=r"^config: invalid value for 'grpo.adv.lampo.temperature': -1.0 \(expected >= 0\)$"
+    ):
+        check_names(from_config_dict(bad.to_dict()))
+    bad = get_config("grpo_quick")
+    bad.grpo.adv["lamp"] = {"temperature": 0.5}
+    with pytest.raises(InputError, match=r"^config: unknown key 'grpo.adv.lamp' \(did you mean 'grpo.adv.lampo'\?\)$"):
+        check_names(from_config_dict(bad.to_dict()))
+    bad = get_config("grpo_quick")
+    bad.grpo.variant_options.stare.alpha = 2.0
+    with pytest.raises(InputError, match=r"'grpo.variant_options.stare.alpha': 2.0 \(expected in \[0, 1\]\)$"):
+        check_names(from_config_dict(bad.to_dict()))
+
+
+@pytest.mark.parametrize(
+    ("key", "new"),
+    [("grpo.adv.maxpo_k", "grpo.adv.maxpo.k"), ("grpo.adv.horizon", "grpo.adv.agrae.horizon")],
+)
+def test_a_renamed_key_is_refused_with_its_new_name(key, new):
+    cd = get_config("grpo_quick")
+    section, leaf = key.rsplit(".", 1)
+    cd.grpo.adv[leaf] = 3
+    with pytest.raises(InputError, match=rf"^config: key '{re.escape(key)}' is now '{re.escape(new)}'$"):
+        from_config_dict(cd.to_dict())
+    assert (
+        config.unknown_key("grpo.stare", ["adv"]) == "config: section 'grpo.stare' is now 'grpo.variant_options.stare'"
+    )
+
+
+def test_a_run_saved_with_the_flat_option_keys_resumes(tmp_path):
+    """A committed config.json written before the estimators and variants took their options beside their code
+    (`grpo.adv.maxpo_k`, `grpo.stare.alpha`): read through `migrate` it is the same config as the one the current
+    code builds from it, so `check_workdir` resumes the run, and `claim_workdir` leaves its file alone."""
+    from esroll.checkpoint import check_workdir, claim_workdir
+
+    saved = REPO / "docs" / "training_variance" / "grpo_s0" / "config.json"
+    old = json.loads(saved.read_text())
+    assert "maxpo_k" in old["grpo"]["adv"] and "stare" in old["grpo"]  # the layout this test is about
+    migrated = config.migrate(old)
+    assert migrated["grpo"]["adv"]["maxpo"] == {"k": old["grpo"]["adv"]["maxpo_k"]}
+    assert migrated["grpo"]["variant_options"]["stare"] == old["grpo"]["stare"]
+    cfg = check_names(from_config_dict(migrated))
+    now = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    assert now == migrated
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(saved.read_text())
+    assert check_workdir(workdir, now, overwrite=False) is True
+    claim_workdir(workdir, now)
+    assert (workdir / "config.json").read_text() == saved.read_text() and not list(workdir.glob("replaced-*"))
+    assert config.migrate(now) is now  # a current config is left as it is

@@ -127,8 +127,10 @@ def test_readme_command_parses(argv):
 
 
 def config_keys() -> dict[str, object]:
-    """Every key of an experiment config (dotted, as config files and --config.KEY spell it) and its default."""
+    """Every key of an experiment config (dotted, as config files and --config.KEY spell it) and its default, the
+    registered options of the built-in estimators, variants and shapings included."""
     from esroll.config import ExperimentConfig
+    from esroll.experiment import check_names
 
     keys = {}
 
@@ -137,10 +139,13 @@ def config_keys() -> dict[str, object]:
             value = getattr(obj, field.name)
             if dataclasses.is_dataclass(value):
                 walk(value, f"{prefix}{field.name}.")
+            elif isinstance(value, dict):  # an options section: {registered name: its options dataclass}
+                for name, options in value.items():
+                    walk(options, f"{prefix}{field.name}.{name}.")
             else:
                 keys[prefix + field.name] = value
 
-    walk(ExperimentConfig(), "")
+    walk(check_names(ExperimentConfig()), "")
     return keys
 
 

@@ -80,6 +80,9 @@ def test_print_config_resolves_and_marks_what_the_run_does_not_read(tmp_path):
     assert "  data.n_examples = 200" in lines  # read by gsm_symbolic
     assert "  data.path = ''  # not read: data.task 'gsm_symbolic' does not read it" in lines
     assert "  es.population = 4  # not read: method 'grpo' reads no ES setting" in lines
+    # the registered options of estimators and variants this run does not use
+    assert "  grpo.adv.maxpo.k = 2  # not read: only grpo.advantage 'maxpo' reads it, and this run's is 'grpo'" in lines
+    assert any(line.startswith("  grpo.variant_options.stare.alpha = 0.5  # not read: only the GRPO") for line in lines)
     assert not [line for line in lines if "not read" in line and line.lstrip("* ").startswith(("grpo.g", "train."))]
     # an override the run would not read is shown, marked; a run with it is refused
     args = ["--config=configs/gsm8k_qwen3.py:0.6b,cpu", "--config.model.path=m", "--config.data.path=x"]

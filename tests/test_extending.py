@@ -59,15 +59,9 @@ def run_section(title: str, folder) -> dict:
 @pytest.fixture
 def registries(tmp_path, monkeypatch):
     """A folder to run in, on sys.path; every registry, and the modules the folder's files become, restored after."""
-    saved = [
-        (TASKS, dict(TASKS)),
-        (rewards.REWARDS, dict(rewards.REWARDS)),
-        (shaping.SHAPINGS, dict(shaping.SHAPINGS)),
-        (advantages.ESTIMATORS, dict(advantages.ESTIMATORS)),
-        (advantages.OPTIONS, dict(advantages.OPTIONS)),
-        (grpo_variants.VARIANTS, dict(grpo_variants.VARIANTS)),
-    ]
-    flags = [(s, set(s)) for s in (advantages.SINGLE_ROLLOUT, advantages.LABEL_FREE_ONLY)]
+    registries = (TASKS, rewards.REWARDS, shaping.SHAPINGS, advantages.ESTIMATORS, grpo_variants.VARIANTS)
+    saved = [(registry, dict(registry)) for registry in registries]
+    saved += [(registry.options, dict(registry.options)) for registry in registries]
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.syspath_prepend(str(REPO))  # configs/, as from the repository root
@@ -77,11 +71,8 @@ def registries(tmp_path, monkeypatch):
         if getattr(sys.modules[name], "__file__", "") and str(tmp_path) in sys.modules[name].__file__:
             del sys.modules[name]
     for registry, items in saved:
-        registry.clear()
-        registry.update(items)
-    for names, items in flags:
-        names.clear()
-        names.update(items)
+        dict.clear(registry)
+        dict.update(registry, items)
 
 
 def metrics(workdir) -> list[dict]:
@@ -140,15 +131,52 @@ def test_reward_example(registries):
     assert close_enough(example, " 80") == close_enough(example, "no number") == 0.0
 
 
-def test_advantage_example(registries):
-    run_section("A group-advantage estimator (GRPO)", registries)
-    records = [r for r in metrics(registries / "runs" / "ema_baseline") if "ema_baseline" in r]
+def _ema_baseline_used(folder, run: str, decay: float) -> None:
+    """The run's logged baseline: 0 at step 1, then (1 − decay) × step 1's mean reward (the estimator's state after
+    one step from 0), so the decay the run read is the one its config set."""
+    records = [r for r in metrics(folder / "runs" / run) if "ema_baseline" in r]
     assert [r["step"] for r in records] == [1, 2] and records[0]["ema_baseline"] == 0.0
-    check_trained(registries, "ema_baseline")
-    assert "ema_baseline" in advantages.SINGLE_ROLLOUT
+    assert records[1]["ema_baseline"] == pytest.approx((1 - decay) * records[0]["fitness_mean"], rel=1e-5, abs=1e-7)
+    saved = json.loads((folder / "runs" / run / "config.json").read_text())
+    assert saved["grpo"]["adv"]["ema_baseline"] == {"decay": decay}
+    check_trained(folder, run)
+
+
+def test_advantage_example(registries):
+    """The page's estimator with its own option: set in a config in-process (0.8), then overridden on the command
+    line of a config file that imports the module (0.5); each run's logged baseline follows the decay it was given."""
+    run_section("A group-advantage estimator (GRPO)", registries)
+    _ema_baseline_used(registries, "ema_baseline", 0.8)
+    assert advantages.ESTIMATORS["ema_baseline"].single_rollout
     cd = _quick("grpo_quick")
     cd.grpo.update(advantage="ema_baseline", group_size=1)  # single_rollout=True allows groups of one
     check_names(from_config_dict(cd.to_dict()))
+    for block in sections()["A task"] + sections()["From the command line"]:
+        if (name := block_file(block)) is not None:
+            (registries / name).write_text(block)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(registries), os.environ.get("PYTHONPATH", "")])}
+    args = [
+        "--config.grpo.advantage=ema_baseline",
+        "--config.grpo.adv.ema_baseline.decay=0.5",
+        "--config.train.steps=2",
+    ]
+    workdir = registries / "runs" / "ema_cli"
+    command = [sys.executable, "-m", "experiments.train", "--config", f"{registries / 'my_config.py'}:grpo_quick"]
+    command += [*args, f"--config.model.path={SHIPPED_MODEL}", "--workdir", str(workdir)]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _ema_baseline_used(registries, "ema_cli", 0.5)
+    typo = subprocess.run(
+        [*command[:5], "--config.grpo.adv.ema_baseline.decya=0.5", "--workdir", str(registries / "runs" / "typo")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert typo.returncode == 2  # refused before absl parses the flags
+    expected = "error: config: unknown key 'grpo.adv.ema_baseline.decya' (did you mean 'grpo.adv.ema_baseline.decay'?)"
+    assert typo.stderr.strip().splitlines()[-1] == expected
 
 
 def test_variant_example(registries):
@@ -177,9 +205,10 @@ def test_shaping_example(registries):
 
 def test_a_registered_task_trains_by_name_from_the_command_line(registries):
     """The page's config file imports the page's task module; `--config.data.task=larger` then names it."""
-    for block in sections()["A task"] + sections()["From the command line"]:
-        if (name := block_file(block)) is not None:
-            (registries / name).write_text(block)
+    for title in ("A task", "A group-advantage estimator (GRPO)", "From the command line"):
+        for block in sections()[title]:
+            if (name := block_file(block)) is not None:
+                (registries / name).write_text(block)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(registries), os.environ.get("PYTHONPATH", "")])}
     args = ["--config.data.task=larger", "--config.train.steps=2", f"--config.model.path={SHIPPED_MODEL}"]
 
@@ -279,12 +308,10 @@ def test_a_registered_advantage_is_estimated_with_its_state(registries):
         return advantages.Estimate(np.zeros(np.shape(group.rewards), np.float32), state={"n": state["n"] + 1})
 
     advantages.register_advantage("counting", counting, lambda options: {"n": np.zeros((), np.int32)})
-    from esroll.config import AdvantageConfig
-
-    state = advantages.init_state("counting", AdvantageConfig())
-    out = advantages.estimate("counting", advantages.Group(np.ones((2, 3))), AdvantageConfig(), state)
+    state = advantages.init_state("counting")
+    out = advantages.estimate("counting", advantages.Group(np.ones((2, 3))), None, state)
     assert int(out.state["n"]) == 1 and out.advantage.shape == (2, 3)
-    assert "counting" not in shaping.SHAPINGS and "counting" not in advantages.SINGLE_ROLLOUT
+    assert "counting" not in shaping.SHAPINGS and not advantages.ESTIMATORS["counting"].single_rollout
     cd = _quick("grpo_quick")
     cd.grpo.update(advantage="counting", group_size=1)
     with pytest.raises(ConfigError, match=r"^config: invalid value for 'grpo.group_size': 1 \(expected >= 2\)"):

@@ -23,7 +23,7 @@ from esroll import parallel
 from esroll.config import ConfigError, OptimConfig, from_config_dict, make_optimizer
 from esroll.data import get_batch, make_splits
 from esroll.experiment import check_names
-from esroll.config import AcpoConfig, ProgressConfig, StareConfig
+from esroll.config import Options
 from esroll.grpo import (
     AGGREGATIONS,
     GRPOConfig,
@@ -37,6 +37,9 @@ from esroll.grpo import (
 from esroll.grpo import grpo_loss as _grpo_loss
 from esroll.grpo.variants import (
     PROGRESS_BUCKETS,
+    AcpoOptions,
+    ProgressOptions,
+    StareOptions,
     VARIANTS,
     LossTerms,
     acpo_bounds,
@@ -491,11 +494,11 @@ def test_stare_switch_in_the_step():
 
     plain, plain_host, plain_m = step()
     assert plain_host is None and 0 < plain_m["fitness_mean"] < 1 and plain_m["grad_norm"] > 0
-    options = StareConfig(quantile=0.5, alpha=1.0, entropy_low=50.0, entropy_high=60.0)
-    off, off_host, off_m = step(stare=options)
+    options = StareOptions(quantile=0.5, alpha=1.0, entropy_low=50.0, entropy_high=60.0)
+    off, off_host, off_m = step(variant_options=Options(stare=options))
     chex.assert_trees_all_equal(off, plain)
     assert off_host is None and off_m == plain_m
-    stare = dict(variants=("stare",), stare=StareConfig(quantile=0.5, alpha=1.0))
+    stare = dict(variants=("stare",), variant_options=Options(stare=StareOptions(quantile=0.5, alpha=1.0)))
     closed, closed_host, closed_m = step(**stare)
     chex.assert_trees_all_equal(closed, plain)
     assert closed_m == {**plain_m, "stare_open": 0.0} and "stare_open" in closed_host
@@ -521,7 +524,9 @@ def test_progress_advantage_adds_to_each_tokens_advantage():
     logp_new, logp_old, logp_ref, advantage, mask = hand_built()
     eta = 0.7
     args = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, beta=0.0, aggregation="token_mean")
-    loss, _ = with_variants(["progress"], GRPOConfig(progress=ProgressConfig(eta)), *hand_built(), **args)
+    loss, _ = with_variants(
+        ["progress"], GRPOConfig(variant_options=Options(progress=ProgressOptions(eta))), *hand_built(), **args
+    )
     a = advantage[:, None] + eta * (logp_new - logp_ref)
     ratio = np.exp(logp_new - logp_old)
     surrogate = np.minimum(ratio * a, np.clip(ratio, 1 - EPS_LOW, 1 + EPS_HIGH) * a)
@@ -616,7 +621,11 @@ def test_progress_advantage_and_acpo_in_updates(tiny):
     batch = Rollouts(*(x.reshape(1, 6, *x.shape[1:]) for x in fields))
     optim = OptimConfig(name="sgd", lr=0.1)
     grpo = GRPOConfig(
-        group_size=2, variants=("progress", "acpo"), progress=ProgressConfig(0.5), remat="none", logprob_chunk=0
+        group_size=2,
+        variants=("progress", "acpo"),
+        variant_options=Options(progress=ProgressOptions(0.5)),
+        remat="none",
+        logprob_chunk=0,
     )
     update = make_update(cfg, grpo, optim, parallel.make_mesh(1))
     state = GRPOState(make_optimizer(optim).init(params), params)
@@ -656,7 +665,7 @@ def test_acpo_switch_in_updates(tiny):
     optim = OptimConfig(name="sgd", lr=0.1)
     base = dict(group_size=2, beta=0.1, remat="none", logprob_chunk=0)
     state = GRPOState(make_optimizer(optim).init(params), jax.tree.map(lambda x: x * 1.05, params))
-    knobs = dict(acpo=AcpoConfig(edges=(0.3,), scale=9.0, min=0.01, max=0.05))
+    knobs = dict(variant_options=Options(acpo=AcpoOptions(edges=(0.3,), scale=9.0, min=0.01, max=0.05)))
 
     def run(on_policy: bool, **grpo):
         update = make_update(cfg, GRPOConfig(**base, **grpo), optim, parallel.make_mesh(1))

@@ -190,8 +190,8 @@ def test_es_refuses_the_grpo_variants(method):
         assert from_config_dict(cd.to_dict()).grpo.variants == (name,)
     cd = get_config("quick")
     cd.method = method
-    cd.grpo.stare.update(alpha=1.0, entropy_low=0.1)
-    cd.grpo.acpo.update(min=0.05, scale=3.0)
+    cd.grpo.variant_options.stare.update(alpha=1.0, entropy_low=0.1)
+    cd.grpo.variant_options.acpo.update(min=0.05, scale=3.0)
     assert from_config_dict(cd.to_dict()).method == method
 
 

@@ -59,7 +59,7 @@ def _half_members(method: str, population: int, half: int) -> tuple[np.ndarray, 
 
 
 def half_weights(
-    method: str, fitness_M: Array, sigma, shaping: str = "raw", min_valid_fraction: float = 0.5
+    method: str, fitness_M: Array, sigma, shaping="raw", min_valid_fraction: float = 0.5
 ) -> tuple[estimators.Weights, estimators.Weights]:
     """The weights of the two half-estimates of one ES step, as [E] vectors over the step's directions.
 
@@ -110,7 +110,8 @@ def half_estimates(cfg: ESConfig, key: Array, step, params: dict, fitness_M: Arr
     as the full estimate uses it: the two together cost one full estimate. The ascent direction, in float32, on the
     leaves `cfg` perturbs (frozen leaves, zero in both halves, are left out).
     """
-    w1, w2 = half_weights(cfg.method, fitness_M, strategy.sigma_at(cfg, step), cfg.shaping, cfg.min_valid_fraction)
+    sigma = strategy.sigma_at(cfg, step)
+    w1, w2 = half_weights(cfg.method, fitness_M, sigma, strategy.shaping_of(cfg), cfg.min_valid_fraction)
     sums = []
     for h, w in ((0, w1), (1, w2)):
         directions, _ = _half_members(cfg.method, cfg.population, h)
@@ -165,7 +166,7 @@ def rank_diagnostics(cfg: ESConfig, shapes: dict, key: Array, step, fitness_M: A
     over its layers; diag_erank: the mean over the leaves (jit-able). Run it on one device: the factors are small,
     and a CPU mesh's partitioned LAPACK calls (the QR and SVD) wait on each other."""
     weights = estimators.direction_weights(
-        cfg.method, fitness_M, strategy.sigma_at(cfg, step), cfg.shaping, cfg.min_valid_fraction
+        cfg.method, fitness_M, strategy.sigma_at(cfg, step), strategy.shaping_of(cfg), cfg.min_valid_fraction
     )
     factors = strategy.step_factors(cfg, key, step, shapes, jnp.arange(cfg.num_directions))
     ranks = {path: r["entropy"].mean() for path, r in update_effective_ranks(factors, weights.w_E).items()}

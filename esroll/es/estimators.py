@@ -55,9 +55,10 @@ def member_directions(method: str, population: int) -> tuple[Array, Array]:
 
 
 def direction_weights(
-    method: str, fitness_M: Array, sigma: float, shaping: str = "raw", min_valid_fraction: float = 0.5
+    method: str, fitness_M: Array, sigma: float, shaping: str | Callable = "raw", min_valid_fraction: float = 0.5
 ) -> Weights:
-    """The estimator's weights on the step's directions, after the non-finite policy and fitness shaping."""
+    """The estimator's weights on the step's directions, after the non-finite policy and fitness shaping (a name in
+    `esroll.es.shaping.SHAPINGS` at its default options, or a shaping function, `esroll.es.shaping.get`)."""
     M = fitness_M.shape[0]
     finite_M = jnp.isfinite(fitness_M)
     if method == "eggroll":
@@ -67,7 +68,8 @@ def direction_weights(
         keep_M = finite_M
     kept = keep_M.sum()
     skipped = kept < max(2, math.ceil(min_valid_fraction * M))
-    f_M = shapings.get(shaping)(fitness_M, keep_M)  # zero where not kept
+    shaped = shapings.get(shaping) if isinstance(shaping, str) else shaping
+    f_M = shaped(fitness_M, keep_M)  # zero where not kept
     if method == "eggroll":
         w_E = (f_M[0::2] - f_M[1::2]) / (sigma * jnp.maximum(kept, 2))  # kept = M'
     else:

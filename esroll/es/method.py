@@ -110,7 +110,9 @@ def member_fitness(es_settings, reward_B: np.ndarray, M: int, X: int, gold_B: np
     broken_M = ~np.isfinite(checked).all(axis=(1, 2))
     reduce = np.max if es_settings.sample_reduce == "max" else np.mean
     per_prompt_XxM = reduce(rewards_MxXxK, axis=2).T
-    shaped_XxM = np.asarray(shaping.get(es_settings.prompt_shaping)(per_prompt_XxM), np.float64)
+    shaped_XxM = np.asarray(
+        shaping.get(es_settings.prompt_shaping, es_settings.shaping_options)(per_prompt_XxM), np.float64
+    )
     return np.where(broken_M, np.nan, shaped_XxM.mean(axis=0)).astype(np.float32)
 
 

@@ -9,7 +9,9 @@ independent of the reward scale; centered_ranks is OpenAI-ES's and evosax's rank
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 
@@ -19,10 +21,13 @@ from esroll.registry import Registry
 
 Array = jax.Array
 
-SHAPINGS: Registry[Shaping] = Registry("fitness shaping", "es.shaping")  # name -> the lifted shaping
+# name -> the lifted shaping (with options: fn(rewards, valid=None, *, options))
+SHAPINGS: Registry[Shaping] = Registry("fitness shaping", "es.shaping", options_key="es.shaping_options")
 
 
-def register_shaping(name: str, fn: Callable[[Array, Array], Array] | None = None, *, replace: bool = False):
+def register_shaping(
+    name: str, fn: Callable[..., Array] | None = None, *, options: type | None = None, replace: bool = False
+):
     """Register the fitness shaping `es.shaping = name` / `es.prompt_shaping = name` selects.
 
     fn(r_XxM, valid_XxM) -> [X, M]: rewards as float32 [X groups, M members] whose invalid entries (masked out, or
@@ -31,19 +36,36 @@ def register_shaping(name: str, fn: Callable[[Array, Array], Array] | None = Non
     invalid entries of the result set to 0), which is what `get(name)` returns, and what this function returns.
     Write it with jax.numpy: `es.shaping` is applied inside the jitted ES update, `es.prompt_shaping` on host arrays.
 
+    options: the shaping's own frozen options dataclass (keys `es.shaping_options.<name>.<field>`); fn then takes
+    them as a third argument, fn(r_XxM, valid_XxM, options), and `get(name, options)` binds them.
+
     A name already registered is refused unless `replace` is set. Without `fn`, a decorator that registers what it
     decorates and returns it lifted."""
     if fn is None:
-        return lambda f: register_shaping(name, f, replace=replace)
+        return lambda f: register_shaping(name, f, options=options, replace=replace)
     SHAPINGS.check_new(name, replace=replace)
     if not callable(fn):
         raise TypeError(f"{name!r}: {fn!r} is not callable")
-    return SHAPINGS.add(name, baselines.lift(fn), replace=replace)
+    lifted = baselines.lift(fn) if options is None else _with_options(fn)
+    return SHAPINGS.add(name, lifted, options=options, replace=replace)
 
 
-def get(name: str) -> Shaping:
-    """The shaping called `name`."""
-    return SHAPINGS.lookup(name)
+def _with_options(fn: Callable[..., Array]) -> Shaping:
+    def shaped(rewards, valid=None, *, options):
+        bound = baselines.lift(lambda r, v: fn(r, v, options))
+        return bound(rewards, valid)
+
+    shaped.__name__, shaped.__doc__ = getattr(fn, "__name__", "shaping"), fn.__doc__
+    return shaped
+
+
+def get(name: str, options_section: Mapping[str, Any] | None = None) -> Shaping:
+    """The shaping called `name`, fn(rewards, valid=None); one that takes options gets its own from
+    `options_section` (an `es.shaping_options` section; None or absent: its defaults)."""
+    shaped = SHAPINGS.lookup(name)
+    if SHAPINGS.options.get(name) is None:
+        return shaped
+    return functools.partial(shaped, options=SHAPINGS.options_of(options_section or {}, name))
 
 
 for _name, _shaping in baselines.BUILTIN.items():

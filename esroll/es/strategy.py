@@ -34,7 +34,7 @@ Array = jax.Array
 
 def check_names(cfg: ESSettings) -> None:
     """Raise the one-line ConfigError of the first name in `cfg` that names no implementation: its fitness shapings
-    (`esroll.shaping.SHAPINGS`) and, in an `ESConfig`, its estimator (`estimators.METHODS`). The dataclasses of
+    (`esroll.es.shaping.SHAPINGS`) and, in an `ESConfig`, its estimator (`estimators.METHODS`). The dataclasses of
     `esroll.config` check everything else when they are built but cannot see these registries; `make_strategy` runs
     this, so that a config built by hand is refused before anything runs."""
     checks = [
@@ -44,6 +44,11 @@ def check_names(cfg: ESSettings) -> None:
     if isinstance(cfg, ESConfig):
         checks.insert(0, ("method", cfg.method in estimators.METHODS, f"one of {', '.join(estimators.METHODS)}"))
     check_fields(cfg, checks, type(cfg).__name__)
+
+
+def shaping_of(cfg: ESSettings):
+    """`cfg.shaping` as a function, with its options from `cfg.shaping_options` when it takes some."""
+    return shaping.get(cfg.shaping, cfg.shaping_options)
 
 
 class ESState(NamedTuple):
@@ -92,7 +97,9 @@ def _estimate_perturbed(cfg: ESConfig, key: Array, step, params: dict, fitness_M
 
 
 def _weights(cfg: ESConfig, step, fitness_M: Array) -> estimators.Weights:
-    return estimators.direction_weights(cfg.method, fitness_M, sigma_at(cfg, step), cfg.shaping, cfg.min_valid_fraction)
+    return estimators.direction_weights(
+        cfg.method, fitness_M, sigma_at(cfg, step), shaping_of(cfg), cfg.min_valid_fraction
+    )
 
 
 def _norm(tree) -> Array:

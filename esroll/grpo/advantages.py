@@ -3,11 +3,10 @@ estimators that are group-relative transforms of rewards (`esroll.baselines`: gr
 raw, zscore, centered_ranks).
 
 An estimator reads more than the rewards: the step (schedules), the completions' log-probabilities, a cluster key per
-prompt, the parsed answers (label-free rewards) and a small running state that the trainer checkpoints. Each is a
-pure function
+prompt, the parsed answers (label-free rewards) and a small running state that the trainer checkpoints, and it may
+bring its own options (a frozen dataclass registered with it: `grpo.adv.<name>.<key>`). Each is a pure function
 
-    fn(group: Group, options: AdvantageConfig, state) -> Estimate(advantage [X, M], token_weight [X, M, N] | None,
-                                                                  state, metrics)
+    fn(group: Group, options, state) -> Estimate(advantage [X, M], token_weight [X, M, N] | None, state, metrics)
 
 (numpy, on the host, float64 inside). The estimators of recent papers (A-GRAE, BV-Blend, GMAE, MaxPO, LamPO, NTF,
 DDRL) are in `esroll.grpo.estimators`, registered through `register_advantage` as a user's own would be
@@ -16,7 +15,6 @@ DDRL) are in `esroll.grpo.estimators`, registered through `register_advantage` a
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -24,90 +22,85 @@ import numpy as np
 
 from esroll import baselines
 from esroll.baselines import Shaping
-from esroll.config import AdvantageConfig
 from esroll.data import Example
 from esroll.registry import Registry
 
 # ---- the registry: what `grpo.advantage` names
 
-Estimator = Callable[..., "Estimate"]  # fn(group: Group, options: AdvantageConfig, state: dict | None) -> Estimate
+Estimator = Callable[..., "Estimate"]  # fn(group: Group, options, state: dict | None) -> Estimate
+NEEDS = ("logprobs", "answers", "examples")  # what an estimator may read beyond the rewards (`register_advantage`)
 
-# name -> (estimator, initial state or None)
-ESTIMATORS: Registry[tuple[Estimator, Callable[[AdvantageConfig], Any] | None]] = Registry(
-    "advantage estimator", "grpo.advantage"
-)
-SINGLE_ROLLOUT: set[str] = set()  # estimators that work with one completion per prompt
-# name -> the fields of `grpo.adv` (AdvantageConfig) the estimator reads; None: not declared (taken as all of them)
-OPTIONS: dict[str, tuple[str, ...] | None] = {}
-LABEL_FREE_ONLY: set[str] = set()  # estimators that need the parsed answers (data.reward = "majority")
+
+class EstimatorSpec(NamedTuple):
+    """A registered estimator: its function, how its running state starts, and what it needs."""
+
+    fn: Estimator
+    init: Callable[[Any], dict] | None = None  # init(options) -> the first step's state; None: it keeps none
+    single_rollout: bool = False  # works with one completion per prompt (grpo.group_size 1 allowed)
+    label_free_only: bool = False  # reads the parsed answers and needs data.reward = "majority"
+    needs: tuple[str, ...] = ()  # the `NEEDS` it reads
+
+
+ESTIMATORS: Registry[EstimatorSpec] = Registry("advantage estimator", "grpo.advantage", options_key="grpo.adv")
 
 
 def register_advantage(
     name: str,
     fn: Estimator | None = None,
-    init: Callable[[AdvantageConfig], dict] | None = None,
+    init: Callable[[Any], dict] | None = None,
     *,
+    options: type | None = None,
+    needs: Iterable[str] = (),
     single_rollout: bool = False,
     label_free_only: bool = False,
-    options: Iterable[str] | None = None,
     replace: bool = False,
 ):
     """Register the group-advantage estimator `grpo.advantage = name` selects.
 
-    fn(group: Group, options: AdvantageConfig, state: dict | None) -> Estimate: one step's X prompts × M completions
-    (`Group`: rewards [X, M], the step, the seed, the completions' log-probabilities, the parsed answers in the
-    label-free mode) to advantages [X, M] (0 on invalid entries), optional per-token loss weights [X, M, N], the
-    running state after the step and metrics to log. It runs on the host, in numpy, once per step; `options` is the
-    config's `grpo.adv` section. init(options) -> dict: the running state of the first step, a dict of numpy arrays
-    whose shapes never change (it is checkpointed with the run); None (the default): the estimator keeps none and
-    is passed state None. single_rollout: it works with one completion per prompt (grpo.group_size 1 is then
-    allowed); label_free_only: it reads `group.answers` and needs data.reward = "majority"; options: the fields of
-    `grpo.adv` it reads (the others are refused when set on the command line with this estimator; None: all of them).
+    fn(group: Group, options, state: dict | None) -> Estimate: one step's X prompts × M completions (`Group`: rewards
+    [X, M], the step, the seed, and what `needs` asks for) to advantages [X, M] (0 on invalid entries), optional
+    per-token loss weights [X, M, N], the running state after the step and metrics to log. It runs on the host, in
+    numpy, once per step.
+
+    options: the estimator's own frozen dataclass of options, every field with a default; its fields are config keys
+    `grpo.adv.<name>.<field>` (checked, overridable from the command line, saved with the run), and `fn` and `init`
+    receive the run's instance (None without options). A dataclass may also define `check(self, grpo)` raising a
+    `esroll.config.ConfigError` (key relative to `grpo`) for GRPO settings it cannot work with.
+    init(options) -> dict: the running state of the first step, a dict of numpy arrays whose shapes never change
+    (it is checkpointed with the run); None (the default): the estimator keeps none and is passed state None.
+    needs: what it reads of the rollout beyond the rewards, among `NEEDS`: "logprobs" (`Group.seq_logp`,
+    `token_logp`, `token_mask`), "answers" (the parsed answers, which the rollout produces in the label-free mode
+    only), "examples" (the prompts); the step fills only these fields of its `Group`.
+    single_rollout: it works with one completion per prompt (grpo.group_size 1 is then allowed); label_free_only:
+    it needs data.reward = "majority".
 
     A name already registered is refused unless `replace` is set. Returns `fn`; without `fn`, a decorator."""
+    spec = dict(options=options, needs=needs, single_rollout=single_rollout, label_free_only=label_free_only)
     if fn is None:
-        return lambda f: register_advantage(
-            name,
-            f,
-            init,
-            single_rollout=single_rollout,
-            label_free_only=label_free_only,
-            options=options,
-            replace=replace,
-        )
-    _check_new(name, fn, replace)
-    if init is not None and not callable(init):
-        raise TypeError(f"advantage estimator {name!r}: init must be callable, got {init!r}")
-    if options is not None:
-        options = tuple(options)
-        known = [f.name for f in dataclasses.fields(AdvantageConfig)]
-        unknown = [o for o in options if o not in known]
-        if unknown:
-            raise ValueError(f"advantage estimator {name!r}: option {unknown[0]!r} is not a field of grpo.adv")
-    _set_estimator(name, fn, init, single_rollout=single_rollout, label_free_only=label_free_only, options=options)
-    return fn
-
-
-def _check_new(name: str, fn, replace: bool) -> None:
+        return lambda f: register_advantage(name, f, init, replace=replace, **spec)
     ESTIMATORS.check_new(name, replace=replace)
     if not callable(fn):
         raise TypeError(f"{name!r}: {fn!r} is not callable")
+    if init is not None and not callable(init):
+        raise TypeError(f"advantage estimator {name!r}: init must be callable, got {init!r}")
+    needs = tuple(needs)
+    unknown = [n for n in needs if n not in NEEDS]
+    if unknown:
+        raise ValueError(f"advantage estimator {name!r}: needs {unknown[0]!r} (expected among {', '.join(NEEDS)})")
+    entry = EstimatorSpec(fn, init, single_rollout, label_free_only, needs)
+    ESTIMATORS.add(name, entry, options=options, replace=replace)
+    return fn
 
 
-def _set_estimator(name: str, fn: Estimator, init, *, single_rollout: bool, label_free_only: bool, options) -> None:
-    ESTIMATORS[name] = (fn, init)
-    OPTIONS[name] = options
-    for flag, names in ((single_rollout, SINGLE_ROLLOUT), (label_free_only, LABEL_FREE_ONLY)):
-        if flag:
-            names.add(name)
-        else:
-            names.discard(name)
+def options_of(g) -> Any:
+    """The options of `g.advantage` (a `GRPOConfig`'s estimator) in `g.adv`: None when it registered none."""
+    return ESTIMATORS.options_of(g.adv, g.advantage)
 
 
 def from_shaping(shaping: Shaping) -> Estimator:
     """The stateless estimator that applies a group-relative transform (`esroll.baselines`) to the rewards."""
 
-    def estimate(g: Group, o: AdvantageConfig, state=None) -> Estimate:
+    def estimate(g: Group, o=None, state=None) -> Estimate:
         return Estimate(np.asarray(shaping(g.rewards, g.valid), np.float32))
 
     estimate.__name__, estimate.__doc__ = shaping.__name__, shaping.__doc__
@@ -127,7 +120,7 @@ class Group(NamedTuple):
     seq_logp: np.ndarray | None = None  # [X, M] mean log π_old per completion token
     token_logp: np.ndarray | None = None  # [X, M, N] log π_old of each sampled token
     token_mask: np.ndarray | None = None  # [X, M, N] bool: completion tokens
-    cluster: np.ndarray | None = None  # [X] int in [0, bv_clusters): the prompt's cluster; None: from `examples`
+    cluster: np.ndarray | None = None  # [X] int in [0, bv_blend.clusters): the prompt's cluster; None: from `examples`
     answers: np.ndarray | None = None  # [X, M] int64 parsed-answer ids (`answer_id`), -1 for no answer
     examples: list[Example] | None = None  # the X prompts' examples (their task, difficulty, meta)
 
@@ -139,21 +132,21 @@ class Estimate(NamedTuple):
     metrics: dict | None = None  # logged (None: nothing)
 
 
-def init_state(name: str, options: AdvantageConfig) -> dict | None:
-    """The running state estimator `name` starts from (None if it keeps none)."""
-    init = _estimator(name)[1]
-    return None if init is None else init(options)
+def init_state(name: str, options: Any = None) -> dict | None:
+    """The running state estimator `name` starts from (None if it keeps none); `options`: its options (None: its
+    defaults)."""
+    spec = ESTIMATORS.lookup(name)
+    return None if spec.init is None else spec.init(_options(name, options))
 
 
-def estimate(name: str, group: Group, options: AdvantageConfig, state: dict | None = None) -> Estimate:
-    """Estimator `name` on one step's groups; `state` is what the previous call returned (or `init_state`)."""
-    return _estimator(name)[0](group, options, state)
+def estimate(name: str, group: Group, options: Any = None, state: dict | None = None) -> Estimate:
+    """Estimator `name` on one step's groups with its `options` (None: its defaults); `state` is what the previous
+    call returned (or `init_state`)."""
+    return ESTIMATORS.lookup(name).fn(group, _options(name, options), state)
 
 
-def _estimator(name: str):
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(ESTIMATORS)}")
-    return ESTIMATORS[name]
+def _options(name: str, options: Any) -> Any:
+    return ESTIMATORS.options_of({}, name) if options is None else options
 
 
 def valid_rewards(g: Group) -> tuple[np.ndarray, np.ndarray]:
@@ -165,4 +158,4 @@ def valid_rewards(g: Group) -> tuple[np.ndarray, np.ndarray]:
 
 
 for _name, _shaping in baselines.BUILTIN.items():
-    register_advantage(_name, from_shaping(_shaping), options=())
+    register_advantage(_name, from_shaping(_shaping))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from esroll.config import GRPOConfig, check_fields
+from esroll.config import GRPOConfig, InputError, check_fields
 from esroll.grpo import advantages
 from esroll.grpo import variants as grpo_variants
 from esroll.grpo.loss import AGGREGATIONS
@@ -13,11 +13,12 @@ def check_names(g: GRPOConfig) -> None:
     """Raise the one-line ConfigError of the first name in `g` that names no implementation (its advantage estimator,
     `esroll.grpo.advantages.ESTIMATORS`; its variants, `esroll.grpo.variants.VARIANTS`; its aggregation, `AGGREGATIONS`;
     its remat policy, `esroll.models.transformer.REMAT_POLICIES`), of a group size the estimator cannot use (>= 2,
-    but for the single-rollout estimators, `esroll.grpo.advantages.SINGLE_ROLLOUT`), or of settings a variant refuses
-    (`Variant.check`). `GRPOConfig` (in `esroll.config`) checks everything else when it is built but cannot see these
+    but for the single-rollout estimators, `EstimatorSpec.single_rollout`), of options the estimator or a variant
+    refuses (its options dataclass, and its `check`), or of settings a variant refuses (`Variant.check`). `GRPOConfig` (in `esroll.config`) checks everything else when it is built but cannot see these
     registries; `make_update` and `make_grpo_method` run this, so that a config built by hand is refused before
     anything runs."""
-    single = g.advantage in advantages.SINGLE_ROLLOUT
+    spec = advantages.ESTIMATORS.get(g.advantage)
+    single = spec is not None and spec.single_rollout
     unknown = [v for v in g.variants if v not in grpo_variants.VARIANTS]
     checks = [
         ("advantage", g.advantage in advantages.ESTIMATORS, advantages.ESTIMATORS.expected()),
@@ -27,5 +28,19 @@ def check_names(g: GRPOConfig) -> None:
         ("remat", isinstance(g.remat, str) and g.remat in REMAT_POLICIES, f"one of {', '.join(REMAT_POLICIES)}"),
     ]
     check_fields(g, checks, "GRPOConfig")
+    options = [_built(advantages.ESTIMATORS, g.adv, g.advantage)]
+    options += [_built(grpo_variants.VARIANTS, g.variant_options, name) for name in g.variants]
+    for o in options:
+        if hasattr(o, "check"):
+            o.check(g)
     for _, variant in grpo_variants.active(g):
         variant.check(g)
+
+
+def _built(registry, section, name: str):
+    """`name`'s options from `section`, an error in them raised with the key as a config file spells it (whole: the
+    callers prefix a ConfigError with "grpo.", so it leaves as a plain InputError)."""
+    try:
+        return registry.options_of(section, name)
+    except InputError as e:
+        raise InputError(str(e)) from None

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import ledger, parallel, sharding
-from esroll.config import AdvantageConfig, ConfigError, ExperimentConfig, make_optimizer
+from esroll.config import ConfigError, ExperimentConfig, make_optimizer
 from esroll.data import Example
 from esroll.grpo import advantages
 from esroll.grpo import variants as grpo_variants
@@ -88,21 +88,26 @@ def _completion_mask(out) -> np.ndarray:
     return np.arange(out.tokens_BxN.shape[1])[None, :] < out.length_B[:, None]
 
 
-def _group(out, rewards_XxM, mask_BxN, examples, step_index: int, seed: int, label_free: bool) -> advantages.Group:
-    """What the advantage estimators read of a step's X × M sampled rows (`esroll.grpo.advantages.Group`)."""
+def _group(
+    out, rewards_XxM, mask_BxN, examples, step_index: int, seed: int, needs: tuple[str, ...]
+) -> advantages.Group:
+    """What the advantage estimator reads of a step's X × M sampled rows (`esroll.grpo.advantages.Group`): the
+    rewards, step and seed, and the fields its `needs` name (the parsed answers exist in the label-free mode only)."""
     X, M = rewards_XxM.shape
     N = mask_BxN.shape[1]
-    seq_logp = np.where(mask_BxN, out.logprobs_BxN, 0.0).sum(1) / np.maximum(out.length_B, 1)
-    return advantages.Group(
-        rewards_XxM,
-        step=step_index,
-        seed=seed,
-        seq_logp=seq_logp.reshape(X, M),
-        token_logp=out.logprobs_BxN.reshape(X, M, N),
-        token_mask=mask_BxN.reshape(X, M, N),
-        answers=out.answer_B.reshape(X, M) if label_free else None,
-        examples=examples,
-    )
+    fields = {}
+    if "logprobs" in needs:
+        seq_logp = np.where(mask_BxN, out.logprobs_BxN, 0.0).sum(1) / np.maximum(out.length_B, 1)
+        fields.update(
+            seq_logp=seq_logp.reshape(X, M),
+            token_logp=out.logprobs_BxN.reshape(X, M, N),
+            token_mask=mask_BxN.reshape(X, M, N),
+        )
+    if "answers" in needs and out.answer_B is not None:
+        fields["answers"] = out.answer_B.reshape(X, M)
+    if "examples" in needs:
+        fields["examples"] = examples
+    return advantages.Group(rewards_XxM, step=step_index, seed=seed, **fields)
 
 
 def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_device: int | None = None) -> Method:
@@ -118,6 +123,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         raise e.under("grpo.") from None
     X, M, N = cfg.train.prompts_per_step, g.group_size, cfg.train.max_new_tokens
     label_free = cfg.data.reward == "majority"  # rewards from the group's majority answer, not the gold one
+    needs = advantages.ESTIMATORS.lookup(g.advantage).needs  # what the estimator reads beyond the rewards
     to_compute = sharding.caster(mesh, cfg.model.dtype)  # the decoding copy (model.dtype) of the masters
     sample_key = jax.random.key(cfg.seed + 1)
     sampling = Sampling.of(N, g.temperature, cfg.parallel, rows_per_device or cfg.parallel.rows_per_device)
@@ -152,8 +158,8 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
 
         # ---- advantages, then the variants' token weights
         own, variant_state = _split_host(g, state.host)
-        group = _group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, label_free)
-        estimate = advantages.estimate(g.advantage, group, g.adv, own)
+        group = _group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs)
+        estimate = advantages.estimate(g.advantage, group, advantages.options_of(g), own)
         advantage_BxN = np.broadcast_to(estimate.advantage.reshape(-1, 1), (X * M, N)).astype(np.float32)
         factor_BxN = np.ones((X * M, N), np.float32)
         if estimate.token_weight is not None:  # the estimator's per-token factor (e.g. ntf's filtered tokens: 0)
@@ -247,7 +253,7 @@ def make_policy_gradient(cfg: ExperimentConfig, task: Task, mesh: Mesh):
             answers=label_free,
         )
         reward_B, _ = training_rewards(out, label_free)
-        advantage_B = advantages.estimate("grpo", advantages.Group(reward_B.reshape(X, G)), AdvantageConfig()).advantage
+        advantage_B = advantages.estimate("grpo", advantages.Group(reward_B.reshape(X, G))).advantage
         mask_BxN = _completion_mask(out)
         advantage_BxN = np.broadcast_to(advantage_B.reshape(-1, 1), mask_BxN.shape).astype(np.float32)
         (batch,) = make_batches(out, mask_BxN, advantage_BxN, np.float32(1.0), g.aggregation, 1, 1, mesh)

@@ -29,7 +29,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import parallel, sharding
-from esroll.config import AdvantageConfig, GRPOConfig, OptimConfig, make_optimizer
+from esroll.config import GRPOConfig, OptimConfig, Options, make_optimizer
 from esroll.grpo import advantages
 from esroll.grpo import variants as grpo_variants
 from esroll.grpo.checks import check_names
@@ -71,7 +71,7 @@ class GRPOState(NamedTuple):
 def host_state(g: GRPOConfig) -> dict | None:
     """The running state kept on the host between steps: the advantage estimator's (`esroll.grpo.advantages.init_state`)
     under its own keys, each variant's (`Variant.init_state`) under "<variant>_<key>"; None when there is none."""
-    state = dict(advantages.init_state(g.advantage, g.adv) or {})
+    state = dict(advantages.init_state(g.advantage, advantages.options_of(g)) or {})
     for name, variant in grpo_variants.active(g):
         state.update({f"{name}_{k}": v for k, v in variant.init_state(g).items()})
     return state or None
@@ -282,7 +282,6 @@ def update_config(g: GRPOConfig) -> GRPOConfig:
     """`g` without what acts only on the host (the estimator, the group size, the variants without loss hooks and
     their options): runs that differ only there share one compiled update, and the planner compiles the trainer's
     program."""
-    host_only = [(name, v) for name, v in grpo_variants.active(g) if not v.in_loss]
-    defaults = {v.options: type(getattr(g, v.options))() for _, v in host_only if v.options}
-    kept = tuple(name for name in g.variants if name not in dict(host_only))
-    return dataclasses.replace(g, advantage="grpo", adv=AdvantageConfig(), group_size=2, variants=kept, **defaults)
+    kept = tuple(name for name, v in grpo_variants.active(g) if v.in_loss)
+    options = Options({name: o for name, o in g.variant_options.items() if name in kept})
+    return dataclasses.replace(g, advantage="grpo", adv=Options(), group_size=2, variants=kept, variant_options=options)

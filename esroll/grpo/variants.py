@@ -14,7 +14,7 @@ overrides only what it changes:
 
 `needs_reference(g)` makes the step keep the initial policy and score it in the loss; `in_loss` says whether the
 compiled update depends on the variant (a host-only one is left out of it, so runs that differ only there share one
-compilation); `options` names the `GRPOConfig` field holding the variant's settings, if any.
+compilation); `options` is its frozen options dataclass, if any (`grpo.variant_options.<name>.<key>`).
 
 The built-ins, registered below through `register_variant` as a user's own would be (docs/extending.md):
 STARE (`Stare`), ACPO (`Acpo`) and the progress advantage (`Progress`). Their reasoning and sources are in
@@ -23,13 +23,14 @@ docs/training_loop.md.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from esroll.config import GRPOConfig
+from esroll.config import GRPOConfig, check_fields
 from esroll.registry import Registry
 
 Array = Any  # a jax.Array inside the loss, a numpy array on the host
@@ -58,10 +59,16 @@ class LossTerms(NamedTuple):
 
 
 class Variant:
-    """A modification of the plain GRPO step; the hooks' defaults change nothing (see the module docstring)."""
+    """A modification of the plain GRPO step; the hooks' defaults change nothing (see the module docstring).
+    `options`: its frozen options dataclass (None: it takes none), read in a hook as `self.options_of(g)`."""
 
     in_loss: bool = False
-    options: str | None = None
+    options: type | None = None
+    name: str = ""  # the name it is registered under (`register_variant`)
+
+    def options_of(self, g: GRPOConfig) -> Any:
+        """This variant's options in `g` (`grpo.variant_options.<name>`; its defaults when `g` sets none)."""
+        return VARIANTS.options_of(g.variant_options, self.name)
 
     def check(self, g: GRPOConfig) -> None:
         """Raise `esroll.config.ConfigError` for settings of `g` this variant cannot work with."""
@@ -88,19 +95,21 @@ class Variant:
         return {k: v.mean() for k, v in metrics_U.items()}
 
 
-VARIANTS: Registry[Variant] = Registry("GRPO variant", "grpo.variants")
+VARIANTS: Registry[Variant] = Registry("GRPO variant", "grpo.variants", options_key="grpo.variant_options")
 
 
 def register_variant(name: str, variant: Variant | None = None, *, replace: bool = False):
-    """Register `variant` (a `Variant` instance) as the GRPO variant `grpo.variants` names `name`. Its running state
-    is checkpointed under "<name>_<key>". A name already registered is refused unless `replace` is set. Returns the
-    variant; without it, a class decorator that registers an instance of the class it decorates."""
+    """Register `variant` (a `Variant` instance) as the GRPO variant `grpo.variants` names `name`, with its options
+    (`variant.options`: keys `grpo.variant_options.<name>.<field>`). Its running state is checkpointed under its
+    name. A name already registered is refused unless `replace` is set. Returns the variant; without it, a class
+    decorator that registers an instance of the class it decorates."""
     if variant is None:
         return lambda cls: (register_variant(name, cls(), replace=replace), cls)[1]
     VARIANTS.check_new(name, replace=replace)
     if not isinstance(variant, Variant):
         raise TypeError(f"GRPO variant {name!r}: expected a Variant instance, got {variant!r}")
-    return VARIANTS.add(name, variant, replace=replace)
+    variant.name = name
+    return VARIANTS.add(name, variant, options=variant.options, replace=replace)
 
 
 def active(g: GRPOConfig) -> list[tuple[str, Variant]]:
@@ -140,11 +149,34 @@ def stare_gate(is_open: bool, entropy: float, low: float, high: float) -> bool:
     return is_open
 
 
+@dataclasses.dataclass(frozen=True)
+class StareOptions:
+    """STARE's options (`grpo.variant_options.stare.*`; on when "stare" is in `grpo.variants`): while the
+    gate is open, the completion tokens whose surprisal −log π_old is above the batch's `quantile`-quantile get their
+    advantage scaled by 1 + alpha·sign(A) (as a token weight, so with β > 0 it scales their KL term too). The gate
+    starts closed, opens when the previous step's measured policy entropy is ≤ entropy_low and closes when it is
+    ≥ entropy_high."""
+
+    quantile: float = 0.8
+    alpha: float = 0.5
+    entropy_low: float = 0.3
+    entropy_high: float = 0.6
+
+    def __post_init__(self):
+        checks = [
+            ("quantile", 0 < self.quantile < 1, "in (0, 1)"),
+            ("alpha", 0 <= self.alpha <= 1, "in [0, 1]"),
+            ("entropy_low", self.entropy_low >= 0, ">= 0"),
+            ("entropy_high", self.entropy_high > self.entropy_low, "> entropy_low"),
+        ]
+        check_fields(self, checks, "StareOptions")
+
+
 class Stare(Variant):
-    """STARE (`grpo.stare`, `StareConfig`): host-side token weights while the gate (state "open") is open; the gate
+    """STARE (`StareOptions`): host-side token weights while the gate (state "open") is open; the gate
     reads the step's measured policy entropy and acts on the next step."""
 
-    options = "stare"
+    options = StareOptions
 
     def init_state(self, g):
         return {"open": np.zeros((), np.float32)}
@@ -154,13 +186,14 @@ class Stare(Variant):
         metrics = {"stare_open": float(is_open)}
         if not is_open:
             return None, metrics
-        o = g.stare
+        o = self.options_of(g)
         weight, selected = stare_token_weights(sampled.logp, sampled.mask, sampled.advantage, o.quantile, o.alpha)
         metrics["stare_tokens"] = selected.sum() / max(sampled.mask.sum(), 1)
         return weight, metrics
 
     def update_state(self, g, state, metrics):
-        is_open = stare_gate(bool(state["open"]), float(metrics["entropy"]), g.stare.entropy_low, g.stare.entropy_high)
+        o = self.options_of(g)
+        is_open = stare_gate(bool(state["open"]), float(metrics["entropy"]), o.entropy_low, o.entropy_high)
         return {"open": np.float32(is_open)}
 
 
@@ -194,15 +227,42 @@ def acpo_bounds(
     return eps_K[group_BxN], eps_K
 
 
+@dataclasses.dataclass(frozen=True)
+class AcpoOptions:
+    """ACPO's options (`grpo.variant_options.acpo.*`; on when "acpo" is in `grpo.variants`): the clip
+    range of each token is 1 ± ε_k of its group k (tokens grouped by π_old at `edges`),
+    ε_k = clip(scale·std_k(ρ), min, max), the ratios' spread in that group of the microbatch; `grpo.epsilon_low` /
+    `epsilon_high` are then unused. Ratios leave 1 only off-policy (μ ≥ 2 or several minibatches), so on-policy every
+    ε_k is `min` and nothing changes."""
+
+    edges: tuple[float, ...] = (0.1, 0.5, 0.9)
+    scale: float = 2.0
+    min: float = 0.1
+    max: float = 0.4
+
+    def __post_init__(self):
+        checks = [
+            (
+                "edges",
+                all(0 < e < 1 for e in self.edges) and list(self.edges) == sorted(set(self.edges)),
+                "increasing probabilities in (0, 1)",
+            ),
+            ("scale", self.scale > 0, "> 0"),
+            ("min", 0 < self.min <= self.max, "in (0, max]"),
+            ("max", self.max < 1, "< 1 (the lower bound 1 − ε must stay positive)"),
+        ]
+        check_fields(self, checks, "AcpoOptions")
+
+
 class Acpo(Variant):
-    """ACPO (`grpo.acpo`, `AcpoConfig`): each token's clip range from its π_old group's ratio spread in the
+    """ACPO (`AcpoOptions`): each token's clip range from its π_old group's ratio spread in the
     microbatch, computed from the ratio to π_old (exactly 1 on-policy); logged as acpo_eps_<k>."""
 
     in_loss = True
-    options = "acpo"
+    options = AcpoOptions
 
     def _bounds(self, g, t: LossTerms):
-        o = g.acpo
+        o = self.options_of(g)
         ratio = jnp.exp(t.logp - t.logp_old)
         return acpo_bounds(ratio, t.logp_old, t.mask, o.edges, o.scale, o.min, o.max)
 
@@ -234,20 +294,33 @@ def progress_by_position(sum_N: Array, tokens_N: Array, buckets: int = PROGRESS_
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ProgressOptions:
+    """The progress advantage's options (`grpo.variant_options.progress.*`; on when "progress" is in
+    `grpo.variants`): every token's advantage gets + coef·(log π_θ − log π_ref), no gradient through
+    it, π_ref the initial policy (kept for it): zero at the reference, so it adds to the advantage and never scales
+    it."""
+
+    coef: float = 0.1
+
+    def __post_init__(self):
+        check_fields(self, [("coef", self.coef > 0, "> 0")], "ProgressOptions")
+
+
 class Progress(Variant):
-    """The progress advantage (`grpo.progress`, `ProgressConfig`): keeps the initial policy and adds
+    """The progress advantage (`ProgressOptions`): keeps the initial policy and adds
     coef·(log π_θ − log π_ref) to every token's advantage (no gradient through it). Logs `progress_mean`, the token
     mean of log π_θ − log π_ref, and its means by completion position (`progress_by_position`)."""
 
     in_loss = True
-    options = "progress"
+    options = ProgressOptions
 
     def needs_reference(self, g):
         return True
 
     def loss_terms(self, g, terms):
         drift = jax.lax.stop_gradient(terms.logp - terms.logp_ref)
-        return terms._replace(advantage=terms.advantage + g.progress.coef * drift)
+        return terms._replace(advantage=terms.advantage + self.options_of(g).coef * drift)
 
     def loss_metrics(self, g, terms):
         drift_BxN = jnp.where(terms.mask, jax.lax.stop_gradient(terms.logp - terms.logp_ref), 0.0)

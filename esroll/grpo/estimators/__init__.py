@@ -1,0 +1,14 @@
+"""The group-advantage estimators of recent papers, one module each, registered through
+`esroll.grpo.advantages.register_advantage` as a user's own would be, each with its options dataclass beside its code
+(`grpo.adv.<name>.<key>`). What each computes, and what its source leaves open, is in docs/advantages.md:
+
+    agrae     A-GRAE: scheduled asymmetry of positive advantages and a difficulty focus moving from easy to hard
+    bv_blend  BV-Blend: groups standardised by a blend of their own statistics and their cluster's EMA history
+    gmae      GMAE: a response's centred advantage averaged over the group contexts it could have been sampled into
+    maxpo     MaxPO: unbiased max@K (pass@K) policy-gradient weights with the leave-two-out baseline
+    lampo     LamPO: pairwise reward gaps weighted by a confidence from the pair's log-probability difference
+    ntf       negative token filtering: a batch-level baseline and no penalty on a negative sample's likely tokens
+    ddrl      DDRL (label-free only): fixed ±a advantages from answer consistency, classes balanced over the batch
+"""
+
+from esroll.grpo.estimators import agrae, bv_blend, ddrl, gmae, lampo, maxpo, ntf  # noqa: F401 — registers them
