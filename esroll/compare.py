@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from esroll.config import ExperimentConfig, from_config_dict, migrate
+from esroll.config import ExperimentConfig, dotted, from_config_dict, migrate, nested
 from esroll.experiment import check_names
 from esroll.metrics import read_metrics
 from esroll.report import SPEC_FILE, area_under_curve, run_dir, run_ended
@@ -101,28 +101,6 @@ def _merge(base: dict, overrides: dict) -> dict:
     return out
 
 
-def _nested(dotted: dict[str, Any]) -> dict:
-    """{"optimizer.lr": 1e-3} -> {"optimizer": {"lr": 1e-3}}."""
-    out: dict = {}
-    for key, value in dotted.items():
-        *parents, leaf = key.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
-
-
-def _flat(nested: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in nested.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _with(cfg: ExperimentConfig, overrides: dict) -> ExperimentConfig:
     """`cfg` with nested `overrides`, validated as a config file's values are."""
     if not overrides:
@@ -156,7 +134,7 @@ def _range(values: Any, where: str) -> tuple[str, float, float]:
 def candidates(tuning: Tuning, method: str) -> list[dict]:
     """The settings `method` is tuned over, as nested overrides: [{}] (its own setting) and `runs` − 1 more, the
     same on every call (seeded by the tuning seed and the method's name, or with `shared_draws` its space)."""
-    space = _flat(tuning.spaces.get(method, {}))
+    space = dotted(tuning.spaces.get(method, {}))
     key = json.dumps(space, sort_keys=True) if tuning.shared_draws else method
     rng = np.random.default_rng([tuning.seed, zlib.crc32(key.encode())])
     if tuning.search == "grid":
@@ -172,7 +150,7 @@ def candidates(tuning: Tuning, method: str) -> list[dict]:
         points = [grid[i] for i in rng.permutation(len(grid))[: tuning.runs - 1]]
     else:
         points = [{key: _draw(v, rng, f"{method}.{key}") for key, v in space.items()} for _ in range(tuning.runs - 1)]
-    return [{}] + [_nested(p) for p in points]
+    return [{}] + [nested(p) for p in points]
 
 
 def _tuning_from_dict(d: dict, methods: tuple[str, ...], eval_seeds: tuple[int, ...], budget: float) -> Tuning | None:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import optax
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+LABEL_FREE = "majority"  # `data.reward`'s label-free mode (`DataConfig.label_free`), reserved in `esroll.rewards`
 DTYPES = ("float32", "bfloat16")
 EVAL_SPLITS = ("test", "validation")
 
@@ -161,13 +162,7 @@ def migrate(config: dict) -> dict:
     flat = dotted(config)
     if not any(k in RENAMED for k in flat):
         return config
-    out: dict = {}
-    for key, value in flat.items():
-        *parents, leaf = RENAMED.get(key, key).split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+    out = nested({RENAMED.get(key, key): value for key, value in flat.items()})
     for key in _ADDED_SECTIONS:
         section, name = key.split(".")
         out.setdefault(section, {}).setdefault(name, {})
@@ -184,6 +179,18 @@ def dotted(d: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in d.items():
         out.update(dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def nested(flat: dict[str, Any]) -> dict:
+    """The inverse of `dotted`: {"optimizer.lr": 1e-3} -> {"optimizer": {"lr": 1e-3}}."""
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
     return out
 
 
@@ -281,6 +288,12 @@ class DataConfig:
     reward: str = "gold"
     template: str = "plain"
     system: str = ""
+
+    @property
+    def label_free(self) -> bool:
+        """Whether training rewards come from a vote among a prompt's completions (`reward = "majority"`) rather than
+        a reward function: the one place that decides it."""
+        return self.reward == LABEL_FREE
 
     @property
     def batch_seed(self) -> int:
@@ -588,7 +601,7 @@ class ExperimentConfig:
             ),
             (
                 "grpo.group_size",
-                self.method != "grpo" or self.data.reward != "majority" or self.grpo.group_size >= 2,
+                self.method != "grpo" or not self.data.label_free or self.grpo.group_size >= 2,
                 ">= 2 with data.reward='majority' (a vote needs a group)",
             ),
             (

@@ -68,7 +68,7 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
         ("data.reward", cfg.data.reward in reward_names, f"one of {', '.join(reward_names)}"),
         (
             "data.reward",
-            cfg.data.reward != rewards.LABEL_FREE or task is None or task.parse_answer is not None,
+            not cfg.data.label_free or task is None or task.parse_answer is not None,
             f"'gold' or a registered reward for data.task={cfg.data.task!r} (label-free rewards vote on parsed "
             "answers, and this task parses none)",
         ),
@@ -85,7 +85,7 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
         except ConfigError as e:
             raise e.under(prefix) from None
     label_free_only = cfg.method == "grpo" and advantages.ESTIMATORS[cfg.grpo.advantage].label_free_only
-    if label_free_only and cfg.data.reward != "majority":
+    if label_free_only and not cfg.data.label_free:
         expected = (
             f"an estimator that reads gold rewards, or data.reward='majority' ({cfg.grpo.advantage} is label-free only)"
         )

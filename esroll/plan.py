@@ -249,9 +249,9 @@ def plan_es(
     programs = [
         _compile("cast", sharding.caster(mesh, cfg.model.dtype).lower(params), resident["optimizer state"])[0],
         _compile("ask", strategy.ask.lower(state, t.compute), masters_and_state)[0],
-        _compile("tell", strategy.tell.lower(state, params, fitness), 0)[0],
+        _compile("tell", strategy.tell.lower(params, state, fitness), 0)[0],
     ]
-    rows = cfg.es.population * cfg.train.prompts_per_step * cfg.es.samples
+    rows = es_method.rows_per_step(cfg)
     gen, per_device = t.fit_rows(
         "generate", t.auto_rows(rows, resident), cfg.train.temperature, masters_and_state, deltas
     )
@@ -283,7 +283,7 @@ def plan_grpo(
     )
     resident = t.resident(params, state)
     masters_and_state = resident["masters"] + resident["optimizer state"]
-    rows, N = cfg.train.prompts_per_step * g.group_size, cfg.train.max_new_tokens
+    rows, N = grpo.method.rows_per_step(cfg), cfg.train.max_new_tokens
 
     # One minibatch of U microbatches of b rows, b padded to a multiple of the data axis (masked rows).
     U = g.microbatches
@@ -305,8 +305,10 @@ def plan_grpo(
 
 
 def plan_step(cfg: ExperimentConfig, model_cfg: ModelConfig, mesh: Mesh, **kwargs) -> Plan:
-    """`plan_grpo` or `plan_es`, by `cfg.method`."""
-    return (plan_grpo if cfg.method == "grpo" else plan_es)(cfg, model_cfg, mesh, **kwargs)
+    """The plan of `cfg.method`'s step (`esroll.methods.MethodSpec.plan`: `plan_es`, `plan_grpo`, ...)."""
+    from esroll.methods import lookup  # the registry of methods imports this module's planners
+
+    return lookup(cfg).plan(cfg, model_cfg, mesh, **kwargs)
 
 
 def topology_mesh(name: str, model: int) -> tuple[Mesh, str]:

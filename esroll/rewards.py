@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from esroll.config import LABEL_FREE
 from esroll.registry import Registry
 
 TAIL_CHARS = 4000
@@ -201,7 +202,7 @@ def countdown_reward(completion: str, numbers: Sequence[int], target: int, *, fo
 # ---- the reward registry: the names `data.reward` takes
 
 RewardFn = Callable[[Any, str], float]
-LABEL_FREE = "majority"  # `data.reward`'s label-free mode: a vote among a prompt's completions, not a function
+# `data.reward`'s label-free mode ("majority"): a vote among a prompt's completions, not a function
 REWARDS: Registry[RewardFn] = Registry("reward", "data.reward", reserved=(LABEL_FREE,))
 
 

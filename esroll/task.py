@@ -14,7 +14,7 @@ from esroll.config import ExperimentConfig
 from esroll.data import Example, eval_scores, format_prompt, parse_answer, score, task_spec
 from esroll.models import abstract_params, load_hf
 from esroll.models.hf import resolve
-from esroll.rewards import LABEL_FREE, answer_id, get_reward
+from esroll.rewards import answer_id, get_reward
 
 
 class Task(NamedTuple):
@@ -114,7 +114,7 @@ def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Exampl
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     multiple = 8 * -(-longest // 8)  # one bucket for the whole dataset: a training run compiles generate once
     # The label-free mode computes its rewards from votes; its rows still carry the gold ones (logged as diagnostics).
-    reward_fn = get_reward("gold" if cfg.data.reward == LABEL_FREE else cfg.data.reward)
+    reward_fn = get_reward("gold" if cfg.data.label_free else cfg.data.reward)
     eos_ids = tuple(sorted(e for e in eos if e is not None))
     return Task(model_cfg, tokenizer, prompt_ids, eos_ids, pad, multiple, reward_fn), params
 

@@ -19,15 +19,13 @@ import numpy as np
 from etils import epath
 from tqdm.auto import tqdm
 
-from esroll import memory, parallel, sharding
+from esroll import memory, methods, parallel, sharding
 from esroll.checkpoint import Checkpointer, check_workdir, claim_workdir, extension, saved_config, workdir_path
 from esroll.config import ExperimentConfig, dotted, make_schedule
 from esroll.curriculum import Curriculum
 from esroll.data import Example, make_splits
 from esroll.errors import InputError, reading
-from esroll.es.method import make_es_method
 from esroll.experiment import check_names, unread_keys
-from esroll.grpo import make_grpo_method, make_policy_gradient
 from esroll.metrics import MetricsWriter, first_eval, last_eval, plot_eval_curve, read_metrics
 from esroll.models import save_hf
 from esroll.plan import plan_step
@@ -58,7 +56,7 @@ def _learning_rate(cfg: ExperimentConfig):
     """step -> the learning rate of that step's first optimizer update (GRPO takes μ × minibatches per step)."""
     o = cfg.optimizer
     lr = make_schedule(o.schedule, o.lr, o.lr_final, o.horizon, o.warmup_steps)
-    per_step = cfg.grpo.inner_iterations * cfg.grpo.minibatches if cfg.method == "grpo" else 1
+    per_step = methods.lookup(cfg).updates_per_step(cfg)
     return lambda step: float(lr(step * per_step)) if callable(lr) else lr
 
 
@@ -110,11 +108,8 @@ def train_and_evaluate(
     # ---- method (on devices that report their memory, only once the step is known to fit them)
     plan = preflight(cfg, task, mesh)
     rows_per_device = plan.rows_per_device if plan else None
-    if cfg.method == "grpo":
-        method = make_grpo_method(cfg, task, mesh, rows_per_device=rows_per_device)
-    else:  # the policy gradient an ES run's diagnostics compare with (`train.diagnostics_pg`)
-        pg = make_policy_gradient(cfg, task, mesh) if cfg.train.diagnostics_pg else None
-        method = make_es_method(cfg, task, mesh, rows_per_device=rows_per_device, policy_gradient=pg)
+    spec = methods.lookup(cfg)  # what the loop needs of the method (`esroll.methods`)
+    method = spec.build(cfg, task, mesh, rows_per_device)
     state = method.init(params, jax.random.key(cfg.seed))
     batches = Curriculum(cfg, train, task.tokenizer)  # what each step trains on (ADS, AdaPrefix)
 
@@ -167,16 +162,15 @@ def train_and_evaluate(
     # ---- loop
     budget = cfg.train.time_budget_s
     lr_at = _learning_rate(cfg)
-    rows = cfg.train.prompts_per_step * (
-        cfg.grpo.group_size if cfg.method == "grpo" else cfg.es.population * cfg.es.samples
-    )
+    rows = spec.rows_per_step(cfg)
     bar = _progress_bar(cfg, start_step, elapsed, enabled=progress and lead)
     step, acc, saved_step = start_step, None, start_step
     while step < cfg.train.steps and not (budget and elapsed >= budget):
         t0 = time.perf_counter()
         batch = batches.batch(step)
-        params, state, m, n_tokens, prompt_reward, flops = method.step(params, state, batch.examples, step)
-        m = {**m, **batches.update(step, batch, prompt_reward)}
+        out = method.step(params, state, batch.examples, step)
+        params, state, n_tokens, flops = out.params, out.state, out.tokens, out.flops
+        m = {**out.metrics, **batches.update(step, batch, out.prompt_reward)}
         m = {k: float(v) for k, v in m.items()}  # the host needs rewards anyway; one sync per step
         dt = time.perf_counter() - t0
         elapsed += dt
@@ -256,7 +250,7 @@ def _eval_rows_per_device(cfg: ExperimentConfig, task: Task, mesh, params, state
     return memory.rows_per_device(cfg, task.cfg, task.prompt_multiple, mesh, resident, rows)
 
 
-_HORIZONS = ("optimizer.horizon", "es.sigma_horizon", "grpo.adv.horizon", "curriculum.prefix_horizon")
+_HORIZONS = ("optimizer.horizon", "es.sigma_horizon", "grpo.adv.agrae.horizon", "curriculum.prefix_horizon")
 
 
 def _extension_notes(cfg: ExperimentConfig, extended: dict, start_step: int) -> list[str]:

@@ -129,7 +129,7 @@ def check_model(name: str, plan: dict) -> list[dict]:
 
     strategy = es.make_strategy(es_cfg, optimizer, constrain=constrain)
     ask = jax.jit(strategy.ask)
-    tell = jax.jit(lambda p, s, f: strategy.tell(s, p, f), donate_argnums=(0, 1))  # updates params in place
+    tell = jax.jit(strategy.tell, donate_argnums=(0, 1))  # updates params in place
     member_B = jnp.arange(B)
     es_state = jax.device_put(strategy.init(params, jax.random.key(3)), parallel.replicated(mesh))  # as tell's
     carry = {"params": params, "es": es_state}

@@ -17,6 +17,7 @@ import pytest
 
 from configs.compare import get_config
 from esroll.compare import comparison_from_dict, run_comparison
+from esroll.experiment import check_names
 from esroll.metrics import read_metrics
 from esroll.report import area_under_curve, load_comparison, paired_test, write_report
 
@@ -93,7 +94,7 @@ def test_methods_follow_their_training_configs_and_seeds_pair_them():
     cd = get_config()
     cd.methods = "looroll,eggroll,grpo,looroll_r8"
     comp = comparison_from_dict(cd.to_dict())
-    grpo = from_config_dict(default_config("grpo").to_dict())
+    grpo = check_names(from_config_dict(default_config("grpo").to_dict()))
     # configs/default.py:grpo, but for the learning rate (see configs/compare.py) and what the comparison sets.
     assert comp.configs["grpo"].grpo == grpo.grpo and comp.configs["grpo"].model == grpo.model
     assert comp.configs["grpo"].optimizer == dataclasses.replace(grpo.optimizer, lr=1e-4)

@@ -98,7 +98,7 @@ def test_strategy_functions_are_plain_jittable_functions():
     state = jax.jit(strategy.init)(params, jax.random.key(5))
     chex.assert_trees_all_equal(jax.jit(strategy.ask)(state, params), member_deltas(TOY, state.key, 0, params))
     f = jnp.arange(8.0)
-    new, state1, _ = jax.jit(strategy.tell)(state, params, f)
+    new, state1, _ = jax.jit(strategy.tell)(params, state, f)
     grad, _ = es.estimate(TOY, state.key, 0, params, f)
     chex.assert_trees_all_close(new, jax.tree.map(lambda p, g: p + 0.1 * g, params, grad), atol=1e-6)
     assert int(state1.step) == 1
@@ -298,7 +298,7 @@ def test_same_result_on_1_and_8_devices():
         @functools.partial(jax.jit, static_argnums=0)
         def ask_and_tell(mesh, state, params, f):
             deltas = _member_sharded(strategy.ask(state, params), mesh)  # the factors, scaled per member
-            return deltas, strategy.tell(state, params, f)[0]
+            return deltas, strategy.tell(params, state, f)[0]
 
         deltas, new_params = ask_and_tell(mesh, state, params, jax.device_put(f, NamedSharding(mesh, P("pop"))))
         assert len(deltas["layers"]["w"].a.sharding.device_set) == n
@@ -326,11 +326,11 @@ def test_nonfinite_step_is_skipped():
     tell = jax.jit(strategy.tell)
     state = strategy.init(params, jax.random.key(0))
     f = jnp.array([1.0, np.nan, np.inf, -np.inf, np.nan, 2.0, 0.0, 3.0])  # 4 finite members: exactly the minimum
-    new, state1, m = tell(state, params, f)
+    new, state1, m = tell(params, state, f)
     assert not bool(m["skipped"]) and int(m["num_nonfinite"]) == 4 and float(m["update_norm"]) > 0
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(new))
     f = f.at[0].set(np.nan)  # 3 finite: skip
-    new, state2, m = tell(state1, params, f)
+    new, state2, m = tell(params, state1, f)
     assert bool(m["skipped"]) and int(m["num_dropped"]) == 5 and float(m["update_norm"]) == 0
     jax.tree.map(np.testing.assert_array_equal, new, params)
     jax.tree.map(np.testing.assert_array_equal, state2.opt_state, state1.opt_state)
@@ -378,7 +378,7 @@ def test_es_trains_mlp(method, opt_name):
     def step(carry, _):
         params, state = carry
         fitness = -loss(params, strategy.ask(state, params), cfg.population)
-        params, state, metrics = strategy.tell(state, params, fitness)
+        params, state, metrics = strategy.tell(params, state, fitness)
         return (params, state), metrics["fitness_mean"]
 
     (final, state), fit = jax.jit(lambda p, s: jax.lax.scan(step, (p, s), length=200))(params, state)

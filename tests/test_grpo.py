@@ -240,7 +240,9 @@ def test_resume_is_exact(tmp_path):
     the mesh in the checkpoint)."""
     from esroll.curriculum import CurriculumConfig
 
-    stare = dict(variants=("stare",), stare={"quantile": 0.8, "entropy_low": 5.0, "entropy_high": 6.0})
+    stare = dict(
+        variants=("stare",), variant_options={"stare": {"quantile": 0.8, "entropy_low": 5.0, "entropy_high": 6.0}}
+    )
     cfg = strict_quick({**EIGHT, "advantage": "bv_blend", **stare}, 2, steps=4, checkpoint_every=2, eval_every=2)
     cur = CurriculumConfig(ads=True, prefix=True, prefix_source="target", prefix_init=0.5, prefix_horizon=6)
     steps = check_exact_resume(dataclasses.replace(cfg, curriculum=cur), tmp_path)
@@ -487,7 +489,7 @@ def test_stare_switch_in_the_step():
         method = make_grpo_method(cfg, task, mesh)
         state = method.init(params, jax.random.key(0))
         if open_gate:
-            state = state._replace(host={**state.host, "stare_open": jnp.ones((), jnp.float32)})
+            state = state._replace(host={"variants": {"stare": {"open": jnp.ones((), jnp.float32)}}})
         out = method.step(params, state, examples, 0)
         metrics = {k: float(v) for k, v in out.metrics.items() if not k.startswith("s_")}  # wall seconds differ
         return jax.device_get((out.params, out.state.opt_state)), out.state.host, metrics
@@ -501,7 +503,7 @@ def test_stare_switch_in_the_step():
     stare = dict(variants=("stare",), variant_options=Options(stare=StareOptions(quantile=0.5, alpha=1.0)))
     closed, closed_host, closed_m = step(**stare)
     chex.assert_trees_all_equal(closed, plain)
-    assert closed_m == {**plain_m, "stare_open": 0.0} and "stare_open" in closed_host
+    assert closed_m == {**plain_m, "stare_open": 0.0} and "open" in closed_host["variants"]["stare"]
     opened, _, opened_m = step(open_gate=True, **stare)
     assert opened_m["stare_open"] == 1.0 and 0.3 < opened_m["stare_tokens"] < 0.7  # about half the tokens
     assert opened_m["grad_norm"] != plain_m["grad_norm"]

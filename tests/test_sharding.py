@@ -84,7 +84,7 @@ def test_tensor_parallel_perturbed_logits_and_es_update_equal_one_device():
     fitness = jnp.asarray(np.linspace(0.0, 1.0, ES.population), jnp.float32)
     one = parallel.make_mesh(1)
     ref_logits = _perturbed_logits(one, params, deltas, tokens, member)
-    ref_params = jax.device_get(strategy.tell(state, params, fitness)[0])
+    ref_params = jax.device_get(strategy.tell(params, state, fitness)[0])
     for data, model in MESHES:
         mesh = parallel.make_mesh(8, model=model)
         np.testing.assert_allclose(_perturbed_logits(mesh, params, deltas, tokens, member), ref_logits, atol=2e-5)
@@ -94,7 +94,7 @@ def test_tensor_parallel_perturbed_logits_and_es_update_equal_one_device():
         sharded_state = jax.jit(
             compiled_strategy(ES, optim, mesh).init, out_shardings=state_shardings(ES, optim, mesh, params)
         )(masters, parallel.put_replicated(mesh, jax.random.key(1)))
-        new, new_state, _ = tell(sharded_state, masters, parallel.put_replicated(mesh, fitness))
+        new, new_state, _ = tell(masters, sharded_state, parallel.put_replicated(mesh, fitness))
         chex.assert_trees_all_close(jax.device_get(new), ref_params, atol=1e-6)
         assert new["layers"]["up"].sharding.spec == sharding.master_shardings(mesh, params)["layers"]["up"].spec
         mu = new_state.opt_state[0].mu

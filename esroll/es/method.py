@@ -46,16 +46,9 @@ def compiled_strategy(es_cfg: ESConfig, optim: OptimConfig, mesh) -> es.Strategy
         deltas = strategy.ask(state, params)
         return jax.lax.with_sharding_constraint(deltas, sharding.delta_shardings(mesh, deltas, params))
 
-    # jit pairs each donated input buffer with the first output of its shape and dtype, in order. `tell` takes
-    # (state, params) and returns (params, state): jitted as it is, each new master would be written into an old
-    # moment's buffer and each moment into another's. Taking the parameters first pairs every buffer with its own.
-    in_place = jax.jit(lambda params, state, fitness_M: strategy.tell(state, params, fitness_M), donate_argnums=(0, 1))
-
-    def tell(state, params, fitness_M):
-        return in_place(params, state, fitness_M)
-
-    tell.lower = lambda state, params, fitness_M: in_place.lower(params, state, fitness_M)
-    return strategy._replace(ask=jax.jit(ask), tell=tell)
+    # jit pairs each donated input buffer with the first output of its shape and dtype, in order: `tell` takes
+    # (params, state) and returns (params, state), so every new master and moment is written into its own old buffer.
+    return strategy._replace(ask=jax.jit(ask), tell=jax.jit(strategy.tell, donate_argnums=(0, 1)))
 
 
 @functools.cache
@@ -75,6 +68,16 @@ def state_shardings(es_cfg: ESConfig, optim: OptimConfig, mesh, params) -> es.ES
     return es.ESState(same, same, sharding.state_shardings(mesh, make_optimizer(optim), es.trainable(es_cfg, params)))
 
 
+def rows_per_step(cfg: ExperimentConfig) -> int:
+    """Rows one ES step decodes: every member answers every prompt `es.samples` times."""
+    return cfg.es.population * cfg.train.prompts_per_step * cfg.es.samples
+
+
+def updates_per_step(cfg: ExperimentConfig) -> int:
+    """Optimizer updates one ES step takes: one `tell`."""
+    return 1
+
+
 def decode_rows(cfg: ExperimentConfig, model_cfg, prompt_len: int, mesh) -> int:
     """The rows each device decodes at once in an ES step (`esroll.memory.rows_per_device`): beside the masters,
     the optimizer state and the decoding copy, as the config lays them out on `mesh`."""
@@ -86,8 +89,7 @@ def decode_rows(cfg: ExperimentConfig, model_cfg, prompt_len: int, mesh) -> int:
         jax.eval_shape(optimizer.init, train), sharding.state_shardings(mesh, optimizer, train)
     )
     resident = memory.resident_bytes(params, state, sharding.decoding_copy(mesh, params, cfg.model.dtype))
-    rows = cfg.es.population * cfg.train.prompts_per_step * cfg.es.samples
-    return memory.rows_per_device(cfg, model_cfg, prompt_len, mesh, resident, rows)
+    return memory.rows_per_device(cfg, model_cfg, prompt_len, mesh, resident, rows_per_step(cfg))
 
 
 def strategy_config(es_cfg: ESConfig) -> ESConfig:
@@ -131,7 +133,7 @@ def make_es_method(
     # Rows member-major, then prompt, then sample: row (m·X + x)·K + k is member m's k-th answer to prompt x.
     example_B = np.tile(np.repeat(np.arange(X), K), M)
     member_B = np.repeat(np.arange(M, dtype=np.int32), X * K)
-    label_free = cfg.data.reward == "majority"
+    label_free = cfg.data.label_free
     sample_key = jax.random.key(cfg.seed + 1)
     chunk = rows_per_device or decode_rows(cfg, task.cfg, task.prompt_multiple, mesh)
     sampling = Sampling.of(cfg.train.max_new_tokens, cfg.train.temperature, cfg.parallel, chunk)
@@ -172,7 +174,7 @@ def make_es_method(
             extra.update(jax.device_get(ranks(*on_one)))
             extra["s_diagnostics"] = time.perf_counter() - start
         start = time.perf_counter()
-        params, state, metrics = strategy.tell(state, params, fitness)
+        params, state, metrics = strategy.tell(params, state, fitness)
         jax.block_until_ready(params)
         extra["s_update"] = time.perf_counter() - start
         finite = np.isfinite(reward_B)

@@ -5,7 +5,7 @@
     state = strategy.init(params, key)
     deltas = strategy.ask(state, params)          # member-level low-rank factors of this step, scale folded in
     fitness_M = ... generate / forward with Perturbation(deltas, member_B) ...
-    params, state, metrics = strategy.tell(state, params, fitness_M)
+    params, state, metrics = strategy.tell(params, state, fitness_M)
 
 All three are pure and jit-able as they are (`jax.jit(strategy.tell)`): nothing is a static argument. `tell`
 regenerates the step's noise from (key, step) instead of receiving it, so across devices only the M fitness scalars
@@ -117,7 +117,9 @@ class Strategy(NamedTuple):
 
     init: Callable[[dict, Array], ESState]  # (params, key) -> state
     ask: Callable[[ESState, dict], dict]  # (state, params) -> member deltas for `Perturbation`
-    tell: Callable[[ESState, dict, Array], tuple[dict, ESState, dict]]  # (state, params, fitness_M) -> ...
+    # (params, state, fitness_M) -> (params, state, metrics): inputs and outputs in the same order, so that jit's
+    # buffer donation (`donate_argnums=(0, 1)`) writes each new leaf into its own old buffer
+    tell: Callable[[dict, ESState, Array], tuple[dict, ESState, dict]]
 
 
 def make_strategy(
@@ -155,7 +157,7 @@ def make_strategy(
         """This step's member-level deltas, ready for `Perturbation(deltas, member_B)`."""
         return member_deltas(cfg, state.key, state.step, params)
 
-    def tell(state: ESState, params: dict, fitness_M: Array) -> tuple[dict, ESState, dict[str, Array]]:
+    def tell(params: dict, state: ESState, fitness_M: Array) -> tuple[dict, ESState, dict[str, Array]]:
         """Apply one ES step from the members' fitness (higher is better); returns (params, state, metrics)."""
         train = trainable(cfg, params)
         sums, weights = _estimate_perturbed(cfg, state.key, state.step, params, fitness_M)

@@ -38,12 +38,13 @@ from esroll.grpo.loss import token_weights
 from esroll.grpo.update import (
     GRPOState,
     Rollouts,
-    _split_host,
     init_state,
+    join_host,
     keeps_reference,
     make_gradient,
     make_update,
     pad_rows,
+    split_host,
     state_shardings,
     update_config,
 )
@@ -110,6 +111,16 @@ def _group(
     return advantages.Group(rewards_XxM, step=step_index, seed=seed, **fields)
 
 
+def rows_per_step(cfg: ExperimentConfig) -> int:
+    """Completions one GRPO step samples: `group_size` per prompt."""
+    return cfg.train.prompts_per_step * cfg.grpo.group_size
+
+
+def updates_per_step(cfg: ExperimentConfig) -> int:
+    """Optimizer updates one GRPO step takes: μ passes over its minibatches."""
+    return cfg.grpo.inner_iterations * cfg.grpo.minibatches
+
+
 def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_device: int | None = None) -> Method:
     """The GRPO method; sampling decodes `rows_per_device` rows per device at once (as `esroll.plan` chose them),
     else `parallel.rows_per_device` (0: all of a device's share). `step` expects the masters as `esroll.task.load_task`
@@ -122,7 +133,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     except ConfigError as e:
         raise e.under("grpo.") from None
     X, M, N = cfg.train.prompts_per_step, g.group_size, cfg.train.max_new_tokens
-    label_free = cfg.data.reward == "majority"  # rewards from the group's majority answer, not the gold one
+    label_free = cfg.data.label_free  # rewards from the group's majority answer, not the gold one
     needs = advantages.ESTIMATORS.lookup(g.advantage).needs  # what the estimator reads beyond the rewards
     to_compute = sharding.caster(mesh, cfg.model.dtype)  # the decoding copy (model.dtype) of the masters
     sample_key = jax.random.key(cfg.seed + 1)
@@ -157,7 +168,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         mask_BxN = _completion_mask(out)
 
         # ---- advantages, then the variants' token weights
-        own, variant_state = _split_host(g, state.host)
+        own, variant_state = split_host(g, state.host)
         group = _group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs)
         estimate = advantages.estimate(g.advantage, group, advantages.options_of(g), own)
         advantage_BxN = np.broadcast_to(estimate.advantage.reshape(-1, 1), (X * M, N)).astype(np.float32)
@@ -197,12 +208,10 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         metrics["s_update"] = time.perf_counter() - start
 
         # ---- the host-side state for the next step
-        host = dict(estimate.state or {})
-        for name, variant in variants:
-            new = variant.update_state(g, variant_state[name], update_metrics)
-            host.update({f"{name}_{k}": v for k, v in new.items()})
+        updated = {name: variant.update_state(g, variant_state[name], update_metrics) for name, variant in variants}
+        host = join_host(estimate.state, updated)
         if host:
-            state = state._replace(host=parallel.put_replicated(mesh, {k: jnp.asarray(v) for k, v in host.items()}))
+            state = state._replace(host=parallel.put_replicated(mesh, jax.tree.map(jnp.asarray, host)))
         generate_flops = ledger.rollout_flops(task.cfg, out.prompt_BxP.shape[1], out.length_B)
         metrics.update(
             update_metrics,
@@ -232,7 +241,7 @@ def make_policy_gradient(cfg: ExperimentConfig, task: Task, mesh: Mesh):
     (`esroll.es.diagnostics.step_diagnostics`)."""
     g = dataclasses.replace(update_config(cfg.grpo), beta=0.0, variants=(), minibatches=1, microbatches=1)
     X, G, N = cfg.train.prompts_per_step, cfg.grpo.group_size, cfg.train.max_new_tokens
-    label_free = cfg.data.reward == "majority"
+    label_free = cfg.data.label_free
     to_compute = sharding.caster(mesh, cfg.model.dtype)
     sampling = Sampling.of(N, cfg.grpo.temperature, cfg.parallel, cfg.parallel.rows_per_device)
     gradient = make_gradient(task.cfg, g, mesh, cfg.model.dtype)

@@ -69,20 +69,30 @@ class GRPOState(NamedTuple):
 
 
 def host_state(g: GRPOConfig) -> dict | None:
-    """The running state kept on the host between steps: the advantage estimator's (`esroll.grpo.advantages.init_state`)
-    under its own keys, each variant's (`Variant.init_state`) under "<variant>_<key>"; None when there is none."""
-    state = dict(advantages.init_state(g.advantage, advantages.options_of(g)) or {})
-    for name, variant in grpo_variants.active(g):
-        state.update({f"{name}_{k}": v for k, v in variant.init_state(g).items()})
-    return state or None
+    """The running state kept on the host between steps, nested by owner: {"advantage": the estimator's
+    (`esroll.grpo.advantages.init_state`), "variants": {name: each variant's (`Variant.init_state`)}}, each part only
+    when it holds something; None when nothing does."""
+    return join_host(
+        advantages.init_state(g.advantage, advantages.options_of(g)),
+        {name: variant.init_state(g) for name, variant in grpo_variants.active(g)},
+    )
 
 
-def _split_host(g: GRPOConfig, host: dict | None) -> tuple[dict | None, dict[str, dict]]:
-    """`host_state`'s dict as (the estimator's state or None, {variant: its state})."""
-    host = {} if host is None else {k: np.asarray(v) for k, v in host.items()}
-    mine = {name: {k[len(name) + 1 :]: v for k, v in host.items() if k.startswith(name + "_")} for name in g.variants}
-    theirs = {k for name in g.variants for k in host if k.startswith(name + "_")}
-    return {k: v for k, v in host.items() if k not in theirs} or None, mine
+def join_host(advantage: dict | None, variants: dict[str, dict]) -> dict | None:
+    """The host state from its parts (`host_state`'s layout): empty parts left out."""
+    host = {}
+    if advantage:
+        host["advantage"] = dict(advantage)
+    if any(variants.values()):
+        host["variants"] = {name: dict(state) for name, state in variants.items() if state}
+    return host or None
+
+
+def split_host(g: GRPOConfig, host: dict | None) -> tuple[dict | None, dict[str, dict]]:
+    """The host state as (the estimator's state or None, {variant: its state}), in host arrays."""
+    host = {} if host is None else jax.tree.map(np.asarray, host)
+    variants = host.get("variants", {})
+    return host.get("advantage"), {name: variants.get(name, {}) for name in g.variants}
 
 
 def keeps_reference(g: GRPOConfig) -> bool:
@@ -94,7 +104,7 @@ def init_state(g: GRPOConfig, optimizer, params) -> GRPOState:
     """The optimizer state, the parameters as the frozen reference policy when one is kept (`keeps_reference`), and
     the host-side running state when there is one (`host_state`)."""
     host = host_state(g)
-    host = None if host is None else {k: jnp.asarray(v) for k, v in host.items()}
+    host = None if host is None else jax.tree.map(jnp.asarray, host)
     return GRPOState(optimizer.init(params), params if keeps_reference(g) else None, host)
 
 
@@ -106,7 +116,7 @@ def state_shardings(g: GRPOConfig, optim: OptimConfig, mesh: Mesh, params) -> GR
     return GRPOState(
         sharding.state_shardings(mesh, make_optimizer(optim), params),
         sharding.master_shardings(mesh, params) if keeps_reference(g) else None,
-        None if host is None else {k: replicated for k in host},
+        None if host is None else jax.tree.map(lambda _: replicated, host),
     )
 
 

@@ -205,7 +205,7 @@ def _es_phases(cfg, masters, mesh, rows, prompt, new, reps) -> tuple[dict, dict]
     carry = [masters, state]
 
     def tell():
-        p, s, metrics = strategy.tell(carry[1], carry[0], fitness)
+        p, s, metrics = strategy.tell(carry[0], carry[1], fitness)
         carry[:] = [p, s]
         return metrics
 

@@ -468,7 +468,7 @@ class _Target:
         masters = self.masters(self.model_cfg, self.cfg.model.master_dtype)
         state = self.es_state(masters)
         fitness = _sds((self.members,), jnp.float32, self.mesh)
-        return self.strategy.tell.lower(state, masters, fitness), masters, state
+        return self.strategy.tell.lower(masters, state, fitness), masters, state
 
     def update_rows(self) -> int:
         g, train = self.grpo_cfg.grpo, self.grpo_cfg.train

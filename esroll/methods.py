@@ -1,0 +1,57 @@
+"""The training methods a config's `method` names, and what the training loop, the planner and the run's bookkeeping
+need of each: so that none of them asks which method it runs.
+
+    METHODS["looroll"].build(cfg, task, mesh, rows_per_device) -> Method   (init, step; `esroll.task.Method`)
+    METHODS["grpo"].plan(cfg, model_cfg, mesh, ...) -> Plan                 (`esroll.plan`)
+    METHODS[name].rows_per_step(cfg)       completions sampled by one training step
+    METHODS[name].updates_per_step(cfg)    optimizer updates one training step takes (learning-rate schedule steps)
+
+This module is where the two method families meet: ES (`esroll.es`) and GRPO (`esroll.grpo`) never import each other,
+and an ES run's diagnostics compare its estimate with GRPO's policy gradient (`train.diagnostics_pg`), which is wired
+here. A new method registers its `MethodSpec` with `METHODS.add`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from esroll import plan
+from esroll.config import ExperimentConfig
+from esroll.es import estimators
+from esroll.es import method as es_method
+from esroll.grpo import method as grpo_method
+from esroll.registry import Registry
+from esroll.task import Method
+
+
+class MethodSpec(NamedTuple):
+    """What the loop and the planner need of a training method."""
+
+    build: Callable[..., Method]  # (cfg, task, mesh, rows_per_device: int | None) -> Method
+    plan: Callable[..., Any]  # (cfg, model_cfg, mesh, *, platform, prompt_len, eos_ids, shrink) -> esroll.plan.Plan
+    rows_per_step: Callable[[ExperimentConfig], int]  # completions one step samples
+    updates_per_step: Callable[[ExperimentConfig], int]  # optimizer updates one step takes
+
+
+METHODS: Registry[MethodSpec] = Registry("method", "method")
+
+
+def _build_es(cfg: ExperimentConfig, task, mesh, rows_per_device: int | None = None) -> Method:
+    """The ES method; with `train.diagnostics_pg`, its diagnostics also read GRPO's plain policy gradient."""
+    pg = grpo_method.make_policy_gradient(cfg, task, mesh) if cfg.train.diagnostics_pg else None
+    return es_method.make_es_method(cfg, task, mesh, rows_per_device=rows_per_device, policy_gradient=pg)
+
+
+def _build_grpo(cfg: ExperimentConfig, task, mesh, rows_per_device: int | None = None) -> Method:
+    return grpo_method.make_grpo_method(cfg, task, mesh, rows_per_device=rows_per_device)
+
+
+for _name in estimators.METHODS:  # the ES estimators: looroll, eggroll
+    METHODS.add(_name, MethodSpec(_build_es, plan.plan_es, es_method.rows_per_step, es_method.updates_per_step))
+METHODS.add("grpo", MethodSpec(_build_grpo, plan.plan_grpo, grpo_method.rows_per_step, grpo_method.updates_per_step))
+
+
+def lookup(cfg: ExperimentConfig) -> MethodSpec:
+    """The spec of `cfg.method` (a ValueError naming the registered methods if there is none)."""
+    return METHODS.lookup(cfg.method)
