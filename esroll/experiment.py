@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from esroll import curriculum, grpo, rewards
+from esroll import curriculum, grpo, methods, rewards
 from esroll.grpo import advantages, variants as grpo_variants
 from esroll.config import ConfigError, ExperimentConfig, InputError, check_fields, config_dict, dotted
 from esroll.data import TASKS, TEMPLATES
 from esroll.data.tasks import TASK_KNOBS
-from esroll.es import estimators, shaping, strategy
-
-METHODS = (*estimators.METHODS, "grpo")
+from esroll.es import shaping, strategy
 
 
 # The options sections of the config (`esroll.config.Options`) and the registries whose entries bring them.
@@ -62,7 +60,7 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
     task = TASKS.get(cfg.data.task)
     reward_names = rewards.reward_names()
     checks = [
-        ("method", cfg.method in METHODS, f"one of {', '.join(METHODS)}"),
+        ("method", cfg.method in methods.METHODS, methods.METHODS.expected()),
         ("data.task", task is not None, TASKS.expected()),
         ("data.template", cfg.data.template in TEMPLATES, f"one of {', '.join(TEMPLATES)}"),
         ("data.reward", cfg.data.reward in reward_names, f"one of {', '.join(reward_names)}"),
@@ -84,6 +82,7 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
             check(section)
         except ConfigError as e:
             raise e.under(prefix) from None
+    methods.lookup(cfg).check(cfg)  # what the method needs of the other sections
     label_free_only = cfg.method == "grpo" and advantages.ESTIMATORS[cfg.grpo.advantage].label_free_only
     if label_free_only and not cfg.data.label_free:
         expected = (

@@ -5,6 +5,7 @@ need of each: so that none of them asks which method it runs.
     METHODS["grpo"].plan(cfg, model_cfg, mesh, ...) -> Plan                 (`esroll.plan`)
     METHODS[name].rows_per_step(cfg)       completions sampled by one training step
     METHODS[name].updates_per_step(cfg)    optimizer updates one training step takes (learning-rate schedule steps)
+    METHODS[name].check(cfg)               what the method needs of the config's other sections
 
 This module is where the two method families meet: ES (`esroll.es`) and GRPO (`esroll.grpo`) never import each other,
 and an ES run's diagnostics compare its estimate with GRPO's policy gradient (`train.diagnostics_pg`), which is wired
@@ -32,6 +33,7 @@ class MethodSpec(NamedTuple):
     plan: Callable[..., Any]  # (cfg, model_cfg, mesh, *, platform, prompt_len, eos_ids, shrink) -> esroll.plan.Plan
     rows_per_step: Callable[[ExperimentConfig], int]  # completions one step samples
     updates_per_step: Callable[[ExperimentConfig], int]  # optimizer updates one step takes
+    check: Callable[[ExperimentConfig], None]  # what the method needs of the config's other sections (ConfigError)
 
 
 METHODS: Registry[MethodSpec] = Registry("method", "method")
@@ -48,8 +50,18 @@ def _build_grpo(cfg: ExperimentConfig, task, mesh, rows_per_device: int | None =
 
 
 for _name in estimators.METHODS:  # the ES estimators: looroll, eggroll
-    METHODS.add(_name, MethodSpec(_build_es, plan.plan_es, es_method.rows_per_step, es_method.updates_per_step))
-METHODS.add("grpo", MethodSpec(_build_grpo, plan.plan_grpo, grpo_method.rows_per_step, grpo_method.updates_per_step))
+    METHODS.add(
+        _name,
+        MethodSpec(
+            _build_es, plan.plan_es, es_method.rows_per_step, es_method.updates_per_step, es_method.check_config
+        ),
+    )
+METHODS.add(
+    "grpo",
+    MethodSpec(
+        _build_grpo, plan.plan_grpo, grpo_method.rows_per_step, grpo_method.updates_per_step, grpo_method.check_config
+    ),
+)
 
 
 def lookup(cfg: ExperimentConfig) -> MethodSpec:

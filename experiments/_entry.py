@@ -23,7 +23,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from esroll import parallel
-from esroll.errors import InputError, unknown_key
+from esroll.config import unknown_key
+from esroll.errors import InputError
 from esroll.models import ModelConfig, count_params
 
 _DEBUG = flags.DEFINE_bool("debug", False, "Show the traceback of expected errors (bad config, model, data, workdir).")

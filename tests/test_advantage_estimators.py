@@ -356,7 +356,7 @@ def test_options_are_checked():
     cd.grpo.update(advantage="ntf", group_size=1)
     cd.data.reward = "majority"  # one completion cannot vote
     with pytest.raises(ConfigError, match="grpo.group_size"):
-        from_config_dict(cd.to_dict())
+        check_names(from_config_dict(cd.to_dict()))
     cd.data.reward = "gold"
     cd.grpo.update(advantage="ddrl", group_size=4)  # label-free only: a registry's property, checked by check_names
     with pytest.raises(

@@ -267,7 +267,7 @@ def test_config_errors():
     cd = get_config("grpo_quick")
     cd.grpo.minibatches = 3  # 4 prompts × 4 completions = 16 rows
     with pytest.raises(ValueError, match="invalid value for 'grpo.minibatches': 3"):
-        from_config_dict(cd.to_dict())
+        check_names(from_config_dict(cd.to_dict()))
     cd = get_config("grpo_quick")
     cd.grpo.logprob_chunk = -1
     with pytest.raises(ValueError, match="invalid value for 'grpo.logprob_chunk'"):

@@ -17,6 +17,7 @@ import pytest
 from configs.default import get_config
 from esroll.config import from_config_dict
 from esroll.errors import InputError
+from esroll.experiment import check_names
 from esroll.metrics import read_metrics
 from esroll.train import train_and_evaluate
 
@@ -184,15 +185,15 @@ def test_es_refuses_the_grpo_variants(method):
         cd.grpo.variants = (name,)
         expected = rf"^config: invalid value for 'method': '{method}' \(expected grpo for grpo.variants"
         with pytest.raises(InputError, match=expected) as e:
-            from_config_dict(cd.to_dict())
+            check_names(from_config_dict(cd.to_dict()))
         assert "\n" not in str(e.value), str(e.value)
         cd.method = "grpo"
-        assert from_config_dict(cd.to_dict()).grpo.variants == (name,)
+        assert check_names(from_config_dict(cd.to_dict())).grpo.variants == (name,)
     cd = get_config("quick")
     cd.method = method
     cd.grpo.variant_options.stare.update(alpha=1.0, entropy_low=0.1)
     cd.grpo.variant_options.acpo.update(min=0.05, scale=3.0)
-    assert from_config_dict(cd.to_dict()).method == method
+    assert check_names(from_config_dict(cd.to_dict())).method == method
 
 
 def test_failed_start_leaves_nothing_then_runs_and_a_finished_run_is_left_alone(tmp_path):

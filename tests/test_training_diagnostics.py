@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from esroll import grpo, ledger, parallel
+from esroll.experiment import check_names
 from esroll.config import ConfigError, InputError, from_config_dict
 from esroll.metrics import read_metrics
 from esroll.train import train_and_evaluate
@@ -155,9 +156,9 @@ def test_the_ledger_adds_up_and_survives_a_resume(tmp_path):
 def test_diagnostic_settings_are_checked():
     cd = quick_config("grpo_quick")
     with pytest.raises(ConfigError, match="invalid value for 'train.diagnostics_pg'"):
-        dataclasses.replace(
-            cd, train=dataclasses.replace(cd.train, diagnostics_every=1, diagnostics_pg=True)
-        ).validate()
+        check_names(
+            dataclasses.replace(cd, train=dataclasses.replace(cd.train, diagnostics_every=1, diagnostics_pg=True))
+        )
     with pytest.raises(ConfigError, match="invalid value for 'train.diagnostics_every'"):
         dataclasses.replace(cd, train=dataclasses.replace(cd.train, diagnostics_every=-1)).validate()
     es = quick_config("quick")
@@ -165,7 +166,7 @@ def test_diagnostic_settings_are_checked():
         es, es=dataclasses.replace(es.es, population=2), train=dataclasses.replace(es.train, diagnostics_every=1)
     )
     with pytest.raises(ConfigError, match="invalid value for 'es.population': 2 .*split-half"):
-        small.validate()
+        check_names(small)
     from configs.default import get_config
 
     raw = get_config("quick").to_dict()

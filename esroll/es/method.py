@@ -21,9 +21,9 @@ import jax
 import numpy as np
 
 from esroll import es, ledger, memory, parallel, sharding
-from esroll.config import ESConfig, ExperimentConfig, OptimConfig, make_optimizer
+from esroll.config import ConfigError, ESConfig, ExperimentConfig, OptimConfig, check_fields, make_optimizer
 from esroll.data import Example
-from esroll.es import shaping
+from esroll.es import estimators, shaping
 from esroll.es.diagnostics import rank_diagnostics, step_diagnostics
 from esroll.models import abstract_params
 from esroll.rollout import Sampling, prompt_means, rollout, training_rewards
@@ -66,6 +66,38 @@ def state_shardings(es_cfg: ESConfig, optim: OptimConfig, mesh, params) -> es.ES
     """Where an ES state lives: optimizer moments like the master weights they mirror, step and key replicated."""
     same = parallel.replicated(mesh)
     return es.ESState(same, same, sharding.state_shardings(mesh, make_optimizer(optim), es.trainable(es_cfg, params)))
+
+
+def check_config(cfg: ExperimentConfig) -> None:
+    """Raise the one-line ConfigError of the first setting an ES run cannot work with: GRPO's variants, several samples
+    of greedy decoding, an estimator's population (eggroll: even), the split-half diagnostics' directions."""
+    checks = [
+        ("method", not cfg.grpo.variants, "grpo for grpo.variants (they change GRPO's step and loss; ES has neither)"),
+        (
+            "es.samples",
+            cfg.es.samples == 1 or cfg.train.temperature > 0,
+            "1 when train.temperature is 0 (greedy decoding gives K identical answers)",
+        ),
+        (
+            "train.diagnostics_pg",
+            not cfg.train.diagnostics_pg or cfg.train.diagnostics_every > 0,
+            "False unless an ES method logs diagnostics (train.diagnostics_every > 0)",
+        ),
+    ]
+    check_fields(cfg, checks, "config")
+    try:
+        es_cfg = cfg.es_config  # what the ES method adds to the settings (eggroll: an even population)
+    except ConfigError as e:
+        raise e.under("es.") from None
+    directions = es_cfg.num_directions
+    least = estimators.num_directions(cfg.method, 4)  # a population of 4: 2 antithetic pairs, or 4 directions
+    if cfg.train.diagnostics_every and (directions % 2 or directions < least):
+        raise ConfigError(
+            "es.population",
+            cfg.es.population,
+            f"a population of an even number of directions, at least {least}, for the split-half "
+            f"diagnostics (train.diagnostics_every > 0); {cfg.method} has {directions}",
+        )
 
 
 def rows_per_step(cfg: ExperimentConfig) -> int:

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import ledger, parallel, sharding
-from esroll.config import ConfigError, ExperimentConfig, make_optimizer
+from esroll.config import ConfigError, ExperimentConfig, check_fields, make_optimizer
 from esroll.data import Example
 from esroll.grpo import advantages
 from esroll.grpo import variants as grpo_variants
@@ -109,6 +109,41 @@ def _group(
     if "examples" in needs:
         fields["examples"] = examples
     return advantages.Group(rewards_XxM, step=step_index, seed=seed, **fields)
+
+
+def check_config(cfg: ExperimentConfig) -> None:
+    """Raise the one-line ConfigError of the first setting a GRPO run cannot work with: a vote without a group,
+    minibatches and microbatches that do not divide the step's rows, diagnostics it does not have or cannot split."""
+    rows = rows_per_step(cfg)
+    checks = [
+        (
+            "grpo.group_size",
+            not cfg.data.label_free or cfg.grpo.group_size >= 2,
+            ">= 2 with data.reward='majority' (a vote needs a group)",
+        ),
+        (
+            "train.diagnostics_pg",
+            not cfg.train.diagnostics_pg,
+            "False unless an ES method logs diagnostics (train.diagnostics_every > 0); GRPO's estimate is the "
+            "policy gradient",
+        ),
+        (
+            "grpo.minibatches",
+            rows % cfg.grpo.minibatches == 0,
+            f"a divisor of train.prompts_per_step × grpo.group_size = {rows}",
+        ),
+        (
+            "grpo.microbatches",
+            rows % (cfg.grpo.minibatches * cfg.grpo.microbatches) == 0,
+            f"a divisor of the minibatch size, {rows} / grpo.minibatches",
+        ),
+        (
+            "train.prompts_per_step",
+            not cfg.train.diagnostics_every or cfg.train.prompts_per_step >= 2,
+            ">= 2 for GRPO's split-half diagnostics (train.diagnostics_every > 0)",
+        ),
+    ]
+    check_fields(cfg, checks, "config")
 
 
 def rows_per_step(cfg: ExperimentConfig) -> int:

@@ -1,0 +1,177 @@
+"""The sections of the two method families: ES (`ESSettings`, and `ESConfig`, what an ES step does) and GRPO
+(`GRPOConfig`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from esroll.config.keys import Options
+from esroll.errors import ConfigError, check_fields
+from esroll.schedules import SCHEDULES
+
+
+@dataclasses.dataclass(frozen=True)
+class ESSettings:
+    """The ES settings a config file's `es` section holds (the estimator, `method`, is the experiment's top level).
+
+    These defaults are the only ones: config files start from them (`configs/default.py`) and set what differs.
+    population: members M per step. rank: r of E = ABᵀ/√r. sigma: perturbation radius (member i is θ ± σ·E_i); it
+    follows `sigma_schedule` (`esroll.schedules`: constant | linear | cosine) to `sigma_final` over `sigma_horizon`
+    steps, the same σ_t in the members' perturbation and in the estimator's 1/σ.
+    shaping: a name in `esroll.es.shaping.SHAPINGS`, applied to the fitness before the estimator (raw keeps it
+    unbiased; zscore makes the update independent of the reward scale).
+    How rewards become a member's fitness: each member answers each of the step's prompts `samples` times (K; more
+    than 1 needs train.temperature > 0), `sample_reduce` folds the K rewards (mean, or max: max@K, pass@K on 0/1
+    rewards), `prompt_shaping` (a name in `esroll.es.shaping.SHAPINGS`, across the members, prompt by prompt:
+    GRPO's group-relative normalisation, with the population as the group; raw: none) and the mean over prompts.
+    A prompt_shaping that divides by or ranks against the members' rewards (zscore, grpo, grpo_population_std,
+    centered_ranks) makes each member's fitness depend on the other members' perturbations, which breaks the
+    independence that LOO-ROLL's unbiasedness rests on (and antithetic EGGROLL's, docs/theory.md); dr_grpo and rloo
+    shift every member's fitness alike (rloo also scales it by M/(M − 1) when every reward is finite), which leaves
+    the estimator's weights as raw gives them. Label-free rewards (data.reward = majority) couple the members the
+    same way.
+    shaping_options: the options of the shapings that registered some, by name (`es.shaping_options.<name>.<key>`).
+    Leaf selection by path regex (see `esroll.es.noise`): defaults freeze embed / lm_head and vectors, perturb other
+    matrices.
+    chunk_size: directions per chunk when `tell` sums the update (0: all at once).
+    min_valid_fraction: non-finite fitness is dropped (see `esroll.es.estimators`); a step keeping fewer members than
+    this fraction of the population is skipped.
+    """
+
+    population: int = 64
+    rank: int = 1
+    sigma: float = 1e-3
+    sigma_schedule: str = "constant"
+    sigma_final: float = 0.0
+    sigma_horizon: int = 0
+    shaping: str = "zscore"
+    samples: int = 1
+    sample_reduce: str = "mean"
+    prompt_shaping: str = "raw"
+    shaping_options: Options = Options()
+    lowrank_patterns: tuple[str, ...] = (".*",)
+    dense_patterns: tuple[str, ...] = ()
+    frozen_patterns: tuple[str, ...] = ("embed", "lm_head")
+    chunk_size: int = 0
+    min_valid_fraction: float = 0.5
+
+    def __post_init__(self):
+        checks = [
+            ("population", self.population >= 2, ">= 2"),
+            ("rank", self.rank >= 1, ">= 1"),
+            ("sigma", self.sigma > 0 and math.isfinite(self.sigma), "a positive finite number"),
+            ("sigma_schedule", self.sigma_schedule in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
+            (
+                "sigma_final",
+                self.sigma_schedule == "constant" or (self.sigma_final > 0 and math.isfinite(self.sigma_final)),
+                "a positive finite number (the estimator divides by σ)",
+            ),
+            ("sigma_horizon", self.sigma_schedule == "constant" or self.sigma_horizon >= 1, ">= 1 with a schedule"),
+            ("samples", self.samples >= 1, ">= 1"),
+            ("sample_reduce", self.sample_reduce in ("mean", "max"), "mean or max"),
+            ("chunk_size", self.chunk_size >= 0, ">= 0 (0: all directions at once)"),
+            ("min_valid_fraction", 0 <= self.min_valid_fraction <= 1, "in [0, 1]"),
+        ]
+        for field in ("lowrank_patterns", "dense_patterns", "frozen_patterns"):
+            patterns = getattr(self, field)
+            ok = isinstance(patterns, tuple) and all(isinstance(p, str) and _compiles(p) for p in patterns)
+            checks.append((field, ok, "a tuple of valid regular expressions"))
+        check_fields(self, checks, type(self).__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ESConfig(ESSettings):
+    """What an ES step does: the settings plus the estimator, `method`, a name in `esroll.es.estimators.METHODS`:
+    "eggroll" (antithetic pairs, population even) or "looroll" (one evaluation per direction, leave-one-out
+    baseline). `esroll.es.make_strategy` refuses a method or shaping that names no implementation."""
+
+    method: str = "looroll"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.method == "eggroll" and self.population % 2:
+            raise ConfigError("population", self.population, "even for eggroll (antithetic pairs)", where="ESConfig")
+
+    @classmethod
+    def of(cls, method: str, settings: ESSettings) -> ESConfig:
+        return cls(method=method, **{f.name: getattr(settings, f.name) for f in dataclasses.fields(ESSettings)})
+
+    @property
+    def num_directions(self) -> int:
+        """E, the directions of a step: M/2 antithetic pairs for eggroll, M for every other estimator (as
+        `esroll.es.estimators.num_directions`)."""
+        return self.population // 2 if self.method == "eggroll" else self.population
+
+
+def _compiles(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO settings (a config file's `grpo` section, `esroll.grpo`). Each step samples `group_size` completions per
+    prompt at `temperature`, then takes `inner_iterations` (μ) passes of `minibatches` optimizer steps each; a
+    minibatch's gradient is summed over `microbatches` (a memory knob only, except under ACPO, whose bounds are per
+    microbatch). advantage: a registered group-advantage estimator (`esroll.grpo.advantages.ESTIMATORS`: "grpo" is TRL's
+    scale_rewards="group"; rloo, dr_grpo, agrae, bv_blend, gmae, maxpo, lampo, ntf, ddrl, ...); `adv` holds the
+    options of every estimator that registered some, by name (`grpo.adv.agrae.positive`), and the run's estimator
+    reads its own; group_size 1 only for the single-rollout estimators (ntf). aggregation: a name of
+    `esroll.grpo.AGGREGATIONS` (see `esroll.grpo.token_weights`); beta: weight of the k3 KL to the initial policy
+    (0 keeps no reference model).
+
+    variants: registered modifications of the plain step and loss (`esroll.grpo.variants.VARIANTS`), applied in this
+    order: "stare" (token reweighting behind an entropy gate), "acpo" (a clip range per token group), "progress" (the
+    progress advantage); their options are in `variant_options`, by name (`grpo.variant_options.stare.alpha`). None
+    by default, and then the loss is bit-identical to plain GRPO's.
+
+    Memory knobs (the update is the same whatever their values, to float rounding): remat, what the backward pass
+    keeps of each decoder layer ("none": everything, including every layer's float32 attention scores; "full": only
+    its input, the residual stream, recomputing the layer; "dots": that and the weight matmuls' outputs; see
+    `esroll.models.transformer.REMAT_POLICIES`); logprob_chunk, the completion positions whose [rows, chunk, vocab]
+    float32 logits exist at once when scoring (0 = all max_new_tokens at once).
+
+    The names (advantage, variants, aggregation, remat), the registered options and the group size an estimator needs
+    are checked by `esroll.grpo.check_names` and `esroll.experiment.check_names`."""
+
+    group_size: int = 8
+    advantage: str = "grpo"
+    adv: Options = Options()
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    inner_iterations: int = 1
+    minibatches: int = 1
+    microbatches: int = 1
+    beta: float = 0.0
+    aggregation: str = "seq_mean_token_mean"
+    temperature: float = 1.0
+    remat: str = "full"
+    logprob_chunk: int = 64
+    variants: tuple[str, ...] = ()
+    variant_options: Options = Options()
+
+    def __post_init__(self):
+        checks = [
+            ("group_size", self.group_size >= 1, ">= 1"),
+            ("variants", len(set(self.variants)) == len(self.variants), "each variant named once"),
+            ("temperature", self.temperature > 0, "> 0"),
+            ("epsilon_low", 0 <= self.epsilon_low < 1, "in [0, 1)"),
+            ("epsilon_high", self.epsilon_high >= 0, ">= 0"),
+            ("inner_iterations", self.inner_iterations >= 1, ">= 1"),
+            ("minibatches", self.minibatches >= 1, ">= 1"),
+            ("microbatches", self.microbatches >= 1, ">= 1"),
+            ("beta", self.beta >= 0, ">= 0"),
+            (
+                "logprob_chunk",
+                isinstance(self.logprob_chunk, int)
+                and not isinstance(self.logprob_chunk, bool)
+                and self.logprob_chunk >= 0,
+                "an integer >= 0 (0 = all positions at once)",
+            ),
+        ]
+        check_fields(self, checks, "GRPOConfig")
