@@ -83,12 +83,6 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
         except ConfigError as e:
             raise e.under(prefix) from None
     methods.lookup(cfg).check(cfg)  # what the method needs of the other sections
-    label_free_only = cfg.method == "grpo" and advantages.ESTIMATORS[cfg.grpo.advantage].label_free_only
-    if label_free_only and not cfg.data.label_free:
-        expected = (
-            f"an estimator that reads gold rewards, or data.reward='majority' ({cfg.grpo.advantage} is label-free only)"
-        )
-        raise ConfigError("grpo.advantage", cfg.grpo.advantage, expected)
     return cfg
 
 
@@ -99,28 +93,8 @@ def unread_keys(cfg: ExperimentConfig) -> dict[str, str]:
     schedule settings of constant schedules. `experiments.train` refuses such a key set on the command line (a user
     who sets it expects it to act) and `--print_config` marks the config file's. Keys whose use cannot be told from
     the registries (a user's task or estimator that declares nothing) count as read."""
-    rules: dict[str, str] = {}  # a key, or a section ending in ".", -> why the run does not read it
-    if cfg.method == "grpo":
-        rules["es."] = "method 'grpo' reads no ES setting"
-    elif not cfg.train.diagnostics_pg:
-        rules["grpo."] = f"method {cfg.method!r} reads GRPO settings only for train.diagnostics_pg, which is off"
-    if cfg.method == "grpo":
-        for name in advantages.ESTIMATORS:
-            if name != cfg.grpo.advantage:
-                rules[f"grpo.adv.{name}."] = (
-                    f"only grpo.advantage {name!r} reads it, and this run's is {cfg.grpo.advantage!r}"
-                )
-        for name in grpo_variants.VARIANTS:
-            if name not in cfg.grpo.variants:
-                rules[f"grpo.variant_options.{name}."] = (
-                    f"only the GRPO variant {name!r} reads it, and grpo.variants lacks it"
-                )
-    else:
-        for name in shaping.SHAPINGS:
-            if name not in (cfg.es.shaping, cfg.es.prompt_shaping):
-                rules[f"es.shaping_options.{name}."] = (
-                    f"only the fitness shaping {name!r} reads it, and neither es.shaping nor es.prompt_shaping is it"
-                )
+    # a key, or a section ending in ".", -> why the run does not read it; first the method's own (`MethodSpec.unread`)
+    rules: dict[str, str] = dict(methods.lookup(cfg).unread(cfg))
     task = TASKS.get(cfg.data.task)
     if task is not None and task.reads is not None:
         for knob in TASK_KNOBS:
@@ -139,12 +113,6 @@ def unread_keys(cfg: ExperimentConfig) -> dict[str, str]:
             rules["optimizer.horizon"] = "a constant optimizer.schedule without warm-up does not read it"
     if o.name != "adamw":
         rules["optimizer.weight_decay"] = f"only optimizer.name 'adamw' reads it, and this run's is {o.name!r}"
-    if cfg.method != "grpo":
-        if cfg.es.sigma_schedule == "constant":
-            for key in ("es.sigma_final", "es.sigma_horizon"):
-                rules[key] = "a constant es.sigma_schedule does not read it"
-        if cfg.es.samples == 1:
-            rules["es.sample_reduce"] = "es.samples is 1: one answer per member and prompt, nothing to reduce"
     unread = {}
     for key in dotted(dataclasses.asdict(cfg)):
         why = rules.get(key) or next((w for k, w in rules.items() if k.endswith(".") and key.startswith(k)), None)

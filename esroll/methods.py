@@ -6,6 +6,7 @@ need of each: so that none of them asks which method it runs.
     METHODS[name].rows_per_step(cfg)       completions sampled by one training step
     METHODS[name].updates_per_step(cfg)    optimizer updates one training step takes (learning-rate schedule steps)
     METHODS[name].check(cfg)               what the method needs of the config's other sections
+    METHODS[name].unread(cfg)              the keys a run of the method does not read (`--print_config` marks them)
 
 This module is where the two method families meet: ES (`esroll.es`) and GRPO (`esroll.grpo`) never import each other,
 and an ES run's diagnostics compare its estimate with GRPO's policy gradient (`train.diagnostics_pg`), which is wired
@@ -34,6 +35,7 @@ class MethodSpec(NamedTuple):
     rows_per_step: Callable[[ExperimentConfig], int]  # completions one step samples
     updates_per_step: Callable[[ExperimentConfig], int]  # optimizer updates one step takes
     check: Callable[[ExperimentConfig], None]  # what the method needs of the config's other sections (ConfigError)
+    unread: Callable[[ExperimentConfig], dict[str, str]]  # {key or section.: why} the method does not read
 
 
 METHODS: Registry[MethodSpec] = Registry("method", "method")
@@ -53,13 +55,23 @@ for _name in estimators.METHODS:  # the ES estimators: looroll, eggroll
     METHODS.add(
         _name,
         MethodSpec(
-            _build_es, plan.plan_es, es_method.rows_per_step, es_method.updates_per_step, es_method.check_config
+            _build_es,
+            plan.plan_es,
+            es_method.rows_per_step,
+            es_method.updates_per_step,
+            es_method.check_config,
+            es_method.unread,
         ),
     )
 METHODS.add(
     "grpo",
     MethodSpec(
-        _build_grpo, plan.plan_grpo, grpo_method.rows_per_step, grpo_method.updates_per_step, grpo_method.check_config
+        _build_grpo,
+        plan.plan_grpo,
+        grpo_method.rows_per_step,
+        grpo_method.updates_per_step,
+        grpo_method.check_config,
+        grpo_method.unread,
     ),
 )
 

@@ -100,6 +100,24 @@ def check_config(cfg: ExperimentConfig) -> None:
         )
 
 
+def unread(cfg: ExperimentConfig) -> dict[str, str]:
+    """{key or section ending in ".": why} for what an ES run of `cfg` does not read (`esroll.experiment.unread_keys`)."""
+    rules = {}
+    if not cfg.train.diagnostics_pg:
+        rules["grpo."] = f"method {cfg.method!r} reads GRPO settings only for train.diagnostics_pg, which is off"
+    for name in shaping.SHAPINGS:
+        if name not in (cfg.es.shaping, cfg.es.prompt_shaping):
+            rules[f"es.shaping_options.{name}."] = (
+                f"only the fitness shaping {name!r} reads it, and neither es.shaping nor es.prompt_shaping is it"
+            )
+    if cfg.es.sigma_schedule == "constant":
+        for key in ("es.sigma_final", "es.sigma_horizon"):
+            rules[key] = "a constant es.sigma_schedule does not read it"
+    if cfg.es.samples == 1:
+        rules["es.sample_reduce"] = "es.samples is 1: one answer per member and prompt, nothing to reduce"
+    return rules
+
+
 def rows_per_step(cfg: ExperimentConfig) -> int:
     """Rows one ES step decodes: every member answers every prompt `es.samples` times."""
     return cfg.es.population * cfg.train.prompts_per_step * cfg.es.samples

@@ -144,6 +144,28 @@ def check_config(cfg: ExperimentConfig) -> None:
         ),
     ]
     check_fields(cfg, checks, "config")
+    if advantages.ESTIMATORS[cfg.grpo.advantage].label_free_only and not cfg.data.label_free:
+        expected = (
+            f"an estimator that reads gold rewards, or data.reward='majority' ({cfg.grpo.advantage} is label-free only)"
+        )
+        raise ConfigError("grpo.advantage", cfg.grpo.advantage, expected)
+
+
+def unread(cfg: ExperimentConfig) -> dict[str, str]:
+    """{key or section ending in ".": why} for what a GRPO run of `cfg` does not read
+    (`esroll.experiment.unread_keys`)."""
+    rules = {"es.": "method 'grpo' reads no ES setting"}
+    for name in advantages.ESTIMATORS:
+        if name != cfg.grpo.advantage:
+            rules[f"grpo.adv.{name}."] = (
+                f"only grpo.advantage {name!r} reads it, and this run's is {cfg.grpo.advantage!r}"
+            )
+    for name in grpo_variants.VARIANTS:
+        if name not in cfg.grpo.variants:
+            rules[f"grpo.variant_options.{name}."] = (
+                f"only the GRPO variant {name!r} reads it, and grpo.variants lacks it"
+            )
+    return rules
 
 
 def rows_per_step(cfg: ExperimentConfig) -> int:
