@@ -27,6 +27,7 @@ OPTION_SECTIONS = (
     (("grpo", "adv"), advantages.ESTIMATORS),
     (("grpo", "variant_options"), grpo_variants.VARIANTS),
     (("es", "shaping_options"), shaping.SHAPINGS),
+    (("data", "options"), TASKS),
 )
 
 
@@ -95,6 +96,9 @@ def unread_keys(cfg: ExperimentConfig) -> dict[str, str]:
     the registries (a user's task or estimator that declares nothing) count as read."""
     # a key, or a section ending in ".", -> why the run does not read it; first the method's own (`MethodSpec.unread`)
     rules: dict[str, str] = dict(methods.lookup(cfg).unread(cfg))
+    for name in TASKS:
+        if name != cfg.data.task:
+            rules[f"data.options.{name}."] = f"only data.task {name!r} reads it, and this run's is {cfg.data.task!r}"
     task = TASKS.get(cfg.data.task)
     if task is not None and task.reads is not None:
         for knob in TASK_KNOBS:

@@ -1,19 +1,28 @@
-"""Build the small model that ships with esroll: a Qwen3-architecture decoder and tokenizer trained with plain
-supervised learning on synthetic 2-digit addition, stopped mid-way so ES and GRPO have clear headroom.
+"""Build the small models that ship with esroll: Qwen3-architecture decoders and tokenizers trained with plain
+supervised learning on a synthetic task, stopped mid-way so ES and GRPO have clear headroom.
 
     python -m experiments.pretrain_tiny --out assets/tiny-qwen3-arith
+    python -m experiments.pretrain_tiny --task arith_steps --out assets/tiny-qwen3-steps \\
+        --batch 64 --lr 2e-3 --eval_every 50 --stop_at 0.3 --max_steps 3000
 
-Deterministic from --seed. Training stops at the first evaluation whose held-out exact match reaches --stop_at
-(default 0.35) or after --max_steps. The held-out questions are the same ones the default experiment evaluates on
-(`esroll.data.make_splits` with the default config), so they are never trained on. Exact match is measured with
-teacher forcing: every answer token (and the EOS) is the argmax, which is the same event as greedy decoding
-producing the answer exactly.
+The first answers 2-digit sums with the bare number; the second writes worked solutions, one equation per line ending
+in "#### n" (`data.task = "arith_steps"`), so that step-level credit has steps to credit.
+
+Deterministic from --seed. Training stops at the first evaluation whose held-out exact match reaches --stop_at or
+after --max_steps. The held-out questions are the same ones the default experiment's data section gives for --task
+(`esroll.data.make_splits`), so they are never trained on. Exact match is measured with teacher forcing: every answer
+token (and the EOS) is the argmax, which is the same event as greedy decoding producing the answer exactly. The
+summary also records, for the saved model, the greedy held-out accuracy by the task's own scorer (a worked solution
+may reach the right answer through a wrong line, so it is at least the exact match) and, for a task whose answers are
+worked one line per step, the fraction of completions with a wrong line, right and wrong final answers apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -23,8 +32,10 @@ import numpy as np
 import optax
 
 from esroll.config import from_config_dict
-from esroll.data import PLAIN_TEMPLATE, Example, make_splits
+from esroll.data import PLAIN_TEMPLATE, Example, make_splits, score
+from esroll.experiment import check_names, default_config
 from esroll.models import ModelConfig, forward, param_shapes, save_hf
+from esroll.sampling import generate, pad_prompts
 
 EOS = "<|endoftext|>"
 
@@ -94,9 +105,46 @@ def encode_supervised(tokenizer, examples: list[Example], length: int) -> tuple[
     return tokens, mask, target
 
 
-def main(argv=None) -> dict:
-    from configs.default import get_config
+def greedy_completions(cfg: ModelConfig, params: dict, tokenizer, examples: list[Example], max_new: int) -> list[str]:
+    """Each example's greedy completion (decoded, special tokens dropped), from the plain-template prompt."""
+    prompts = [tokenizer.encode(PLAIN_TEMPLATE.format(question=e.prompt)) for e in examples]
+    tokens, mask = pad_prompts(prompts, pad_id=tokenizer.pad_token_id)
+    gen = generate(
+        cfg,
+        params,
+        tokens,
+        jax.random.key(0),
+        max_new_tokens=max_new,
+        temperature=0.0,
+        prompt_mask=mask,
+        eos_ids=[tokenizer.eos_token_id],
+        pad_id=tokenizer.pad_token_id,
+    )
+    out, lengths = np.asarray(gen.tokens), np.asarray(gen.lengths)
+    return tokenizer.batch_decode([t[:n] for t, n in zip(out, lengths)], skip_special_tokens=True)
 
+
+def completion_figures(examples: list[Example], texts: list[str], tokenizer) -> dict:
+    """Greedy held-out accuracy by the task's scorer and mean tokens per completion; for worked solutions (lines
+    before "#### n"), mean lines per completion and the fraction of completions holding a line that differs from the
+    reference solution's at its position (or a missing or extra line), among right and among wrong final answers."""
+    right = np.array([score(e, t) for e, t in zip(examples, texts)], bool)
+    figures = {
+        "greedy_accuracy": float(right.mean()),
+        "mean_tokens": float(np.mean([len(tokenizer.encode(t)) for t in texts])),
+    }
+    if all("\n" in e.solution for e in examples):
+        lines = [t.strip().split("\n")[:-1] for t in texts]  # the lines before the final "#### n"
+        wrong = np.array([got != e.solution.split("\n")[:-1] for got, e in zip(lines, examples)])
+        figures.update(
+            mean_steps=float(np.mean([len(x) for x in lines])),
+            wrong_step_given_right_answer=float(wrong[right].mean()) if right.any() else float("nan"),
+            wrong_step_given_wrong_answer=float(wrong[~right].mean()) if (~right).any() else float("nan"),
+        )
+    return figures
+
+
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--out", type=Path, default=Path("assets/tiny-qwen3-arith"), help="folder to write the model and tokenizer to")
@@ -107,9 +155,12 @@ def main(argv=None) -> dict:
     add("--eval_every", type=int, default=10, help="steps between held-out exact-match evaluations")
     add("--stop_at", type=float, default=0.35, help="stop at the first evaluation with at least this exact match")
     add("--vocab", type=int, default=384, help="BPE vocabulary size of the tokenizer")
+    add("--task", default="arithmetic", help="data.task of the default experiment's data section to train on")
     args = parser.parse_args(argv)
 
-    data_cfg = from_config_dict(get_config()).data
+    cd = default_config()
+    cd.data.task = args.task
+    data_cfg = check_names(from_config_dict(cd.to_dict())).data
     train, held_out = make_splits(data_cfg)
     texts = [PLAIN_TEMPLATE.format(question=e.prompt) + e.target_text for e in train[:5000]]
     tokenizer = build_tokenizer(texts, args.vocab)
@@ -118,6 +169,7 @@ def main(argv=None) -> dict:
     train_arrays = encode_supervised(tokenizer, train, length)
     eval_arrays = [jnp.asarray(a) for a in encode_supervised(tokenizer, held_out, length)]
 
+    start = time.perf_counter()
     params = init_params(cfg, jax.random.key(args.seed))
     opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 100, args.max_steps), weight_decay=0.01)
     opt_state = opt.init(params)
@@ -154,10 +206,16 @@ def main(argv=None) -> dict:
             if acc >= args.stop_at:
                 break
     save_hf(args.out, cfg, params, tokenizer=tokenizer)
+    max_new = max(len(tokenizer.encode(e.target_text)) for e in held_out) + 2
+    figures = completion_figures(held_out, greedy_completions(cfg, params, tokenizer, held_out, max_new), tokenizer)
     summary = {
+        "task": args.task,
+        "command": "python -m experiments.pretrain_tiny " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "seconds": round(time.perf_counter() - start, 1),
         "seed": args.seed,
         "steps": history[-1]["step"],
         "eval_exact_match": history[-1]["eval_exact_match"],
+        **figures,
         "n_train": len(train),
         "n_eval": len(held_out),
         "history": history,

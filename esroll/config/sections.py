@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from esroll.config.keys import Options
 from esroll.errors import check_fields
 
 LABEL_FREE = "majority"  # `data.reward`'s label-free mode (`DataConfig.label_free`), reserved in `esroll.rewards`
@@ -60,7 +61,8 @@ class DataConfig:
     only for evaluation) | a reward function registered with `esroll.rewards.register_reward`. Held-out evaluation
     always scores the task's own reward. In ES the majority vote is over every member's completions, so a member's
     fitness depends on the other members' perturbations and the estimators are no longer unbiased (docs/theory.md).
-    task, reward and template are names of `esroll.data.TASKS`, `esroll.rewards.REWARDS` (and majority) and
+    options: the options of the tasks that registered some, by name (`data.options.arith_steps.max_operands`); a
+    task reads its own. task, reward and template are names of `esroll.data.TASKS`, `esroll.rewards.REWARDS` (and majority) and
     `esroll.data.TEMPLATES`, checked by `esroll.experiment.check_names`."""
 
     task: str = "arithmetic"
@@ -81,6 +83,7 @@ class DataConfig:
     reward: str = "gold"
     template: str = "plain"
     system: str = ""
+    options: Options = Options()
 
     @property
     def label_free(self) -> bool:

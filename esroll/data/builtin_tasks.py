@@ -2,19 +2,22 @@
 
 arithmetic, gsm8k and gsm_symbolic are scored by the final number of a completion (`esroll.rewards.extract_answer`
 against the gold number), which is also what the label-free mode votes on, and report GSM8K's strict and flexible
-matches as extra held-out scores; countdown is scored by its expression rules and has no label-free mode (its reward
+matches as extra held-out scores; arith_steps (chains worked one equation per line, ending in "#### n") is scored
+by the number after its `####`, with the same extra scores; countdown is scored by its expression rules and has no label-free mode (its reward
 needs no answer key).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from esroll import rewards
-from esroll.config import ConfigError, DataConfig
+from esroll.config import ConfigError, DataConfig, check_fields
 from esroll.data.batching import split_examples
 from esroll.data.gsm8k import load_gsm8k
 from esroll.data.gsm_symbolic import make_gsm_symbolic_splits
-from esroll.data.synthetic import make_arithmetic, make_countdown
-from esroll.data.tasks import Example, register_task
+from esroll.data.synthetic import make_arith_steps, make_arithmetic, make_countdown
+from esroll.data.tasks import Example, register_task, task_options
 
 
 def numeric_reward(example: Example, completion: str) -> float:
@@ -64,6 +67,47 @@ def arithmetic_splits(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
         word_problems=cfg.word_problems,
     )
     return _held_out(rows, cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithStepsOptions:
+    """arith_steps' options (`data.options.arith_steps.*`): chains of min_operands to max_operands operands of
+    `digits` digits, operators drawn from `ops` (+ and −)."""
+
+    min_operands: int = 3
+    max_operands: int = 4
+    digits: int = 2
+    ops: str = "+-"
+
+    def __post_init__(self):
+        checks = [
+            ("min_operands", self.min_operands >= 2, ">= 2"),
+            ("max_operands", self.max_operands >= self.min_operands, ">= min_operands"),
+            ("digits", 1 <= self.digits <= 6, "in [1, 6]"),
+            ("ops", bool(self.ops) and set(self.ops) <= {"+", "-"}, "a non-empty string of + and -"),
+        ]
+        check_fields(self, checks, "ArithStepsOptions")
+
+
+def arith_steps_splits(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
+    """`n_examples` chains worked one equation per line (`esroll.data.synthetic.make_arith_steps`, shaped by the
+    task's options) from `seed`, `eval_size` of the distinct prompts held out."""
+    o = task_options(cfg)
+    rows = make_arith_steps(
+        cfg.n_examples, cfg.seed, min_operands=o.min_operands, max_operands=o.max_operands, digits=o.digits, ops=o.ops
+    )
+    return _held_out(rows, cfg)
+
+
+def final_answer_reward(example: Example, completion: str) -> float:
+    """1.0 when the number after the completion's `####` equals the gold one: a worked solution is scored on the answer
+    it ends with, not on a number met along the way."""
+    return rewards.gsm8k_reward(completion, example.answer, rewards.extract_strict)
+
+
+def final_answer(example: Example, completion: str) -> str | None:
+    """The number after the completion's `####`, canonical, or None."""
+    return rewards.extract_strict(completion)
 
 
 def countdown_splits(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
@@ -119,4 +163,13 @@ register_task(
     parse_answer=numeric_answer,
     eval_scores=NUMERIC_SCORES,
     reads=("n_examples",),
+)
+register_task(
+    "arith_steps",
+    arith_steps_splits,
+    final_answer_reward,
+    parse_answer=final_answer,
+    eval_scores=NUMERIC_SCORES,
+    reads=("n_examples",),
+    options=ArithStepsOptions,
 )

@@ -1,4 +1,4 @@
-"""Synthetic tasks, deterministic from a seed: arithmetic in the GSM8K schema, and Countdown.
+"""Synthetic tasks, deterministic from a seed: arithmetic in the GSM8K schema, arithmetic worked in steps, Countdown.
 
 They need no download, their difficulty is a knob, and their answers are short, so a tiny model can learn them.
 """
@@ -151,6 +151,47 @@ def make_countdown(n: int, seed: int, *, n_numbers: int = 3, max_number: int = 2
                 solution=expression,
                 target_text=f" <answer>{expression}</answer>",
                 meta={"numbers": tuple(numbers), "target": target, "expression": expression},
+            )
+        )
+    return examples
+
+
+def make_arith_steps(
+    n: int, seed: int, *, min_operands: int = 3, max_operands: int = 4, digits: int = 2, ops: Sequence[str] = ("+", "-")
+) -> list[Example]:
+    """`n` chains of `min_operands` to `max_operands` operands of `digits` digits joined by operators drawn from `ops`
+    (+ and −), read left to right, each worked one equation per line and ended by its answer:
+
+        prompt  "97-98-44-25=?"
+        target  " 97-98=-1\n-1-44=-45\n-45-25=-70\n#### -70"
+
+    Intermediate values may be negative. `solution` is the worked solution (without the leading space);
+    `meta["numbers"]` the operands, `meta["ops"]` the operators, `meta["difficulty"]` the number of equations."""
+    if not ops or not set(ops) <= {"+", "-"}:
+        raise ValueError(f"ops must be a non-empty subset of '+', '-', got {tuple(ops)!r}")
+    if not 2 <= min_operands <= max_operands or digits < 1:
+        raise ValueError(f"need 2 <= min_operands <= max_operands and digits >= 1, got {min_operands}, {max_operands}")
+    rng = np.random.default_rng(seed)
+    examples = []
+    for _ in range(n):
+        count = int(rng.integers(min_operands, max_operands + 1))
+        terms = [_operand(rng, digits) for _ in range(count)]
+        row_ops = [_pick(rng, ops) for _ in range(count - 1)]
+        lines, total = [], terms[0]
+        for op, term in zip(row_ops, terms[1:]):
+            new = total + term if op == "+" else total - term
+            lines.append(f"{total}{op}{term}={new}")
+            total = new
+        expression = str(terms[0]) + "".join(f"{op}{t}" for op, t in zip(row_ops, terms[1:]))
+        work = "\n".join(lines) + f"\n#### {total}"
+        examples.append(
+            Example(
+                task="arith_steps",
+                prompt=f"{expression}=?",
+                answer=str(total),
+                solution=work,
+                target_text=f" {work}",
+                meta={"numbers": tuple(terms), "ops": tuple(row_ops), "difficulty": len(lines)},
             )
         )
     return examples

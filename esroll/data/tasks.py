@@ -108,7 +108,9 @@ class TaskSpec(NamedTuple):
 TASK_KNOBS = ("path", "eval_path", "n_examples", "digits", "ops", "n_terms", "word_problems", "countdown_numbers")
 
 
-TASKS: Registry[TaskSpec] = Registry("task", "data.task")  # the built-ins: `esroll.data.builtin_tasks`
+TASKS: Registry[TaskSpec] = Registry(
+    "task", "data.task", options_key="data.options"
+)  # the built-ins: `esroll.data.builtin_tasks`
 
 
 def register_task(
@@ -120,10 +122,13 @@ def register_task(
     parse_answer: Callable[[Example, str], str | None] | None = None,
     eval_scores: Mapping[str, Scorer] | None = None,
     reads: Iterable[str] | None = None,
+    options: type | None = None,
     replace: bool = False,
 ) -> TaskSpec:
-    """Register the task `data.task = name` selects (the fields are `TaskSpec`'s) and return its spec. A name already
-    registered is refused unless `replace` is set, so that two modules cannot silently shadow each other's task."""
+    """Register the task `data.task = name` selects (the fields are `TaskSpec`'s) and return its spec. `options`: the
+    task's own frozen options dataclass (config keys `data.options.<name>.<field>`), which `splits` reads with
+    `task_options(data_cfg)`. A name already registered is refused unless `replace` is set, so that two modules cannot
+    silently shadow each other's task."""
     TASKS.check_new(name, replace=replace)
     if reads is not None:
         reads = tuple(reads)
@@ -141,7 +146,14 @@ def register_task(
     for key, _ in extra:
         if not isinstance(key, str) or not key.isidentifier() or key == "accuracy":
             raise ValueError(f"task {name!r}: eval score name {key!r} must be an identifier other than 'accuracy'")
-    return TASKS.add(name, TaskSpec(name, splits, reward, prompt, parse_answer, extra, reads), replace=replace)
+    spec = TaskSpec(name, splits, reward, prompt, parse_answer, extra, reads)
+    return TASKS.add(name, spec, options=options, replace=replace)
+
+
+def task_options(cfg: DataConfig):
+    """The options of `cfg.task` (`data.options.<task>`; its defaults when the config sets none; None for a task that
+    registered none)."""
+    return TASKS.options_of(cfg.options, cfg.task)
 
 
 def task_spec(name: str) -> TaskSpec:
