@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from etils import epath
@@ -102,8 +103,12 @@ class Checkpointer:
 EXTENDABLE = ("train.steps", "train.time_budget_s")
 
 
-def check_workdir(workdir: str | os.PathLike, config: dict, overwrite: bool) -> bool:
-    """Whether `workdir` already holds this run (True: resume); writes nothing.
+def check_workdir(
+    workdir: str | os.PathLike, config: dict, overwrite: bool, current: Callable[[dict], dict] = lambda d: d
+) -> bool:
+    """Whether `workdir` already holds this run (True: resume); writes nothing. `current` maps the saved config to
+    what the current code reads from it (`esroll.experiment.as_current`: the options of implementations registered
+    since filled in at their defaults), so that a run saved before them is still this run.
 
     A run whose config differs from `config` only by a raised `EXTENDABLE` key is this run, extended
     (`extension`). A workdir holding a run of another config is refused (an InputError naming the first differing
@@ -112,6 +117,7 @@ def check_workdir(workdir: str | os.PathLike, config: dict, overwrite: bool) -> 
     old = saved_config(workdir)
     if old is None:
         return False
+    old = current(old)
     if old == json.loads(_dumps(config)) or extension(old, config):
         return True
     if overwrite:
@@ -151,16 +157,17 @@ def saved_config(workdir: str | os.PathLike) -> dict | None:
         raise InputError(f"{path}: not valid JSON ({e.msg}); move the file aside or use another --workdir") from None
 
 
-def claim_workdir(workdir: str | os.PathLike, config: dict) -> None:
+def claim_workdir(workdir: str | os.PathLike, config: dict, current: Callable[[dict], dict] = lambda d: d) -> None:
     """Record the run's config in workdir/config.json, once the run is known to start. A run of another config found
     there (allowed by `check_workdir` with overwrite) is moved to workdir/replaced-N with its checkpoints and logs,
     never deleted; the config of a run being extended (`extension`) is kept as workdir/config.before-extension-N.json;
-    a workdir without a config.json is written into as it is."""
+    a workdir without a config.json is written into as it is. `current`: as for `check_workdir`."""
     workdir = workdir_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.json"
     text = _dumps(config)
     old = saved_config(workdir)
+    old = None if old is None else current(old)
     if old == json.loads(text):
         return
     if old is not None and extension(old, config):

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from esroll.config import ExperimentConfig, dotted, from_config_dict, migrate, nested
-from esroll.experiment import check_names
+from esroll.config import ExperimentConfig, dotted, from_config_dict, nested
+from esroll.experiment import as_current, check_names
 from esroll.metrics import read_metrics
 from esroll.report import SPEC_FILE, area_under_curve, run_dir, run_ended
 from esroll.train import train_and_evaluate
@@ -214,7 +214,7 @@ def is_complete(directory: Path, cfg: ExperimentConfig) -> bool:
     """True when `directory` holds a finished run of `cfg`."""
     config_path = directory / "config.json"
     config = _config_json(cfg)
-    if not config_path.is_file() or migrate(json.loads(config_path.read_text())) != config:
+    if not config_path.is_file() or as_current(json.loads(config_path.read_text())) != config:
         return False
     return run_ended(read_metrics(directory / "metrics.jsonl"), config["train"])
 

@@ -13,10 +13,20 @@ trainer runs it first thing (`esroll.train.train_and_evaluate`), and so does eve
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from esroll import curriculum, grpo, methods, rewards
 from esroll.grpo import advantages, variants as grpo_variants
-from esroll.config import ConfigError, ExperimentConfig, InputError, check_fields, config_dict, dotted
+from esroll.config import (
+    ConfigError,
+    ExperimentConfig,
+    InputError,
+    check_fields,
+    config_dict,
+    dotted,
+    from_config_dict,
+    migrate,
+)
 from esroll.data import TASKS, TEMPLATES
 from esroll.data.tasks import TASK_KNOBS
 from esroll.es import shaping, strategy
@@ -39,6 +49,19 @@ def resolve_options(cfg: ExperimentConfig) -> ExperimentConfig:
         resolved = registry.resolve(getattr(part, field))
         cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(part, **{field: resolved})})
     return cfg
+
+
+def as_current(saved: dict) -> dict:
+    """A run's saved config.json (nested dicts) as the current code reads it: keys renamed since moved to their new
+    places (`esroll.config.migrate`) and the options of implementations registered since the run was saved filled in
+    at their defaults, so that comparing it with the current config of the same run finds no difference. A saved
+    config the current code refuses comes back migrated only (the comparison then names what differs)."""
+    migrated = migrate(saved)
+    try:
+        cfg = check_names(from_config_dict(migrated))
+    except InputError:
+        return migrated
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
 
 
 def default_config():

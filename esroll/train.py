@@ -25,7 +25,7 @@ from esroll.config import ExperimentConfig, dotted, make_schedule
 from esroll.curriculum import Curriculum
 from esroll.data import Example, make_splits
 from esroll.errors import InputError, reading
-from esroll.experiment import check_names, unread_keys
+from esroll.experiment import as_current, check_names, unread_keys
 from esroll.metrics import MetricsWriter, first_eval, last_eval, plot_eval_curve, read_metrics
 from esroll.models import save_hf
 from esroll.plan import plan_step
@@ -82,8 +82,8 @@ def train_and_evaluate(
     workdir = workdir_path(workdir)  # a local path made absolute, or a URL (gs://...) kept as it is
     config_dict = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
     lead = jax.process_index() == 0
-    resuming = check_workdir(workdir, config_dict, overwrite)
-    extended = extension(saved_config(workdir), config_dict) if resuming else {}
+    resuming = check_workdir(workdir, config_dict, overwrite, current=as_current)
+    extended = extension(as_current(saved_config(workdir)), config_dict) if resuming else {}
     mesh = parallel.make_mesh(mesh_devices, model=cfg.parallel.model)
     ckpt_step = Checkpointer.latest_in(workdir) if resuming else None
     records = read_metrics(workdir / "metrics.jsonl") if resuming else []
@@ -123,7 +123,7 @@ def train_and_evaluate(
 
     # ---- claim the workdir (the run can start), then restore if it holds this run
     if lead:
-        claim_workdir(workdir, config_dict)
+        claim_workdir(workdir, config_dict, current=as_current)
     ckpt = Checkpointer(workdir)
     start_step, elapsed = 0, 0.0
     generated = {"completions": 0, "tokens": 0, "flops": 0}  # cumulative, as the records log them (the compute ledger)

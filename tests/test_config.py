@@ -284,9 +284,12 @@ def test_a_renamed_key_is_refused_with_its_new_name(key, new):
 
 def test_a_run_saved_with_the_flat_option_keys_resumes(tmp_path):
     """A committed config.json written before the estimators and variants took their options beside their code
-    (`grpo.adv.maxpo_k`, `grpo.stare.alpha`): read through `migrate` it is the same config as the one the current
-    code builds from it, so `check_workdir` resumes the run, and `claim_workdir` leaves its file alone."""
+    (`grpo.adv.maxpo_k`, `grpo.stare.alpha`), and before the options of implementations registered since (a task's
+    `data.options`): read as the current code reads it (`migrate`, then those options at their defaults:
+    `esroll.experiment.as_current`) it is the config the current code builds from it, so `check_workdir` resumes the
+    run, and `claim_workdir` leaves its file alone."""
     from esroll.checkpoint import check_workdir, claim_workdir
+    from esroll.experiment import as_current
 
     saved = REPO / "docs" / "training_variance" / "grpo_s0" / "config.json"
     old = json.loads(saved.read_text())
@@ -294,13 +297,14 @@ def test_a_run_saved_with_the_flat_option_keys_resumes(tmp_path):
     migrated = config.migrate(old)
     assert migrated["grpo"]["adv"]["maxpo"] == {"k": old["grpo"]["adv"]["maxpo_k"]}
     assert migrated["grpo"]["variant_options"]["stare"] == old["grpo"]["stare"]
+    assert "options" not in old["data"]  # saved before tasks had options
     cfg = check_names(from_config_dict(migrated))
     now = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-    assert now == migrated
+    assert as_current(old) == now and now["data"]["options"]["arith_steps"]["max_operands"] == 4
     workdir = tmp_path / "run"
     workdir.mkdir()
     (workdir / "config.json").write_text(saved.read_text())
-    assert check_workdir(workdir, now, overwrite=False) is True
-    claim_workdir(workdir, now)
+    assert check_workdir(workdir, now, overwrite=False, current=as_current) is True
+    claim_workdir(workdir, now, current=as_current)
     assert (workdir / "config.json").read_text() == saved.read_text() and not list(workdir.glob("replaced-*"))
     assert config.migrate(now) is now  # a current config is left as it is

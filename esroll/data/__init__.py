@@ -6,7 +6,7 @@ from esroll.data.batching import batch_indices, epoch_permutation, get_batch, sp
 from esroll.data.build import make_splits
 from esroll.data.gsm8k import example_from_gsm8k, load_gsm8k, to_gsm8k_dict, write_jsonl
 from esroll.data.gsm_symbolic import gsm_symbolic_templates, make_gsm_symbolic, make_gsm_symbolic_splits
-from esroll.data.synthetic import make_arithmetic, make_countdown
+from esroll.data.synthetic import make_arith_steps, make_arithmetic, make_countdown
 from esroll.data.tasks import (
     PLAIN_TEMPLATE,
     TASKS,
@@ -21,6 +21,7 @@ from esroll.data.tasks import (
     parse_answer,
     register_task,
     score,
+    task_options,
     task_spec,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "get_batch",
     "gsm_symbolic_templates",
     "load_gsm8k",
+    "make_arith_steps",
     "make_arithmetic",
     "make_countdown",
     "make_gsm_symbolic",
@@ -50,6 +52,7 @@ __all__ = [
     "register_task",
     "score",
     "split_examples",
+    "task_options",
     "task_spec",
     "to_gsm8k_dict",
     "write_jsonl",
