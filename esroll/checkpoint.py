@@ -18,7 +18,7 @@ from typing import Any
 
 from etils import epath
 
-from esroll.config import dotted, migrate
+from esroll.config import dotted
 from esroll.errors import InputError
 
 
@@ -146,13 +146,13 @@ def extension(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
 
 
 def saved_config(workdir: str | os.PathLike) -> dict | None:
-    """The config.json of the run in `workdir` (None: there is none), with keys renamed since it was written moved to
-    their new places (`esroll.config.migrate`), so that the run resumes."""
+    """The config.json of the run in `workdir` as written (None: there is none); `check_workdir`'s `current` reads it
+    as the current code does."""
     path = workdir_path(workdir) / "config.json"
     if not path.is_file():
         return None
     try:
-        return migrate(json.loads(path.read_text()))
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise InputError(f"{path}: not valid JSON ({e.msg}); move the file aside or use another --workdir") from None
 

@@ -77,10 +77,7 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
     implementation and the options that depend on what a name implements agree with it; else raise the one-line
     ConfigError of the first that does not, naming the key as a config file spells it ("config: invalid value for
     'es.shaping': 'foo' (expected one of ...)")."""
-    try:
-        cfg = resolve_options(cfg)
-    except ConfigError as e:  # raised by an options dataclass, its key already spelled in full
-        raise InputError(str(e)) from None
+    cfg = resolve_options(cfg)
     task = TASKS.get(cfg.data.task)
     reward_names = rewards.reward_names()
     checks = [

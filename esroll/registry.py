@@ -81,7 +81,10 @@ class Registry(dict[str, T], Generic[T]):
         given = section.get(name)
         if isinstance(given, cls):
             return given
-        return from_config_dict({} if given is None else given, cls, f"{self.options_key}.{name}.")
+        try:
+            return from_config_dict({} if given is None else given, cls, f"{self.options_key}.{name}.")
+        except ConfigError as e:  # its key is spelled in full: a plain InputError, which no caller prefixes again
+            raise InputError(str(e)) from None
 
     def resolve(self, section: Mapping[str, Any]) -> Options:
         """The options section complete and typed: {name: its options dataclass} for every entry with options,

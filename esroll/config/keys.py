@@ -18,11 +18,11 @@ def dotted(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def nested(flat: dict[str, Any]) -> dict:
-    """The inverse of `dotted`: {"optimizer.lr": 1e-3} -> {"optimizer": {"lr": 1e-3}}."""
+def nested(flat: dict[str, Any], sep: str = ".") -> dict:
+    """The inverse of `dotted`: {"optimizer.lr": 1e-3} -> {"optimizer": {"lr": 1e-3}} (keys split at `sep`)."""
     out: dict = {}
     for key, value in flat.items():
-        *parents, leaf = key.split(".")
+        *parents, leaf = key.split(sep)
         node = out
         for part in parents:
             node = node.setdefault(part, {})

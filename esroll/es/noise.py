@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from esroll.config import nested
 from esroll.models import STACKED, LowRank
 
 Array = jax.Array
@@ -64,14 +65,7 @@ def map_with_path(fn, tree: dict) -> dict:
 
 def unflatten(flat: dict[str, Any]) -> dict:
     """The inverse of `flatten`."""
-    tree: dict = {}
-    for path, value in flat.items():
-        *parents, leaf = path.split("/")
-        node = tree
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return tree
+    return nested(flat, "/")
 
 
 def is_stacked(path: str) -> bool:

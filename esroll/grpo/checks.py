@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from esroll.config import GRPOConfig, InputError, check_fields
+from esroll.config import GRPOConfig, check_fields
 from esroll.grpo import advantages
 from esroll.grpo import variants as grpo_variants
 from esroll.grpo.loss import AGGREGATIONS
@@ -28,19 +28,10 @@ def check_names(g: GRPOConfig) -> None:
         ("remat", isinstance(g.remat, str) and g.remat in REMAT_POLICIES, f"one of {', '.join(REMAT_POLICIES)}"),
     ]
     check_fields(g, checks, "GRPOConfig")
-    options = [_built(advantages.ESTIMATORS, g.adv, g.advantage)]
-    options += [_built(grpo_variants.VARIANTS, g.variant_options, name) for name in g.variants]
+    options = [advantages.ESTIMATORS.options_of(g.adv, g.advantage)]
+    options += [grpo_variants.VARIANTS.options_of(g.variant_options, name) for name in g.variants]
     for o in options:
         if hasattr(o, "check"):
             o.check(g)
     for _, variant in grpo_variants.active(g):
         variant.check(g)
-
-
-def _built(registry, section, name: str):
-    """`name`'s options from `section`, an error in them raised with the key as a config file spells it (whole: the
-    callers prefix a ConfigError with "grpo.", so it leaves as a plain InputError)."""
-    try:
-        return registry.options_of(section, name)
-    except InputError as e:
-        raise InputError(str(e)) from None
