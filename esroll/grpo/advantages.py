@@ -6,7 +6,13 @@ An estimator reads more than the rewards: the step (schedules), the completions'
 prompt, the parsed answers (label-free rewards) and a small running state that the trainer checkpoints, and it may
 bring its own options (a frozen dataclass registered with it: `grpo.adv.<name>.<key>`). Each is a pure function
 
-    fn(group: Group, options, state) -> Estimate(advantage [X, M], token_weight [X, M, N] | None, state, metrics)
+    fn(group: Group, options, state) -> Estimate(advantage [X, M] or [X, M, N], token_weight [X, M, N] | None,
+                                                 state, metrics)
+
+An advantage is one per completion [X, M] (each of its tokens gets it) or one per token [X, M, N] (credit below the
+whole completion: a step's tokens share their step's advantage); the loss takes either the same way, multiplied by
+the token factors it applies (the estimator's `token_weight`, the variants') and aggregated as configured, and a
+per-token advantage that is constant over each completion gives exactly the loss and gradient of the per-completion one.
 
 (numpy, on the host, float64 inside). The estimators of recent papers (A-GRAE, BV-Blend, GMAE, MaxPO, LamPO, NTF,
 DDRL) are in `esroll.grpo.estimators`, registered through `register_advantage` as a user's own would be
@@ -58,8 +64,8 @@ def register_advantage(
     """Register the group-advantage estimator `grpo.advantage = name` selects.
 
     fn(group: Group, options, state: dict | None) -> Estimate: one step's X prompts × M completions (`Group`: rewards
-    [X, M], the step, the seed, and what `needs` asks for) to advantages [X, M] (0 on invalid entries), optional
-    per-token loss weights [X, M, N], the running state after the step and metrics to log. It runs on the host, in
+    [X, M], the step, the seed, and what `needs` asks for) to advantages [X, M] or per token [X, M, N] (0 on invalid
+    entries; tokens past a completion's end are ignored), optional per-token loss weights [X, M, N], the running state after the step and metrics to log. It runs on the host, in
     numpy, once per step.
 
     options: the estimator's own frozen dataclass of options, every field with a default; its fields are config keys
@@ -126,7 +132,7 @@ class Group(NamedTuple):
 
 
 class Estimate(NamedTuple):
-    advantage: np.ndarray  # [X, M] float32; 0 on invalid entries
+    advantage: np.ndarray  # [X, M] float32, or per token [X, M, N]; 0 on invalid entries
     token_weight: np.ndarray | None = None  # [X, M, N]: multiplies the loss's token weights (None: all 1)
     state: dict | None = None  # the running state after this step (None: the estimator has none)
     metrics: dict | None = None  # logged (None: nothing)

@@ -85,6 +85,34 @@ def make_batches(
     return batches
 
 
+def token_advantages(name: str, advantage: np.ndarray, mask_BxN: np.ndarray, group_size: int) -> np.ndarray:
+    """[B, N] float32: each token's advantage from an estimator's `advantage`, one per completion [X, M] (every token
+    of a completion gets it) or one per token [X, M, N] (taken as it is; 0 past a completion's end). Any other shape,
+    or a non-finite advantage on a completion token, is refused naming the estimator `name`."""
+    B, N = mask_BxN.shape
+    X, M = B // group_size, group_size
+    advantage = np.asarray(advantage)
+    if advantage.shape == (X, M):
+        advantage_BxN = np.broadcast_to(advantage.reshape(B, 1), (B, N))
+    elif advantage.shape == (X, M, N):
+        advantage_BxN = advantage.reshape(B, N)
+    else:
+        raise ValueError(
+            f"advantage estimator {name!r} returned advantages of shape {advantage.shape}; expected one per "
+            f"completion {(X, M)} or one per token {(X, M, N)}"
+        )
+    if not np.isfinite(advantage_BxN[mask_BxN]).all():
+        raise ValueError(f"advantage estimator {name!r} returned a non-finite advantage on a completion token")
+    return np.where(mask_BxN, advantage_BxN, 0.0).astype(np.float32)
+
+
+def _mean_abs(advantage_BxN: np.ndarray, mask_BxN: np.ndarray) -> float:
+    """The mean over completions of each one's token-mean |advantage| (a sequence-level advantage's |A|)."""
+    tokens_B = mask_BxN.sum(1)
+    per_row = np.abs(advantage_BxN).sum(1, where=mask_BxN) / np.maximum(tokens_B, 1)
+    return float(per_row.mean())
+
+
 def _completion_mask(out) -> np.ndarray:
     return np.arange(out.tokens_BxN.shape[1])[None, :] < out.length_B[:, None]
 
@@ -228,7 +256,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         own, variant_state = split_host(g, state.host)
         group = _group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs)
         estimate = advantages.estimate(g.advantage, group, advantages.options_of(g), own)
-        advantage_BxN = np.broadcast_to(estimate.advantage.reshape(-1, 1), (X * M, N)).astype(np.float32)
+        advantage_BxN = token_advantages(g.advantage, estimate.advantage, mask_BxN, M)
         factor_BxN = np.ones((X * M, N), np.float32)
         if estimate.token_weight is not None:  # the estimator's per-token factor (e.g. ntf's filtered tokens: 0)
             factor_BxN = factor_BxN * estimate.token_weight.reshape(X * M, N)
@@ -274,7 +302,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             update_metrics,
             fitness_mean=rewards_XxM.mean(),
             fitness_std=rewards_XxM.std(),
-            advantage_abs=np.abs(estimate.advantage).mean(),
+            advantage_abs=_mean_abs(advantage_BxN, mask_BxN),
             s_rollout=out.seconds["generate"],
             s_scoring=out.seconds["score"],
             flops_generate=float(generate_flops),

@@ -1,0 +1,75 @@
+"""GRPO and LOO-ROLL on worked arithmetic (`arith_steps`): the task whose completions have steps to credit, from the
+shipped model that writes them (`assets/tiny-qwen3-steps`, docs/step_level.md).
+
+    python -m experiments.train --config configs/step_level.py:grpo --workdir runs/step_grpo
+    python -m experiments.train --config configs/step_level.py:looroll,hard --workdir runs/step_looroll_hard
+
+The variant is comma-separated: one method name, then modifiers.
+    grpo        GRPO (group-normalised advantages), 16 prompts × 8 completions, AdamW lr 1e-4 clipped at norm 1
+    looroll     LOO-ROLL, population 32 on 16 shared prompts, σ = 0.005, raw fitness, Adam lr 1e-3
+    mc_steps    GRPO with Monte Carlo step values (`grpo.advantage = "mc_steps"`, docs/step_level.md)
+    quick       a seconds-long smoke run (tests)
+    hard        5 operands to train and evaluate on, instead of 3 or 4
+Hardware: 2 CPU cores; each full run trains for 10 minutes of wall time (`train.time_budget_s`), evaluation excluded.
+The measured gains over 3 seeds are in docs/step_level.md. Every other key starts at its default
+(`esroll.experiment.default_config`).
+"""
+
+from esroll.experiment import default_config
+
+METHODS = {
+    "grpo": "GRPO with group-normalised advantages",
+    "looroll": "LOO-ROLL",
+    "mc_steps": "GRPO with Monte Carlo step values (VinePPO)",
+}
+MODIFIERS = {"quick": "a seconds-long smoke run (tests)", "hard": "5 operands instead of 3 or 4"}
+
+
+def get_config(arg: str | None = None):
+    parts = [p.strip() for p in (arg or "grpo").split(",") if p.strip()]
+    methods = [p for p in parts if p in METHODS]
+    unknown = [p for p in parts if p not in METHODS and p not in MODIFIERS]
+    if unknown or len(methods) != 1 or len(set(parts)) != len(parts):
+        raise ValueError(
+            f"configs/step_level.py: variant {arg!r} must name one method ({', '.join(METHODS)}) and optionally "
+            f"modifiers ({', '.join(MODIFIERS)}), comma-separated, each once"
+        )
+    (method,) = methods
+    c = default_config()
+    c.model.path = "assets/tiny-qwen3-steps"
+    c.data.task = "arith_steps"
+    c.train.max_new_tokens = 48  # the longest 4-operand solution is 40 tokens
+    c.train.prompts_per_step = 16
+    c.train.time_budget_s = 600.0
+    c.train.steps = 10_000  # the time budget ends the run
+    c.train.eval_every = 20
+    c.train.checkpoint_every = 20
+    if method == "looroll":
+        c.method = "looroll"
+        c.es.population = 32
+        c.es.sigma = 0.005
+        c.es.shaping = "raw"
+        c.optimizer.lr = 1e-3
+    else:
+        c.method = "grpo"
+        c.grpo.group_size = 8
+        c.optimizer.name = "adamw"
+        c.optimizer.lr = 1e-4
+        c.optimizer.max_grad_norm = 1.0
+        if method == "mc_steps":
+            c.grpo.advantage = "mc_steps"
+    if "hard" in parts:
+        c.data.options.arith_steps.update(min_operands=5, max_operands=5)
+        c.train.max_new_tokens = 64
+    if "quick" in parts:
+        c.data.n_examples = 2000
+        c.data.eval_size = 16
+        c.train.time_budget_s = 0.0
+        c.train.steps = 2
+        c.train.prompts_per_step = 4
+        c.train.eval_every = 2
+        c.train.checkpoint_every = 2
+        c.train.max_new_tokens = 40 if "hard" not in parts else 56
+        c.es.population = 4
+        c.grpo.group_size = 4
+    return c
