@@ -65,8 +65,8 @@ def register_advantage(
 
     fn(group: Group, options, state: dict | None) -> Estimate: one step's X prompts × M completions (`Group`: rewards
     [X, M], the step, the seed, and what `needs` asks for) to advantages [X, M] or per token [X, M, N] (0 on invalid
-    entries; tokens past a completion's end are ignored), optional per-token loss weights [X, M, N], the running state after the step and metrics to log. It runs on the host, in
-    numpy, once per step.
+    entries; tokens past a completion's end are ignored), optional per-token loss weights [X, M, N], the running
+    state after the step and metrics to log. It runs on the host, in numpy, once per step.
 
     options: the estimator's own frozen dataclass of options, every field with a default; its fields are config keys
     `grpo.adv.<name>.<field>` (checked, overridable from the command line, saved with the run), and `fn` and `init`

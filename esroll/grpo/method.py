@@ -106,10 +106,12 @@ def token_advantages(name: str, advantage: np.ndarray, mask_BxN: np.ndarray, gro
     return np.where(mask_BxN, advantage_BxN, 0.0).astype(np.float32)
 
 
-def _mean_abs(advantage_BxN: np.ndarray, mask_BxN: np.ndarray) -> float:
-    """The mean over completions of each one's token-mean |advantage| (a sequence-level advantage's |A|)."""
+def _mean_abs(advantage: np.ndarray, mask_BxN: np.ndarray) -> float:
+    """The mean over completions of |A|: a per-completion advantage's, or a per-token one's token mean."""
+    if advantage.ndim == 2:
+        return float(np.abs(advantage).mean())
     tokens_B = mask_BxN.sum(1)
-    per_row = np.abs(advantage_BxN).sum(1, where=mask_BxN) / np.maximum(tokens_B, 1)
+    per_row = np.abs(advantage.reshape(mask_BxN.shape)).sum(1, where=mask_BxN) / np.maximum(tokens_B, 1)
     return float(per_row.mean())
 
 
@@ -302,7 +304,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             update_metrics,
             fitness_mean=rewards_XxM.mean(),
             fitness_std=rewards_XxM.std(),
-            advantage_abs=_mean_abs(advantage_BxN, mask_BxN),
+            advantage_abs=_mean_abs(estimate.advantage, mask_BxN),
             s_rollout=out.seconds["generate"],
             s_scoring=out.seconds["score"],
             flops_generate=float(generate_flops),
