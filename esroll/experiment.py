@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from esroll import curriculum, grpo, methods, rewards
+from esroll import curriculum, grpo, methods, rewards, verify
 from esroll.grpo import advantages, variants as grpo_variants
 from esroll.config import (
     ConfigError,
@@ -91,6 +91,7 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
             f"'gold' or a registered reward for data.task={cfg.data.task!r} (label-free rewards vote on parsed "
             "answers, and this task parses none)",
         ),
+        ("steps.verifier", cfg.steps.verifier in verify.STEP_VERIFIERS, verify.STEP_VERIFIERS.expected()),
         (
             "curriculum.prefix_source",
             cfg.curriculum.prefix_source in curriculum.PREFIX_SOURCES,

@@ -22,10 +22,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from esroll import parallel
+from esroll.config import StepsConfig
 from esroll.rewards import majority_rewards
 from esroll.data import Example, eval_score_names
 from esroll.models import Perturbation
 from esroll.sampling import generate, pad_prompts
+from esroll.steps import Steps, segment
+from esroll.verify import STEP_VERIFIERS
 
 PAD = -1  # in a row → example map: a padding row
 
@@ -68,6 +71,14 @@ class Rollout(NamedTuple):
     scores: dict[str, np.ndarray] | None  # name -> [B] float32 (with scores=True): `esroll.data.eval_scores`
     answer_B: np.ndarray | None = None  # [B] int64 (with answers=True): parsed-answer ids, -1 for none
     seconds: dict[str, float] | None = None  # wall time of the phases: "generate" (decoding), "score" (rewards)
+    prefix_B: np.ndarray | None = None  # [B] int32 (with prefixes): tokens of each completion given, not generated
+    steps: Steps | None = None  # (with steps): each completion's reasoning steps (`esroll.steps.segment`)
+    step_scores_BxS: np.ndarray | None = None  # [B, S] (with step_scores): each step's verifier score, NaN past them
+
+    @property
+    def generated_B(self) -> np.ndarray:
+        """[B] tokens each row generated (its length less the prefix it was given)."""
+        return self.length_B if self.prefix_B is None else self.length_B - self.prefix_B
 
 
 def rollout(
@@ -84,6 +95,9 @@ def rollout(
     completions: bool = False,
     scores: bool = False,
     answers: bool = False,
+    prefixes: Sequence[Sequence[int]] | None = None,
+    steps: StepsConfig | None = None,
+    step_scores: bool = False,
 ) -> Rollout:
     """Decode the rows, row b answering `examples[example_B[b]]` (with member `member_B[b]`'s perturbation when
     `deltas` are given), and score them with `task.rewards`. With `completions`, the tokens and their
@@ -91,19 +105,43 @@ def rollout(
     `esroll.data.eval_scores` instead (their first, "accuracy", the task's own reward, is then `reward_B`); with
     `answers`, each row's parsed answer as an integer id (`Task.answer_ids`: what label-free rewards vote on).
 
+    prefixes: row b's completion starts with the tokens `prefixes[b]` (appended to its prompt, decoding continues
+    from them through the same KV-cache `generate`: a branched rollout, `branch`); each completion, prefix
+    included, stays within `sampling.max_new_tokens` (a continuation is cut where a fresh completion would be).
+    The completion returned and scored is prefix + continuation (the prefix's log-probabilities 0: they were given,
+    not sampled), and `prefix_B` holds the prefix lengths. steps: each completion cut into reasoning steps by that
+    config section (`esroll.steps.segment`); with step_scores, each step scored by its verifier
+    (`esroll.verify`). Both are computed once, on the host, from the exchanged tokens (`completions` is implied).
+
     Every process must pass the same arguments. The sampling noise of row b is a function of (key, b, step), so the
     result does not depend on the mesh.
     """
     example_B = np.asarray(example_B)
     B = len(example_B)
+    completions = completions or steps is not None
     data = parallel.data_size(mesh)
     chunk = data * (sampling.rows_per_device or -(-B // data))  # rows decoded per `generate` call
     rows = B + (-B % chunk)  # padded to a whole number of chunks
     example_B = np.concatenate([example_B, np.full(rows - B, PAD)])
     real_B = example_B != PAD
-    tokens_XxP, mask_XxP = pad_prompts(task.prompt_ids(examples), multiple=task.prompt_multiple, pad_id=task.pad_id)
-    prompt_BxP = np.where(real_B[:, None], tokens_XxP[example_B], task.pad_id).astype(np.int32)
-    prompt_mask_BxP = real_B[:, None] & mask_XxP[example_B]
+    N = sampling.max_new_tokens
+    if prefixes is None:
+        tokens_XxP, mask_XxP = pad_prompts(task.prompt_ids(examples), multiple=task.prompt_multiple, pad_id=task.pad_id)
+        prompt_BxP = np.where(real_B[:, None], tokens_XxP[example_B], task.pad_id).astype(np.int32)
+        prompt_mask_BxP = real_B[:, None] & mask_XxP[example_B]
+        prefix_B = np.zeros(rows, np.int32)
+    else:
+        if len(prefixes) != B:
+            raise ValueError(f"rollout: {len(prefixes)} prefixes for {B} rows")
+        prefix_B = np.array([len(p) for p in prefixes] + [0] * (rows - B), np.int32)
+        if (prefix_B >= N).any():
+            raise ValueError(f"rollout: a prefix of {prefix_B.max()} tokens leaves none of max_new_tokens = {N}")
+        ids = task.prompt_ids(examples)
+        row_ids = [list(ids[e]) + [int(t) for t in prefixes[b]] if e != PAD else [] for b, e in enumerate(example_B)]
+        prompt_BxP, prompt_mask_BxP = pad_prompts(row_ids, multiple=task.prompt_multiple, pad_id=task.pad_id)
+    # The longest continuation any row may take, its prefix rounded down to a multiple of 8 so that a few lengths
+    # (compilations of `generate`) serve every batch of branches.
+    new_tokens = N - int(prefix_B[real_B].min(initial=0)) // 8 * 8
     place = (lambda x: parallel.put_rows(mesh, x)) if mesh.size > 1 else np.asarray
     if deltas is not None:
         member_B = np.concatenate([member_B, np.zeros(rows - B, member_B.dtype)])
@@ -121,7 +159,7 @@ def rollout(
             params,
             place(prompt_BxP[rows_c]),
             key,
-            max_new_tokens=sampling.max_new_tokens,
+            max_new_tokens=new_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k,
@@ -135,9 +173,15 @@ def rollout(
         )
         idx, tokens = parallel.local_rows(gen.tokens)
         parts.append((idx + start, tokens, parallel.local_rows(gen.lengths)[1], parallel.local_rows(gen.logprobs)[1]))
-    N = sampling.max_new_tokens
-    empty = (np.zeros(0, int), np.zeros((0, N), np.int32), np.zeros(0, np.int32), np.zeros((0, N), np.float32))
+    empty = (
+        np.zeros(0, int),
+        np.zeros((0, new_tokens), np.int32),
+        np.zeros(0, np.int32),
+        np.zeros((0, new_tokens), np.float32),
+    )
     idx, tokens, lengths, logprobs = (np.concatenate(p) for p in zip(empty, *parts))
+    if prefixes is not None:  # prefix + continuation, cut to N tokens in all
+        tokens, lengths, logprobs = _with_prefixes(prefixes, prefix_B[idx], idx, tokens, lengths, logprobs, N, task)
     generated_s = time.perf_counter()
     real = real_B[idx]
     names = eval_score_names(examples[0].task) if scores else ("accuracy",)
@@ -158,7 +202,7 @@ def rollout(
     table = parallel.gather_to_all(np.concatenate(columns, 1, dtype=np.float64), idx, rows)[:B]
     S = len(names)
     A = S + 1 + int(answers)  # where the tokens start
-    return Rollout(
+    out = Rollout(
         example_B=example_B[:B],
         prompt_BxP=prompt_BxP[:B],
         prompt_mask_BxP=prompt_mask_BxP[:B],
@@ -169,7 +213,87 @@ def rollout(
         scores={name: table[:, i].astype(np.float32) for i, name in enumerate(names)} if scores else None,
         answer_B=table[:, S + 1].astype(np.int64) if answers else None,
         seconds={"generate": generated_s - start_s, "score": scored_s - generated_s},
+        prefix_B=None if prefixes is None else prefix_B[:B],
     )
+    if steps is not None:
+        out = _with_steps(out, task, examples, steps, step_scores)
+    return out
+
+
+def _with_prefixes(prefixes, prefix_R, idx, cont_RxM, cont_len_R, cont_logp_RxM, N: int, task):
+    """Rows [R, N] of prefix + continuation for the local rows `idx`: each continuation cut to N − its prefix
+    tokens (as a fresh completion is cut at N), padding after, log-probabilities 0 on the prefix."""
+    R = len(idx)
+    tokens = np.full((R, N), task.pad_id, np.int32)
+    logprobs = np.zeros((R, N), np.float32)
+    lengths = np.zeros(R, np.int32)
+    for r, b in enumerate(idx):
+        k = int(prefix_R[r])
+        if b >= len(prefixes):  # a padding row
+            continue
+        n = min(int(cont_len_R[r]), N - k)
+        tokens[r, :k] = prefixes[b]
+        tokens[r, k : k + n] = cont_RxM[r, :n]
+        logprobs[r, k : k + n] = cont_logp_RxM[r, :n]
+        lengths[r] = k + n
+    return tokens, lengths, logprobs
+
+
+def _with_steps(out: Rollout, task, examples, cfg: StepsConfig, scored: bool) -> Rollout:
+    """`out` with its completions' steps (`esroll.steps.segment`) and, when `scored`, each step's verifier score."""
+    found = segment(
+        task.tokenizer,
+        out.tokens_BxN,
+        out.length_B,
+        eos_ids=task.eos_ids,
+        boundary=cfg.boundary,
+        max_steps=cfg.max_steps,
+    )
+    scores = None
+    if scored:
+        verifier = STEP_VERIFIERS.lookup(cfg.verifier)
+        scores = np.full((len(out.length_B), cfg.max_steps), np.nan, np.float32)
+        for b, e in enumerate(out.example_B):
+            if e != PAD and found.count_B[b]:
+                scores[b, : found.count_B[b]] = verifier(examples[e], found.text[b])
+    return out._replace(steps=found, step_scores_BxS=scores)
+
+
+def branch(
+    task: Any,
+    mesh: Mesh,
+    params: dict,
+    examples: Sequence[Example],
+    out: Rollout,
+    key: jax.Array,
+    sampling: Sampling,
+    branches: int,
+) -> tuple[Rollout, np.ndarray]:
+    """Branched rollouts: `branches` continuations from the end of each step but the last of each completion of `out`
+    (which carries its steps, `rollout(..., steps=...)`), each a `rollout` with the completion through that step as
+    its prefix. Returns the branches (rows in order of (row, step, branch); their rewards score prefix +
+    continuation) and their origin [R, 2] (row of `out`, step). Every process must pass the same arguments; keyed
+    by `key` and each branch's row, so the result does not depend on the mesh."""
+    if out.steps is None:
+        raise ValueError("branch: the rollout carries no steps (rollout(..., steps=...))")
+    origin = [(b, s) for b in range(len(out.length_B)) for s in range(int(out.steps.count_B[b]) - 1)]
+    origin = [o for o in origin for _ in range(branches)]
+    origin_Rx2 = np.array(origin, np.int64).reshape(-1, 2)
+    if not len(origin):
+        return None, origin_Rx2
+    prefixes = [out.tokens_BxN[b, : out.steps.end[b][s]] for b, s in origin]
+    branched = rollout(
+        task,
+        mesh,
+        params,
+        examples,
+        out.example_B[origin_Rx2[:, 0]],
+        key,
+        sampling,
+        completions=True,
+        prefixes=prefixes,
+    )
+    return branched, origin_Rx2
 
 
 def training_rewards(out: Rollout, label_free: bool) -> tuple[np.ndarray, dict[str, float]]:

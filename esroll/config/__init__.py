@@ -35,6 +35,7 @@ from esroll.config.sections import (
     ModelSpec,
     OptimConfig,
     ParallelConfig,
+    StepsConfig,
     TrainConfig,
 )
 from esroll.errors import ConfigError, InputError, check_fields
@@ -57,6 +58,7 @@ __all__ = [
     "InputError",
     "ModelSpec",
     "OptimConfig",
+    "StepsConfig",
     "Options",
     "ParallelConfig",
     "TrainConfig",

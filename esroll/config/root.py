@@ -12,6 +12,7 @@ from esroll.config.sections import (
     ModelSpec,
     OptimConfig,
     ParallelConfig,
+    StepsConfig,
     TrainConfig,
 )
 from esroll.errors import check_fields
@@ -28,10 +29,11 @@ EVAL_SPLITS = ("test", "validation")
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """method: an ES estimator (looroll | eggroll, settings in `es`) or grpo (settings in `grpo`). seed: the method's
-    randomness (noise, sampling); `data.seed` fixes the data. curriculum: what each step trains on
-    (`esroll.curriculum`: adaptive data scheduling, AdaPrefix), for every method. parallel: the device layout (mesh
-    model axis, rollout chunks). distributed: start `jax.distributed` (multi-host; one process per host, see the
-    README). `validate` checks structure and ranges; `esroll.experiment.check_names` the registered names."""
+        randomness (noise, sampling); `data.seed` fixes the data. curriculum: what each step trains on
+        (`esroll.curriculum`: adaptive data scheduling, AdaPrefix), for every method. parallel: the device layout (mesh
+        model axis, rollout chunks). distributed: start `jax.distributed` (multi-host; one process per host, see the
+        README). steps: how completions are cut into reasoning steps and scored step by step, for the methods that read
+    steps. `validate` checks structure and ranges; `esroll.experiment.check_names` the registered names."""
 
     method: str = "looroll"
     seed: int = 0
@@ -39,6 +41,7 @@ class ExperimentConfig:
     data: DataConfig = DataConfig()
     es: ESSettings = ESSettings()
     grpo: GRPOConfig = GRPOConfig()
+    steps: StepsConfig = StepsConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
     optimizer: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()

@@ -1,5 +1,5 @@
-"""The sections of an experiment config that every method shares: model, device layout, data, optimizer, training
-loop and curriculum."""
+"""The sections of an experiment config that every method shares: model, device layout, data, steps, optimizer,
+training loop and curriculum."""
 
 from __future__ import annotations
 
@@ -136,6 +136,31 @@ class TrainConfig:
     export: bool = True
     diagnostics_every: int = 0
     diagnostics_pg: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StepsConfig:
+    """A config file's `steps` section: how a completion is cut into reasoning steps (`esroll.steps.segment`) and how
+    each step is scored (`esroll.verify`), read when the method asks for steps (an advantage estimator that needs
+    "steps", "step_scores" or "branches").
+
+    boundary: the text that ends a step (it belongs to the step it ends); max_steps: later steps merge into the last;
+    verifier: the step verifier (a name of `esroll.verify.STEP_VERIFIERS`), read for "step_scores"; branches:
+    continuations sampled from the end of each step but the last (branched rollouts, `esroll.rollout.branch`), read
+    for "branches"."""
+
+    boundary: str = "\n"
+    max_steps: int = 16
+    verifier: str = "equations"
+    branches: int = 4
+
+    def __post_init__(self):
+        checks = [
+            ("boundary", bool(self.boundary), "a non-empty string"),
+            ("max_steps", self.max_steps >= 1, ">= 1"),
+            ("branches", self.branches >= 1, ">= 1"),
+        ]
+        check_fields(self, checks, "StepsConfig")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,7 +102,7 @@ def check_config(cfg: ExperimentConfig) -> None:
 
 def unread(cfg: ExperimentConfig) -> dict[str, str]:
     """{key or section ending in ".": why} for what an ES run of `cfg` does not read (`esroll.experiment.unread_keys`)."""
-    rules = {}
+    rules = {"steps.": f"method {cfg.method!r} reads no reasoning steps"}
     if not cfg.train.diagnostics_pg:
         rules["grpo."] = f"method {cfg.method!r} reads GRPO settings only for train.diagnostics_pg, which is off"
     for name in shaping.SHAPINGS:

@@ -14,7 +14,7 @@
 
 from esroll.config import GRPOConfig
 from esroll.grpo import estimators  # noqa: F401 — registers the built-in estimators
-from esroll.grpo.advantages import Estimate, Group, register_advantage
+from esroll.grpo.advantages import STEP_NEEDS, Estimate, Group, register_advantage
 from esroll.grpo.checks import check_names
 from esroll.grpo.loss import AGGREGATIONS, grpo_loss, token_weights
 from esroll.grpo.method import make_batches, make_grpo_method, make_policy_gradient
@@ -34,6 +34,7 @@ from esroll.grpo.variants import Variant, register_variant
 
 __all__ = [
     "AGGREGATIONS",
+    "STEP_NEEDS",
     "Estimate",
     "GRPOConfig",
     "GRPOState",

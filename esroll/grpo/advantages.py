@@ -30,11 +30,13 @@ from esroll import baselines
 from esroll.baselines import Shaping
 from esroll.data import Example
 from esroll.registry import Registry
+from esroll.steps import Steps
 
 # ---- the registry: what `grpo.advantage` names
 
 Estimator = Callable[..., "Estimate"]  # fn(group: Group, options, state: dict | None) -> Estimate
-NEEDS = ("logprobs", "answers", "examples")  # what an estimator may read beyond the rewards (`register_advantage`)
+STEP_NEEDS = ("steps", "step_scores", "branches")  # what reads the `steps` config section
+NEEDS = ("logprobs", "answers", "examples", *STEP_NEEDS)  # what an estimator may read beyond the rewards
 
 
 class EstimatorSpec(NamedTuple):
@@ -76,7 +78,10 @@ def register_advantage(
     (it is checkpointed with the run); None (the default): the estimator keeps none and is passed state None.
     needs: what it reads of the rollout beyond the rewards, among `NEEDS`: "logprobs" (`Group.seq_logp`,
     `token_logp`, `token_mask`), "answers" (the parsed answers, which the rollout produces in the label-free mode
-    only), "examples" (the prompts); the step fills only these fields of its `Group`.
+    only), "examples" (the prompts), "steps" (`Group.steps`, each completion cut into reasoning steps by the `steps`
+    config section), "step_scores" (`Group.step_scores`, each step's score by `steps.verifier`), "branches"
+    (`Group.branch_rewards`, the rewards of `steps.branches` continuations sampled from the end of each step); the
+    step fills only these fields of its `Group` (and the token log-probabilities and mask with any step need).
     single_rollout: it works with one completion per prompt (grpo.group_size 1 is then allowed); label_free_only:
     it needs data.reward = "majority".
 
@@ -129,6 +134,10 @@ class Group(NamedTuple):
     cluster: np.ndarray | None = None  # [X] int in [0, bv_blend.clusters): the prompt's cluster; None: from `examples`
     answers: np.ndarray | None = None  # [X, M] int64 parsed-answer ids (`answer_id`), -1 for no answer
     examples: list[Example] | None = None  # the X prompts' examples (their task, difficulty, meta)
+    steps: Steps | None = None  # the X·M completions' reasoning steps (`esroll.steps.Steps`, rows prompt-major)
+    step_scores: np.ndarray | None = None  # [X, M, S] each step's verifier score; NaN past a completion's steps
+    branch_rewards: np.ndarray | None = None  # [X, M, S, K] rewards of K continuations from the end of step s; NaN
+    # where none was sampled (the last step, steps past a completion's count)
 
 
 class Estimate(NamedTuple):

@@ -48,8 +48,9 @@ from esroll.grpo.update import (
     state_shardings,
     update_config,
 )
+from esroll.grpo.advantages import STEP_NEEDS
 from esroll.grpo.variants import Sampled
-from esroll.rollout import Sampling, prompt_means, rollout, training_rewards
+from esroll.rollout import Sampling, branch, prompt_means, rollout, training_rewards
 from esroll.task import Method, StepOutput, Task
 
 
@@ -138,7 +139,25 @@ def _group(
         fields["answers"] = out.answer_B.reshape(X, M)
     if "examples" in needs:
         fields["examples"] = examples
+    if "logprobs" in needs or set(needs) & set(STEP_NEEDS):
+        fields.update(token_logp=out.logprobs_BxN.reshape(X, M, N), token_mask=mask_BxN.reshape(X, M, N))
+    if set(needs) & set(STEP_NEEDS):
+        fields["steps"] = out.steps
+    if "step_scores" in needs:
+        fields["step_scores"] = out.step_scores_BxS.reshape(X, M, -1)
     return advantages.Group(rewards_XxM, step=step_index, seed=seed, **fields)
+
+
+def branch_rewards(branched, origin_Rx2: np.ndarray, shape: tuple[int, ...], branches: int) -> np.ndarray:
+    """[X, M, S, K] the rewards of the K branches from the end of each step (`esroll.rollout.branch`'s rows and
+    origins), NaN where none was sampled."""
+    X, M, S = shape
+    out = np.full((X * M, S, branches), np.nan, np.float64)
+    if branched is not None:
+        rewards_R = np.asarray(branched.reward_B, np.float64)
+        for r, (b, s) in enumerate(origin_Rx2):
+            out[b, s, r % branches] = rewards_R[r]
+    return out.reshape(X, M, S, branches)
 
 
 def check_config(cfg: ExperimentConfig) -> None:
@@ -185,6 +204,10 @@ def unread(cfg: ExperimentConfig) -> dict[str, str]:
     """{key or section ending in ".": why} for what a GRPO run of `cfg` does not read
     (`esroll.experiment.unread_keys`)."""
     rules = {"es.": "method 'grpo' reads no ES setting"}
+    needs = advantages.ESTIMATORS[cfg.grpo.advantage].needs if cfg.grpo.advantage in advantages.ESTIMATORS else ()
+    for key, need in (("steps.", STEP_NEEDS), ("steps.verifier", ("step_scores",)), ("steps.branches", ("branches",))):
+        if not set(need) & set(needs):
+            rules[key] = f"grpo.advantage {cfg.grpo.advantage!r} does not read {' or '.join(need)}"
     for name in advantages.ESTIMATORS:
         if name != cfg.grpo.advantage:
             rules[f"grpo.adv.{name}."] = (
@@ -222,6 +245,8 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     X, M, N = cfg.train.prompts_per_step, g.group_size, cfg.train.max_new_tokens
     label_free = cfg.data.label_free  # rewards from the group's majority answer, not the gold one
     needs = advantages.ESTIMATORS.lookup(g.advantage).needs  # what the estimator reads beyond the rewards
+    steps = cfg.steps if set(needs) & set(STEP_NEEDS) else None  # cut completions into steps (and score them)
+    branch_key = jax.random.key(cfg.seed + 3)  # branched continuations: apart from every other draw of a run
     to_compute = sharding.caster(mesh, cfg.model.dtype)  # the decoding copy (model.dtype) of the masters
     sample_key = jax.random.key(cfg.seed + 1)
     sampling = Sampling.of(N, g.temperature, cfg.parallel, rows_per_device or cfg.parallel.rows_per_device)
@@ -247,16 +272,39 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     def step(params, state: GRPOState, examples: list[Example], step_index: int) -> StepOutput:
         # ---- sample M completions per prompt and score them
         key = jax.random.fold_in(sample_key, step_index)
+        compute = to_compute(params)
         out = rollout(
-            task, mesh, to_compute(params), examples, example_B, key, sampling, completions=True, answers=label_free
+            task,
+            mesh,
+            compute,
+            examples,
+            example_B,
+            key,
+            sampling,
+            completions=True,
+            answers=label_free,
+            steps=steps,
+            step_scores="step_scores" in needs,
         )
         reward_B, metrics = training_rewards(out, label_free)
+        branched, branch_flops, branch_tokens = None, 0.0, 0
+        if "branches" in needs:  # K continuations from the end of each step but the last
+            branched, origin = branch(
+                task, mesh, compute, examples, out, jax.random.fold_in(branch_key, step_index), sampling, steps.branches
+            )
+            if branched is not None:
+                branch_tokens = int(branched.generated_B.sum())
+                branch_flops = float(ledger.rollout_flops(task.cfg, branched.prompt_BxP.shape[1], branched.generated_B))
+                metrics.update(branch_rows=len(origin), s_branch=sum(branched.seconds.values()))
         rewards_XxM = reward_B.reshape(X, M)
         mask_BxN = _completion_mask(out)
 
         # ---- advantages, then the variants' token weights
         own, variant_state = split_host(g, state.host)
         group = _group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs)
+        if "branches" in needs:
+            shape = (X, M, steps.max_steps)
+            group = group._replace(branch_rewards=branch_rewards(branched, origin, shape, steps.branches))
         estimate = advantages.estimate(g.advantage, group, advantages.options_of(g), own)
         advantage_BxN = token_advantages(g.advantage, estimate.advantage, mask_BxN, M)
         factor_BxN = np.ones((X * M, N), np.float32)
@@ -299,7 +347,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         host = join_host(estimate.state, updated)
         if host:
             state = state._replace(host=parallel.put_replicated(mesh, jax.tree.map(jnp.asarray, host)))
-        generate_flops = ledger.rollout_flops(task.cfg, out.prompt_BxP.shape[1], out.length_B)
+        generate_flops = ledger.rollout_flops(task.cfg, out.prompt_BxP.shape[1], out.length_B) + branch_flops
         metrics.update(
             update_metrics,
             fitness_mean=rewards_XxM.mean(),
@@ -315,7 +363,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             metrics["frac_groups_all_equal"] = np.mean(np.all(rewards_XxM == rewards_XxM[:, :1], axis=1))
         prompt_reward = prompt_means(example_B, reward_B, X)
         flops = generate_flops + update_flops
-        return StepOutput(params, state, metrics, int(out.length_B.sum()), prompt_reward, flops)
+        return StepOutput(params, state, metrics, int(out.length_B.sum()) + branch_tokens, prompt_reward, flops)
 
     return Method(init, step)
 

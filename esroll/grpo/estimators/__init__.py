@@ -9,6 +9,7 @@
     lampo     LamPO: pairwise reward gaps weighted by a confidence from the pair's log-probability difference
     ntf       negative token filtering: a batch-level baseline and no penalty on a negative sample's likely tokens
     ddrl      DDRL (label-free only): fixed ±a advantages from answer consistency, classes balanced over the batch
+    mc_steps  Monte Carlo step values (VinePPO): per-token advantages V(after step) − V(before) from branched rollouts
 """
 
-from esroll.grpo.estimators import agrae, bv_blend, ddrl, gmae, lampo, maxpo, ntf  # noqa: F401 — registers them
+from esroll.grpo.estimators import agrae, bv_blend, ddrl, gmae, lampo, maxpo, mc_steps, ntf  # noqa: F401 — registers them
