@@ -84,14 +84,17 @@ def hand_built(seed=0):
 
 
 def reference(logp_new, logp_old, logp_ref, advantage, mask, aggregation, eps_low=EPS_LOW, eps_high=EPS_HIGH):
-    """Loss and d loss / d logp_new, token by token in float64, with the aggregation written out per mode; the clip
-    range 1 − ε_low .. 1 + ε_high is a scalar or one per token ([B, N]: ACPO's)."""
+    """Loss and d loss / d logp_new, token by token in float64, with the aggregation written out per mode; the
+    advantage is one per completion [B] or one per token [B, N]; the clip range 1 − ε_low .. 1 + ε_high is a scalar
+    or one per token ([B, N]: ACPO's)."""
     B, N = mask.shape
     eps_low, eps_high = np.broadcast_to(eps_low, (B, N)), np.broadcast_to(eps_high, (B, N))
+    advantage = np.asarray(advantage)
+    advantage_BxN = np.broadcast_to(advantage[:, None] if advantage.ndim == 1 else advantage, (B, N))
     loss_t, grad_t = np.zeros((B, N)), np.zeros((B, N))
     for i in range(B):
-        a = advantage[i]
         for t in range(N):
+            a = advantage_BxN[i, t]
             ratio = np.exp(logp_new[i, t] - logp_old[i, t])
             clipped = min(max(ratio, 1 - eps_low[i, t]), 1 + eps_high[i, t])
             unclipped_active = ratio * a <= clipped * a

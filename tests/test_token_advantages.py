@@ -22,8 +22,7 @@ from esroll.grpo.variants import StareOptions
 from esroll.task import load_task
 
 from conftest import quick_config
-
-EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.1
+from test_grpo import BETA, EPS_HIGH, EPS_LOW, hand_built, reference
 
 
 @pytest.fixture
@@ -34,16 +33,6 @@ def estimators():
     for registry, items in zip((advantages.ESTIMATORS, advantages.ESTIMATORS.options), saved):
         dict.clear(registry)
         dict.update(registry, items)
-
-
-def _case(seed=0):
-    """3 completions of lengths 3, 1, 4 (N = 5); ratios inside and outside the clip range."""
-    rng = np.random.default_rng(seed)
-    mask = np.arange(5)[None, :] < np.array([3, 1, 4])[:, None]
-    logp_old = -rng.uniform(0.1, 3.0, (3, 5))
-    logp_new = logp_old + rng.choice([-0.6, -0.1, 0.05, 0.15, 0.5], (3, 5))
-    logp_ref = logp_old + rng.normal(0, 0.3, (3, 5))
-    return logp_new, logp_old, logp_ref, mask
 
 
 def _loss_and_grad(logp_new, logp_old, logp_ref, advantage, mask, aggregation, weights=None):
@@ -69,25 +58,10 @@ def _loss_and_grad(logp_new, logp_old, logp_ref, advantage, mask, aggregation, w
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_per_token_advantages_against_a_token_by_token_reference(aggregation):
     """Each token's term −min(ρ_t a_t, clip(ρ_t) a_t) + β·k3 with its own a_t (signs mixed within a completion),
-    weighted by the aggregation written out per mode, in float64, against the loss and d loss / d log π."""
-    logp_new, logp_old, logp_ref, mask = _case()
+    against GRPO's float64 token-by-token reference (`test_grpo.reference`), loss and d loss / d log π."""
+    logp_new, logp_old, logp_ref, _, mask = hand_built()
     a = np.array([[1.0, -0.5, 2.0, 9.0, 9.0], [-1.5, 9.0, 9.0, 9.0, 9.0], [0.3, 0.0, -0.8, 1.2, 9.0]])  # 9: padding
-    B, N = mask.shape
-    lengths = mask.sum(1)
-    loss, grad = 0.0, np.zeros((B, N))
-    for i in range(B):
-        for t in range(lengths[i]):
-            ratio = np.exp(logp_new[i, t] - logp_old[i, t])
-            clipped = min(max(ratio, 1 - EPS_LOW), 1 + EPS_HIGH)
-            d = logp_ref[i, t] - logp_new[i, t]
-            scale = {
-                "seq_mean_token_mean": 1 / (lengths[i] * B),
-                "token_mean": 1 / lengths.sum(),
-                "constant_length": 1 / (B * N),
-            }[aggregation]
-            loss += scale * (-min(ratio * a[i, t], clipped * a[i, t]) + BETA * (np.exp(d) - d - 1))
-            surrogate = -ratio * a[i, t] if ratio * a[i, t] <= clipped * a[i, t] else 0.0
-            grad[i, t] = scale * (surrogate + BETA * (1 - np.exp(d)))
+    loss, grad = reference(logp_new, logp_old, logp_ref, a, mask, aggregation)
     got_loss, got_grad = _loss_and_grad(logp_new, logp_old, logp_ref, a, mask, aggregation)
     np.testing.assert_allclose(got_loss, loss, rtol=1e-5)
     np.testing.assert_allclose(got_grad, grad, rtol=1e-5, atol=1e-7)
@@ -96,7 +70,7 @@ def test_per_token_advantages_against_a_token_by_token_reference(aggregation):
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_constant_per_token_advantages_are_the_per_completion_loss_exactly(aggregation):
     """Loss and gradient bit-identical, with plain and with reweighted tokens (a variant's factors)."""
-    logp_new, logp_old, logp_ref, mask = _case(1)
+    logp_new, logp_old, logp_ref, _, mask = hand_built(1)
     per_completion = np.array([1.3, -0.7, -1.1], np.float32)
     per_token = np.repeat(per_completion[:, None], mask.shape[1], 1)
     factor = np.where(np.random.default_rng(2).random(mask.shape) < 0.5, 1.5, 1.0).astype(np.float32)

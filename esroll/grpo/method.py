@@ -128,20 +128,17 @@ def _group(
     X, M = rewards_XxM.shape
     N = mask_BxN.shape[1]
     fields = {}
+    step_needs = set(needs) & set(STEP_NEEDS)
     if "logprobs" in needs:
         seq_logp = np.where(mask_BxN, out.logprobs_BxN, 0.0).sum(1) / np.maximum(out.length_B, 1)
-        fields.update(
-            seq_logp=seq_logp.reshape(X, M),
-            token_logp=out.logprobs_BxN.reshape(X, M, N),
-            token_mask=mask_BxN.reshape(X, M, N),
-        )
+        fields["seq_logp"] = seq_logp.reshape(X, M)
+    if "logprobs" in needs or step_needs:
+        fields.update(token_logp=out.logprobs_BxN.reshape(X, M, N), token_mask=mask_BxN.reshape(X, M, N))
     if "answers" in needs and out.answer_B is not None:
         fields["answers"] = out.answer_B.reshape(X, M)
     if "examples" in needs:
         fields["examples"] = examples
-    if "logprobs" in needs or set(needs) & set(STEP_NEEDS):
-        fields.update(token_logp=out.logprobs_BxN.reshape(X, M, N), token_mask=mask_BxN.reshape(X, M, N))
-    if set(needs) & set(STEP_NEEDS):
+    if step_needs:
         fields["steps"] = out.steps
     if "step_scores" in needs:
         fields["step_scores"] = out.step_scores_BxS.reshape(X, M, -1)
