@@ -8,6 +8,7 @@ The variant is comma-separated: one method name, then modifiers.
     grpo        GRPO (group-normalised advantages), 16 prompts × 8 completions, AdamW lr 1e-4 clipped at norm 1
     looroll     LOO-ROLL, population 32 on 16 shared prompts, σ = 0.005, raw fitness, Adam lr 3e-4
     mc_steps    GRPO with Monte Carlo step values (`grpo.advantage = "mc_steps"`, docs/step_level.md)
+    sas         GRPO with SAS's step-level advantage selection (`grpo.advantage = "sas"`)
     quick       a seconds-long smoke run (tests)
     hard        5 operands to train and evaluate on, instead of 3 or 4
 Hardware: 2 CPU cores; each full run trains for 10 minutes of wall time (`train.time_budget_s`), evaluation excluded.
@@ -21,7 +22,9 @@ METHODS = {
     "grpo": "GRPO with group-normalised advantages",
     "looroll": "LOO-ROLL",
     "mc_steps": "GRPO with Monte Carlo step values (VinePPO)",
+    "sas": "GRPO with SAS's step-level advantage selection",
 }
+ESTIMATOR_VARIANTS = ("mc_steps", "sas")  # GRPO with grpo.advantage = the variant name
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)", "hard": "5 operands instead of 3 or 4"}
 
 
@@ -56,8 +59,8 @@ def get_config(arg: str | None = None):
         c.optimizer.name = "adamw"
         c.optimizer.lr = 1e-4  # 2e-4 fell from 0.39 to 0.18 by step 100 before recovering
         c.optimizer.max_grad_norm = 1.0
-        if method == "mc_steps":
-            c.grpo.advantage = "mc_steps"
+        if method in ESTIMATOR_VARIANTS:
+            c.grpo.advantage = method
     if "hard" in parts:
         c.data.options.arith_steps.update(min_operands=5, max_operands=5)
         c.train.max_new_tokens = 64

@@ -1,0 +1,143 @@
+"""The step-level advantage estimators (SAS) on small hand-built groups: the expected token
+advantages are worked out by hand in each test (the quantiles, means and variances written out below), and
+each trains through `configs/step_level.py:<name>,quick`."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from configs.step_level import get_config
+from esroll import parallel
+from esroll.config import from_config_dict
+from esroll.data import get_batch, make_splits
+from esroll.errors import InputError
+from esroll.experiment import check_names
+from esroll.grpo import advantages as A
+from esroll.grpo import make_grpo_method
+from esroll.grpo.estimators.sas import SasOptions
+from esroll.steps import Steps
+from esroll.task import load_task
+
+from conftest import REPO
+
+
+def _group(rewards, step_BxN, token_logp=None, step_scores=None):
+    """One step's groups from rows' step indices ([X·M, N], -1 past a completion)."""
+    rewards = np.asarray(rewards, np.float64)
+    X, M = rewards.shape
+    step_BxN = np.asarray(step_BxN)
+    N = step_BxN.shape[1]
+    count_B = np.where(step_BxN >= 0, step_BxN + 1, 0).max(1)
+    logp = np.zeros((X, M, N)) if token_logp is None else np.asarray(token_logp, np.float64).reshape(X, M, N)
+    return A.Group(
+        rewards,
+        token_logp=logp,
+        token_mask=(step_BxN >= 0).reshape(X, M, N),
+        steps=Steps(step_BxN, count_B, (), ()),
+        step_scores=None if step_scores is None else np.asarray(step_scores, np.float64),
+    )
+
+
+# ---------------------------------------------------------------- SAS
+
+
+def test_sas_withholds_the_steps_beyond_the_batch_quantiles():
+    """Rewards 1, 1, 0, 0: GRPO's advantage ±a with a = 0.5 / (√(1/3) + 1e-4) (mean 1/2, sample std √(1/3)).
+    Step confidences (mean log-probability of the step's tokens): correct completions [-0.1, -2, -0.5] and [-1,
+    -0.3]; failed ones [-0.2, -3, -0.05] and [-0.7]. The correct pool sorted is -2, -1, -0.5, -0.3, -0.1: its 0.25
+    quantile is the second, -1, and only the step at -2 lies below. The failed pool -3, -0.7, -0.2, -0.05: its 0.75
+    quantile at position 2.25 is -0.2 + 0.25 · 0.15 = -0.1625, and only -0.05 lies above."""
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    step = [
+        [0, 0, 1, 1, 2],
+        [0, 0, 1, -1, -1],
+        [0, 1, 1, 2, -1],
+        [0, 0, 0, 0, 0],
+    ]
+    logp = [
+        [-0.1, -0.1, -2.5, -1.5, -0.5],
+        [-1.0, -1.0, -0.3, 0, 0],
+        [-0.2, -3.0, -3.0, -0.05, 0],
+        [-0.7] * 5,
+    ]
+    g = _group([[1, 1, 0, 0]], step, logp)
+    out = A.estimate("sas", g, SasOptions(q_low=0.25, q_high=0.75))
+    expected = np.array(
+        [
+            [a, a, 0, 0, a],
+            [a, a, a, 0, 0],
+            [-a, -a, -a, 0, 0],
+            [-a] * 5,
+        ]
+    )
+    np.testing.assert_allclose(out.advantage.reshape(4, 5), expected, rtol=1e-6)
+    assert out.advantage.dtype == np.float32
+    assert out.metrics == {"sas_withheld_correct": 1 / 5, "sas_withheld_failed": 1 / 4}
+    # quantiles 0 and 1 withhold nothing: GRPO's advantage on every completion token
+    nothing = A.estimate("sas", g, SasOptions(q_low=0.0, q_high=1.0)).advantage.reshape(4, 5)
+    np.testing.assert_allclose(nothing, np.where(np.array(step) >= 0, [[a], [a], [-a], [-a]], 0), rtol=1e-6)
+
+
+def test_sas_leaves_out_invalid_completions_and_single_steps():
+    """An invalid completion (NaN reward) gets 0 and its steps do not enter the pools: here the only other failed
+    completion's single step (-1) is its own pool, whose 0.75 quantile is -1 itself, so nothing is withheld from it;
+    the correct pool is the single steps -0.5 and -2 (one-step completions), whose 0.5 quantile is -1.25, below which
+    the -2 step is withheld. GRPO over the valid 1, 1, 0: mean 2/3, sample std √(1/3)."""
+    s = math.sqrt(1 / 3) + 1e-4
+    g = _group(
+        [[1, 1, 0, np.nan]],
+        [[0, 0], [0, -1], [0, 0], [0, 1]],
+        [[-0.5, -0.5], [-2.0, 0], [-1.0, -1.0], [-9.0, 9.0]],
+    )
+    out = A.estimate("sas", g, SasOptions(q_low=0.5, q_high=0.75)).advantage.reshape(4, 2)
+    np.testing.assert_allclose(out, [[1 / 3 / s] * 2, [0, 0], [-2 / 3 / s] * 2, [0, 0]], rtol=1e-6)
+
+
+# ---------------------------------------------------------------- options, configs and training steps
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("sas.q_low", 1.5, "in [0, 1]"),
+    ],
+)
+def test_bad_options_are_refused_naming_the_key(key, value, message):
+    cd = get_config(key.split(".")[0] + ",quick")
+    cd.model.path = str(REPO / "assets" / "tiny-qwen3-steps")
+    name, field = key.split(".")
+    cd.grpo.adv[name][field] = value
+    expected = f"config: invalid value for 'grpo.adv.{key}': {value} (expected {message})"
+    with pytest.raises(InputError, match=re.escape(expected)):
+        check_names(from_config_dict(cd.to_dict()))
+
+
+@pytest.fixture(scope="module")
+def steps_task():
+    cd = get_config("grpo,quick")
+    cd.model.path = str(REPO / "assets" / "tiny-qwen3-steps")
+    cfg = check_names(from_config_dict(cd.to_dict()))
+    train, held_out = make_splits(cfg.data)
+    mesh = parallel.make_mesh(1)
+    task, params = load_task(cfg, train, held_out, mesh)
+    return cfg, task, params, get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, 0), mesh
+
+
+@pytest.mark.parametrize("name", ["sas"])
+def test_a_training_step_by_name(steps_task, name):
+    """`configs/step_level.py:<name>,quick` takes a GRPO step with the estimator: the same completions as plain GRPO
+    (the rollout is keyed by seed and step), the estimator's metrics logged, finite parameters."""
+    cfg, task, params, examples, mesh = steps_task
+    cd = get_config(f"{name},quick")
+    cd.model.path = str(REPO / "assets" / "tiny-qwen3-steps")
+    c = check_names(from_config_dict(cd.to_dict()))
+    assert c.grpo.advantage == name
+    method = make_grpo_method(c, task, mesh)
+    out = method.step(params, method.init(params, jax.random.key(0)), examples, 0)
+    assert any(k.startswith(name) for k in out.metrics), sorted(out.metrics)
+    assert all(bool(np.isfinite(x).all()) for x in jax.tree.leaves(out.params))
