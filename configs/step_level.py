@@ -9,6 +9,7 @@ The variant is comma-separated: one method name, then modifiers.
     looroll     LOO-ROLL, population 32 on 16 shared prompts, σ = 0.005, raw fitness, Adam lr 3e-4
     mc_steps    GRPO with Monte Carlo step values (`grpo.advantage = "mc_steps"`, docs/step_level.md)
     sas         GRPO with SAS's step-level advantage selection (`grpo.advantage = "sas"`)
+    verigate    GRPO gated to the step verifier's returns where a group's outcomes are all equal ("verigate")
     quick       a seconds-long smoke run (tests)
     hard        5 operands to train and evaluate on, instead of 3 or 4
 Hardware: 2 CPU cores; each full run trains for 10 minutes of wall time (`train.time_budget_s`), evaluation excluded.
@@ -23,8 +24,9 @@ METHODS = {
     "looroll": "LOO-ROLL",
     "mc_steps": "GRPO with Monte Carlo step values (VinePPO)",
     "sas": "GRPO with SAS's step-level advantage selection",
+    "verigate": "GRPO with VeriGate's verifier-gated step advantages",
 }
-ESTIMATOR_VARIANTS = ("mc_steps", "sas")  # GRPO with grpo.advantage = the variant name
+ESTIMATOR_VARIANTS = ("mc_steps", "sas", "verigate")  # GRPO with grpo.advantage = the variant name
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)", "hard": "5 operands instead of 3 or 4"}
 
 

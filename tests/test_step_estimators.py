@@ -1,5 +1,5 @@
-"""The step-level advantage estimators (SAS) on small hand-built groups: the expected token
-advantages are worked out by hand in each test (the quantiles, means and variances written out below), and
+"""The step-level advantage estimators (SAS, VeriGate) on small hand-built groups: the expected token
+advantages are worked out by hand in each test (the quantiles, returns, means and variances written out below), and
 each trains through `configs/step_level.py:<name>,quick`."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from esroll.experiment import check_names
 from esroll.grpo import advantages as A
 from esroll.grpo import make_grpo_method
 from esroll.grpo.estimators.sas import SasOptions
+from esroll.grpo.estimators.verigate import VerigateOptions
 from esroll.steps import Steps
 from esroll.task import load_task
 
@@ -98,6 +99,52 @@ def test_sas_leaves_out_invalid_completions_and_single_steps():
     np.testing.assert_allclose(out, [[1 / 3 / s] * 2, [0, 0], [-2 / 3 / s] * 2, [0, 0]], rtol=1e-6)
 
 
+# ---------------------------------------------------------------- VeriGate
+
+
+def test_verigate_keeps_grpo_where_outcomes_differ_and_uses_step_returns_where_they_do_not():
+    """Prompt 0 (rewards 1, 0) keeps GRPO: ±0.5 / (√(1/2) + 1e-4) on every token. Prompt 1 (rewards 0, 0) is gated:
+    with γ = 0.5 the step scores [1, 0, 1] give returns G = [1 + 0.5·0.5, 0 + 0.5·1, 1] = [1.25, 0.5, 1] and [0, 1]
+    give [0.5, 1]; pooled, mean 4.25 / 5 = 0.85 and sample variance (0.16 + 0.1225 + 0.0225 + 0.1225 + 0.0225) / 4
+    = 0.1125, each step's tokens get (G − 0.85) / (√0.1125 + 1e-4)."""
+    nan = np.nan
+    step = [
+        [0, 0, 1, -1, -1],
+        [0, -1, -1, -1, -1],
+        [0, 0, 1, 1, 2],
+        [0, 1, -1, -1, -1],
+    ]
+    scores = np.full((2, 2, 3), nan)
+    scores[0, 0, :2], scores[0, 1, :1] = (1, 1), (0,)
+    scores[1, 0], scores[1, 1, :2] = (1, 0, 1), (0, 1)
+    out = A.estimate("verigate", _group([[1, 0], [0, 0]], step, step_scores=scores), VerigateOptions(gamma=0.5))
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)
+    z = lambda v: (v - 0.85) / (math.sqrt(0.1125) + 1e-4)  # noqa: E731
+    expected = np.array(
+        [
+            [a, a, a, 0, 0],
+            [-a, 0, 0, 0, 0],
+            [z(1.25), z(1.25), z(0.5), z(0.5), z(1.0)],
+            [z(0.5), z(1.0), 0, 0, 0],
+        ]
+    )
+    np.testing.assert_allclose(out.advantage.reshape(4, 5), expected, rtol=1e-6)
+    assert out.metrics == {"verigate_gated": 0.5, "verigate_gated_signal": 1.0}
+    # γ = 1: the plain sums still to come, [2, 1, 1] and [1, 1]: mean 6/5, sample variance (0.64 + 4·0.04) / 4 = 0.2
+    plain = A.estimate("verigate", _group([[1, 0], [0, 0]], step, step_scores=scores), VerigateOptions(gamma=1.0))
+    z1 = lambda v: (v - 1.2) / (math.sqrt(0.2) + 1e-4)  # noqa: E731
+    np.testing.assert_allclose(plain.advantage.reshape(4, 5)[2], [z1(2), z1(2), z1(1), z1(1), z1(1)], rtol=1e-6)
+
+
+def test_verigate_gives_zero_to_a_gated_group_without_step_signal_and_to_invalid_completions():
+    """Rewards 1, 1, each completion one step scoring 1: gated, equal returns, all 0. Rewards 0 and NaN: gated on the
+    one valid completion, a single step: fewer than 2 steps to normalise, 0."""
+    scores = np.ones((2, 2, 1))
+    out = A.estimate("verigate", _group([[1, 1], [0, np.nan]], [[0, 0], [0, 0], [0, -1], [0, 0]], step_scores=scores))
+    np.testing.assert_array_equal(out.advantage, 0)
+    assert out.metrics == {"verigate_gated": 1.0, "verigate_gated_signal": 0.0}
+
+
 # ---------------------------------------------------------------- options, configs and training steps
 
 
@@ -105,6 +152,7 @@ def test_sas_leaves_out_invalid_completions_and_single_steps():
     "key, value, message",
     [
         ("sas.q_low", 1.5, "in [0, 1]"),
+        ("verigate.gamma", -0.1, "in [0, 1]"),
     ],
 )
 def test_bad_options_are_refused_naming_the_key(key, value, message):
@@ -128,7 +176,7 @@ def steps_task():
     return cfg, task, params, get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, 0), mesh
 
 
-@pytest.mark.parametrize("name", ["sas"])
+@pytest.mark.parametrize("name", ["sas", "verigate"])
 def test_a_training_step_by_name(steps_task, name):
     """`configs/step_level.py:<name>,quick` takes a GRPO step with the estimator: the same completions as plain GRPO
     (the rollout is keyed by seed and step), the estimator's metrics logged, finite parameters."""

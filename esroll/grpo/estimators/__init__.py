@@ -12,6 +12,7 @@ step-level ones: docs/step_level.md):
     ddrl      DDRL (label-free only): fixed ±a advantages from answer consistency, classes balanced over the batch
     mc_steps  Monte Carlo step values (VinePPO): per-token advantages V(after step) − V(before) from branched rollouts
     sas       SAS: GRPO's advantage withheld from unconfident steps of right and confident steps of wrong completions
+    verigate  VeriGate: GRPO where outcomes differ, else group-normalised future-cumulated step-verifier scores
 """
 
 from esroll.grpo.estimators import (  # noqa: F401 — registers them
@@ -24,4 +25,5 @@ from esroll.grpo.estimators import (  # noqa: F401 — registers them
     mc_steps,
     ntf,
     sas,
+    verigate,
 )
