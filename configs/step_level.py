@@ -10,6 +10,7 @@ The variant is comma-separated: one method name, then modifiers.
     mc_steps    GRPO with Monte Carlo step values (`grpo.advantage = "mc_steps"`, docs/step_level.md)
     sas         GRPO with SAS's step-level advantage selection (`grpo.advantage = "sas"`)
     verigate    GRPO gated to the step verifier's returns where a group's outcomes are all equal ("verigate")
+    guae        GRPO with GuAE's anchor-tempered group advantages ("guae")
     quick       a seconds-long smoke run (tests)
     hard        5 operands to train and evaluate on, instead of 3 or 4
 Hardware: 2 CPU cores; each full run trains for 10 minutes of wall time (`train.time_budget_s`), evaluation excluded.
@@ -25,8 +26,9 @@ METHODS = {
     "mc_steps": "GRPO with Monte Carlo step values (VinePPO)",
     "sas": "GRPO with SAS's step-level advantage selection",
     "verigate": "GRPO with VeriGate's verifier-gated step advantages",
+    "guae": "GRPO with GuAE's anchor-tempered group advantages",
 }
-ESTIMATOR_VARIANTS = ("mc_steps", "sas", "verigate")  # GRPO with grpo.advantage = the variant name
+ESTIMATOR_VARIANTS = ("mc_steps", "sas", "verigate", "guae")  # GRPO with grpo.advantage = the variant name
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)", "hard": "5 operands instead of 3 or 4"}
 
 

@@ -1,4 +1,4 @@
-"""The step-level advantage estimators (SAS, VeriGate) on small hand-built groups: the expected token
+"""The step-level advantage estimators (SAS, VeriGate) and GuAE on small hand-built groups: the expected token
 advantages are worked out by hand in each test (the quantiles, returns, means and variances written out below), and
 each trains through `configs/step_level.py:<name>,quick`."""
 
@@ -19,6 +19,7 @@ from esroll.errors import InputError
 from esroll.experiment import check_names
 from esroll.grpo import advantages as A
 from esroll.grpo import make_grpo_method
+from esroll.grpo.estimators.guae import GuaeOptions
 from esroll.grpo.estimators.sas import SasOptions
 from esroll.grpo.estimators.verigate import VerigateOptions
 from esroll.steps import Steps
@@ -145,6 +146,35 @@ def test_verigate_gives_zero_to_a_gated_group_without_step_signal_and_to_invalid
     assert out.metrics == {"verigate_gated": 1.0, "verigate_gated_signal": 0.0}
 
 
+# ---------------------------------------------------------------- GuAE
+
+
+def test_guae_tempers_toward_its_anchor_and_carries_it_across_steps():
+    """Step 1, rewards [[1, 1], [1, 0]], τ = 0.25: no past, so the anchor b is the batch mean 0.75. Group 0 has
+    variance 0, weight 0: both get r − b = 0.25. Group 1 has variance 0.25, weight 0.25 / 0.5 = 1/2, GRPO advantage
+    ±0.5 / (√(1/2) + 1e-4): 1/2 of it plus 1/2 of 1 − 0.75 and of 0 − 0.75 clipped to −0.5. The anchor after: 0.9·0.75 + 0.1·0.75.
+    Step 2, all zero: weight 0, every entry r − b = −0.75, clipped to −0.5 by bound 0.5; anchor 0.9·0.75."""
+    o = GuaeOptions(rate=0.1, tau=0.25, bound=0.5)
+    state = A.init_state("guae", o)
+    one = A.estimate("guae", A.Group(np.array([[1.0, 1.0], [1.0, 0.0]])), o, state)
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)
+    np.testing.assert_allclose(one.advantage, [[0.25, 0.25], [a / 2 + 0.125, -a / 2 - 0.25]], rtol=1e-6)
+    assert one.metrics == {"guae_anchor": 0.75, "guae_weight": 0.25}
+    assert float(one.state["anchor"]) == 0.75 and one.state["anchor"].dtype == np.float32
+    two = A.estimate("guae", A.Group(np.zeros((2, 2))), o, one.state)
+    np.testing.assert_array_equal(two.advantage, -0.5)
+    assert float(two.state["anchor"]) == pytest.approx(0.675)
+
+
+def test_guae_gives_invalid_entries_zero_and_a_batch_without_rewards_keeps_its_anchor():
+    o = GuaeOptions(tau=0.25)
+    state = {"anchor": np.asarray(0.5, np.float32), "seen": np.ones((), np.float32)}
+    out = A.estimate("guae", A.Group(np.array([[1.0, np.nan], [np.nan, np.nan]])), o, state)
+    np.testing.assert_allclose(out.advantage, [[0.5, 0], [0, 0]])  # a lone valid entry: weight 0, r − b = 0.5
+    none = A.estimate("guae", A.Group(np.full((1, 2), np.nan)), o, state)
+    assert float(none.state["anchor"]) == 0.5 and np.all(none.advantage == 0)
+
+
 # ---------------------------------------------------------------- options, configs and training steps
 
 
@@ -153,6 +183,8 @@ def test_verigate_gives_zero_to_a_gated_group_without_step_signal_and_to_invalid
     [
         ("sas.q_low", 1.5, "in [0, 1]"),
         ("verigate.gamma", -0.1, "in [0, 1]"),
+        ("guae.rate", 0.0, "in (0, 1]"),
+        ("guae.tau", 0.0, "a positive finite number"),
     ],
 )
 def test_bad_options_are_refused_naming_the_key(key, value, message):
@@ -176,7 +208,7 @@ def steps_task():
     return cfg, task, params, get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, 0), mesh
 
 
-@pytest.mark.parametrize("name", ["sas", "verigate"])
+@pytest.mark.parametrize("name", ["sas", "verigate", "guae"])
 def test_a_training_step_by_name(steps_task, name):
     """`configs/step_level.py:<name>,quick` takes a GRPO step with the estimator: the same completions as plain GRPO
     (the rollout is keyed by seed and step), the estimator's metrics logged, finite parameters."""

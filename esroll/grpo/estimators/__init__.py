@@ -1,7 +1,7 @@
 """The group-advantage estimators of recent papers, one module each, registered through
 `esroll.grpo.advantages.register_advantage` as a user's own would be, each with its options dataclass beside its code
 (`grpo.adv.<name>.<key>`). What each computes, and what its source leaves open, is in docs/advantages.md (the
-step-level ones: docs/step_level.md):
+step-level ones and GuAE: docs/step_level.md):
 
     agrae     A-GRAE: scheduled asymmetry of positive advantages and a difficulty focus moving from easy to hard
     bv_blend  BV-Blend: groups standardised by a blend of their own statistics and their cluster's EMA history
@@ -10,6 +10,7 @@ step-level ones: docs/step_level.md):
     lampo     LamPO: pairwise reward gaps weighted by a confidence from the pair's log-probability difference
     ntf       negative token filtering: a batch-level baseline and no penalty on a negative sample's likely tokens
     ddrl      DDRL (label-free only): fixed ±a advantages from answer consistency, classes balanced over the batch
+    guae      GuAE: group advantages tempered toward a running anchor with a variance-adaptive weight
     mc_steps  Monte Carlo step values (VinePPO): per-token advantages V(after step) − V(before) from branched rollouts
     sas       SAS: GRPO's advantage withheld from unconfident steps of right and confident steps of wrong completions
     verigate  VeriGate: GRPO where outcomes differ, else group-normalised future-cumulated step-verifier scores
@@ -20,6 +21,7 @@ from esroll.grpo.estimators import (  # noqa: F401 — registers them
     bv_blend,
     ddrl,
     gmae,
+    guae,
     lampo,
     maxpo,
     mc_steps,
