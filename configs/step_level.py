@@ -11,6 +11,7 @@ The variant is comma-separated: one method name, then modifiers.
     sas         GRPO with SAS's step-level advantage selection (`grpo.advantage = "sas"`)
     verigate    GRPO gated to the step verifier's returns where a group's outcomes are all equal ("verigate")
     guae        GRPO with GuAE's anchor-tempered group advantages ("guae")
+    ibpo        GRPO with IBPO's counterfactual-sibling step advantages ("ibpo")
     quick       a seconds-long smoke run (tests)
     hard        5 operands to train and evaluate on, instead of 3 or 4
 Hardware: 2 CPU cores; each full run trains for 10 minutes of wall time (`train.time_budget_s`), evaluation excluded.
@@ -27,8 +28,9 @@ METHODS = {
     "sas": "GRPO with SAS's step-level advantage selection",
     "verigate": "GRPO with VeriGate's verifier-gated step advantages",
     "guae": "GRPO with GuAE's anchor-tempered group advantages",
+    "ibpo": "GRPO with IBPO's counterfactual-sibling step advantages",
 }
-ESTIMATOR_VARIANTS = ("mc_steps", "sas", "verigate", "guae")  # GRPO with grpo.advantage = the variant name
+ESTIMATOR_VARIANTS = tuple(m for m in METHODS if m not in ("grpo", "looroll"))  # GRPO, grpo.advantage = m
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)", "hard": "5 operands instead of 3 or 4"}
 
 

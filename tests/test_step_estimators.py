@@ -1,6 +1,7 @@
-"""The step-level advantage estimators (SAS, VeriGate) and GuAE on small hand-built groups: the expected token
-advantages are worked out by hand in each test (the quantiles, returns, means and variances written out below), and
-each trains through `configs/step_level.py:<name>,quick`."""
+"""The step-level advantage estimators (SAS, VeriGate, IBPO), the task's step states, and GuAE on small
+hand-built groups: the expected token advantages are worked out by hand in each test (the quantiles, returns, means,
+variances, and sibling sets written out below), and each trains through
+`configs/step_level.py:<name>,quick`."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import pytest
 from configs.step_level import get_config
 from esroll import parallel
 from esroll.config import from_config_dict
-from esroll.data import get_batch, make_splits
+from esroll.data import TASKS, Example, get_batch, make_splits, step_states
 from esroll.errors import InputError
 from esroll.experiment import check_names
 from esroll.grpo import advantages as A
 from esroll.grpo import make_grpo_method
 from esroll.grpo.estimators.guae import GuaeOptions
+from esroll.grpo.estimators.ibpo import IbpoOptions
 from esroll.grpo.estimators.sas import SasOptions
 from esroll.grpo.estimators.verigate import VerigateOptions
 from esroll.steps import Steps
@@ -208,7 +210,7 @@ def steps_task():
     return cfg, task, params, get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, 0), mesh
 
 
-@pytest.mark.parametrize("name", ["sas", "verigate", "guae"])
+@pytest.mark.parametrize("name", ["sas", "verigate", "guae", "ibpo"])
 def test_a_training_step_by_name(steps_task, name):
     """`configs/step_level.py:<name>,quick` takes a GRPO step with the estimator: the same completions as plain GRPO
     (the rollout is keyed by seed and step), the estimator's metrics logged, finite parameters."""
@@ -221,3 +223,94 @@ def test_a_training_step_by_name(steps_task, name):
     out = method.step(params, method.init(params, jax.random.key(0)), examples, 0)
     assert any(k.startswith(name) for k in out.metrics), sorted(out.metrics)
     assert all(bool(np.isfinite(x).all()) for x in jax.tree.leaves(out.params))
+
+
+# ---------------------------------------------------------------- states and IBPO
+
+
+def test_arith_steps_states_meet_where_running_values_do():
+    e = Example("arith_steps", "97-98-44=?", "-45", "97-98=-1\n-1-44=-45\n#### -45", " 97-98=-1")
+    same = step_states(e, ["97-98=-1\n", "-1-44=-45\n", "#### -45"])
+    other = step_states(e, ["97 - 98 = -1\n", "-1 - 44 = -45\n", "####  -45"])
+    assert same == other == [("value", 1, -1), ("value", 2, -45), ("answer", -45)]
+    wrong = step_states(e, ["97-98=-2\n", "so the answer\n", "=" * 5000 + "9" * 400])
+    assert wrong[0] == ("value", 1, -2) and wrong[1] == "97-98=-2\nso the answer\n" and len(wrong) == 3
+    # other tasks: the exact text so far
+    g = Example("gsm_symbolic", "q", "1", "#### 1", " #### 1")
+    assert step_states(g, ["a = 1\n", "#### 1"]) == ["a = 1\n", "a = 1\n#### 1"]
+
+
+def test_a_tasks_faulty_step_state_is_an_error_naming_the_task(monkeypatch):
+    e = Example("arith_steps", "1+2=?", "3", "1+2=3\n#### 3", " 1+2=3")
+    spec = TASKS["arith_steps"]
+    monkeypatch.setitem(TASKS, "arith_steps", spec._replace(step_state=lambda example, steps: ["one"]))
+    with pytest.raises(ValueError, match="^task 'arith_steps': step_state gave 1 keys for 2 steps$"):
+        step_states(e, ["1+2=3\n", "#### 3"])
+    monkeypatch.setitem(TASKS, "arith_steps", spec._replace(step_state=lambda example, steps: 1 / 0))
+    with pytest.raises(ValueError, match="^task 'arith_steps': step_state failed on 2 steps: ZeroDivisionError"):
+        step_states(e, ["1+2=3\n", "#### 3"])
+
+
+def test_state_ids_are_equal_within_a_prompt_exactly_where_keys_are():
+    keys = [["a", "b"], ["a", "c", "b"], ["a"], ["b", "a"]]  # prompt 0: rows 0, 1; prompt 1: rows 2, 3
+    ids = A.state_ids(keys, 2, 2, 3)
+    np.testing.assert_array_equal(ids, [[[0, 1, -1], [0, 2, 1]], [[0, -1, -1], [1, 0, -1]]])
+
+
+def _state_group():
+    """One prompt, five completions over states A=0, B=1, C=2, D=3, E=4 (token steps and log-probabilities below):
+    c0: A then C, reward 1; c1: A then D, 0; c2: B then C (C reached by another prefix), 1; c3: E in one step, 0;
+    c4: A then C, reward NaN (invalid: in no value, no sibling set). A second prompt whose rewards are all 1."""
+    step = [
+        [0, 0, 1, 1],
+        [0, 0, 1, -1],
+        [0, 1, 1, -1],
+        [0, 0, 0, 0],
+        [0, 0, 1, 1],
+        [0, 1, -1, -1],
+        [0, -1, -1, -1],
+        [0, 0, 0, -1],
+        [0, 1, 1, 1],
+        [0, 0, 1, -1],
+    ]
+    logp = [
+        [-0.5, -0.5, -1.0, -1.0],  # steps -1, -2
+        [-0.5, -0.5, -3.0, 0],  # -1, -3
+        [-2.0, -0.5, -0.5, 0],  # -2, -1
+        [-0.25] * 4,  # -1
+        [0.0] * 4,
+    ] + [[-0.1] * 4] * 5
+    g = _group([[1, 0, 1, 0, np.nan], [1, 1, 1, 1, 1]], step, logp)
+    states = np.array(
+        [
+            [[0, 2], [0, 3], [1, 2], [4, -1], [0, 2]],
+            [[0, 1], [2, -1], [0, -1], [0, 1], [0, 1]],
+        ]
+    )
+    return g._replace(states=states), np.array(step)
+
+
+def _tokens(step, per_step):
+    """Token advantages of rows from their steps' advantages (0 past a completion)."""
+    return np.array([[per_step[b][s] if s >= 0 else 0.0 for s in row] for b, row in enumerate(step)])
+
+
+def test_ibpo_compares_each_step_with_its_counterfactual_siblings():
+    """From the prompt: c0 and c1 took A; their siblings are c2's B (reward 1, step probability e^−2) and c3's E (0,
+    e^−1): baseline e^−2 / (e^−2 + e^−1) = 1 / (1 + e), so c0 gets 1 − 1/(1 + e) and c1 −1/(1 + e). c2 took B:
+    siblings A (mean reward 1/2 over c0, c1, mean probability e^−1) and E (0, e^−1): baseline 1/4, advantage 3/4. c3
+    took E: siblings A (1/2, e^−1) and B (1, e^−2): baseline (e^−1/2 + e^−2) / (e^−1 + e^−2). From A: c0's C against
+    c1's D (0): 1; c1's D against C (1): −1. c2's step from B has no sibling: 0. The all-1 prompt: r − b = 0."""
+    g, step = _state_group()
+    e = math.e
+    c3 = -(0.5 / e + 1 / e**2) / (1 / e + 1 / e**2)
+    per_step = [[1 - 1 / (1 + e), 1], [-1 / (1 + e), -1], [0.75, 0], [c3], [0, 0]] + [[0, 0, 0]] * 5
+    out = A.estimate("ibpo", g, IbpoOptions(group_weight=0.0))
+    np.testing.assert_allclose(out.advantage.reshape(10, 4), _tokens(step, per_step), rtol=1e-6, atol=1e-7)
+    assert out.metrics["ibpo_steps_with_siblings"] == pytest.approx(11 / 15)  # 6 of 7 steps, and 5 of 8
+    # with half the group advantage added: GRPO over the valid 1, 0, 1, 0 is ±0.5 / (√(1/3) + 1e-4)
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    plus = [a, -a, a, -a, 0] + [0] * 5
+    with_group = A.estimate("ibpo", g, IbpoOptions(group_weight=0.5)).advantage.reshape(10, 4)
+    expected = _tokens(step, [[v + 0.5 * p for v in row] for row, p in zip(per_step, plus)])
+    np.testing.assert_allclose(with_group, np.where(step >= 0, expected, 0), rtol=1e-6, atol=1e-7)

@@ -10,6 +10,8 @@ needs no answer key).
 from __future__ import annotations
 
 import dataclasses
+import re
+from collections.abc import Hashable, Sequence
 
 from esroll import rewards
 from esroll.config import ConfigError, DataConfig, check_fields
@@ -87,6 +89,30 @@ class ArithStepsOptions:
             ("ops", bool(self.ops) and set(self.ops) <= {"+", "-"}, "a non-empty string of + and -"),
         ]
         check_fields(self, checks, "ArithStepsOptions")
+
+
+_EQUATION_END = re.compile(r"=\s*(-?\d{1,12})\s*$")
+_FINAL = re.compile(r"^\s*####\s*(-?\d{1,12})\s*$")
+
+
+def running_value_states(example: Example, steps: Sequence[str]) -> list[Hashable]:
+    """arith_steps' state after each step: ("value", equations so far, the value the step's equation ends with) for a
+    step whose text ends in "= n", ("answer", n) for the final "#### n", and otherwise the exact text so far (as
+    `prefix_states`). So "97-98=-1" and "97 - 98 = -1" reach the same state, and so do two chains that took different
+    but equally right (or equally wrong) steps to the same running value. Reads the text with two anchored regular
+    expressions of bounded numbers: any text gets a key, none raises."""
+    keys, done, text = [], 0, ""
+    for step in steps:
+        text += step
+        final, equation = _FINAL.match(step), _EQUATION_END.search(step.strip())
+        if final:
+            keys.append(("answer", int(final.group(1))))
+        elif equation:
+            done += 1
+            keys.append(("value", done, int(equation.group(1))))
+        else:
+            keys.append(text)
+    return keys
 
 
 def arith_steps_splits(cfg: DataConfig) -> tuple[list[Example], list[Example]]:
@@ -172,4 +198,5 @@ register_task(
     eval_scores=NUMERIC_SCORES,
     reads=("n_examples",),
     options=ArithStepsOptions,
+    step_state=running_value_states,
 )

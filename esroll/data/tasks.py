@@ -2,7 +2,8 @@
 completion against a row by its task's scorer."""
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+import itertools
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from esroll import rewards
@@ -101,6 +102,26 @@ class TaskSpec(NamedTuple):
     parse_answer: Callable[[Example, str], str | None] | None = None
     eval_scores: tuple[tuple[str, Scorer], ...] = ()
     reads: tuple[str, ...] | None = None
+    step_state: Callable[[Example, Sequence[str]], Sequence[Hashable]] | None = None
+
+
+def prefix_states(example: Example, steps: Sequence[str]) -> list[Hashable]:
+    """The default state after each step: the completion's exact text through that step (so states meet only where
+    completions share a prefix, and the group's steps form a prefix tree)."""
+    return list(itertools.accumulate(steps))
+
+
+def step_states(example: Example, steps: Sequence[str]) -> list[Hashable]:
+    """The state key after each of `steps` by the example's task (`TaskSpec.step_state`, else `prefix_states`); a
+    task's function that fails or returns the wrong number of keys is an error naming the task."""
+    fn = TASKS.lookup(example.task).step_state or prefix_states
+    try:
+        keys = list(fn(example, steps))
+    except Exception as e:  # a task's own code: say whose it is
+        raise ValueError(f"task {example.task!r}: step_state failed on {len(steps)} steps: {e!r}") from e
+    if len(keys) != len(steps):
+        raise ValueError(f"task {example.task!r}: step_state gave {len(keys)} keys for {len(steps)} steps")
+    return keys
 
 
 # The keys of the data section that only some tasks read; the others (sizes of the held-out split, seeds, template,
@@ -123,6 +144,7 @@ def register_task(
     eval_scores: Mapping[str, Scorer] | None = None,
     reads: Iterable[str] | None = None,
     options: type | None = None,
+    step_state: Callable[[Example, Sequence[str]], Sequence[Hashable]] | None = None,
     replace: bool = False,
 ) -> TaskSpec:
     """Register the task `data.task = name` selects (the fields are `TaskSpec`'s) and return its spec. `options`: the
@@ -139,6 +161,8 @@ def register_task(
     named = {"splits": splits, "reward": reward, "prompt": prompt}
     if parse_answer is not None:
         named["parse_answer"] = parse_answer
+    if step_state is not None:
+        named["step_state"] = step_state
     named.update((f"eval_scores[{key!r}]", fn) for key, fn in extra)
     for what, fn in named.items():
         if not callable(fn):
@@ -146,7 +170,7 @@ def register_task(
     for key, _ in extra:
         if not isinstance(key, str) or not key.isidentifier() or key == "accuracy":
             raise ValueError(f"task {name!r}: eval score name {key!r} must be an identifier other than 'accuracy'")
-    spec = TaskSpec(name, splits, reward, prompt, parse_answer, extra, reads)
+    spec = TaskSpec(name, splits, reward, prompt, parse_answer, extra, reads, step_state)
     return TASKS.add(name, spec, options=options, replace=replace)
 
 

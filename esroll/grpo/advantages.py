@@ -35,7 +35,7 @@ from esroll.steps import Steps
 # ---- the registry: what `grpo.advantage` names
 
 Estimator = Callable[..., "Estimate"]  # fn(group: Group, options, state: dict | None) -> Estimate
-STEP_NEEDS = ("steps", "step_scores", "branches")  # what reads the `steps` config section
+STEP_NEEDS = ("steps", "step_scores", "branches", "states")  # what reads the `steps` config section
 NEEDS = ("logprobs", "answers", "examples", *STEP_NEEDS)  # what an estimator may read beyond the rewards
 
 
@@ -80,8 +80,9 @@ def register_advantage(
     `token_logp`, `token_mask`), "answers" (the parsed answers, which the rollout produces in the label-free mode
     only), "examples" (the prompts), "steps" (`Group.steps`, each completion cut into reasoning steps by the `steps`
     config section), "step_scores" (`Group.step_scores`, each step's score by `steps.verifier`), "branches"
-    (`Group.branch_rewards`, the rewards of `steps.branches` continuations sampled from the end of each step); the
-    step fills only these fields of its `Group` (and the token log-probabilities and mask with any step need).
+    (`Group.branch_rewards`, the rewards of `steps.branches` continuations sampled from the end of each step),
+    "states" (`Group.states`, the state each step reaches by the task's `step_state`); the step fills only these
+    fields of its `Group` (and the steps, token log-probabilities and mask with any step need).
     single_rollout: it works with one completion per prompt (grpo.group_size 1 is then allowed); label_free_only:
     it needs data.reward = "majority".
 
@@ -138,6 +139,23 @@ class Group(NamedTuple):
     step_scores: np.ndarray | None = None  # [X, M, S] each step's verifier score; NaN past a completion's steps
     branch_rewards: np.ndarray | None = None  # [X, M, S, K] rewards of K continuations from the end of step s; NaN
     # where none was sampled (the last step, steps past a completion's count)
+    states: np.ndarray | None = None  # [X, M, S] int, S the most steps of any completion: the state after each step
+    # (`esroll.data.step_states`), ids equal within a prompt's group exactly where the states are; -1 past a
+    # completion's steps (`state_ids`)
+
+
+def state_ids(keys_per_row: list[list], X: int, M: int, S: int) -> np.ndarray:
+    """[X, M, S] int64 ids of the rows' state keys (rows prompt-major, `keys_per_row[x·M + j]` the keys of row j of
+    prompt x after each step): equal ids within a prompt exactly where the keys are equal, numbered 0, 1, ... in
+    order of first appearance; -1 past a row's steps. The prompt itself (the state before the first step) has no
+    key: an estimator treats "before step 0" as the group's root."""
+    ids = np.full((X, M, S), -1, np.int64)
+    for x in range(X):
+        seen: dict = {}
+        for j in range(M):
+            for s, key in enumerate(keys_per_row[x * M + j][:S]):
+                ids[x, j, s] = seen.setdefault(key, len(seen))
+    return ids
 
 
 class Estimate(NamedTuple):

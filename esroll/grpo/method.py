@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import ledger, parallel, sharding
 from esroll.config import ConfigError, ExperimentConfig, check_fields, make_optimizer
-from esroll.data import Example
+from esroll.data import Example, step_states
 from esroll.grpo import advantages
 from esroll.grpo import variants as grpo_variants
 from esroll.grpo.checks import check_names
@@ -142,6 +142,9 @@ def _group(
         fields["steps"] = out.steps
     if "step_scores" in needs:
         fields["step_scores"] = out.step_scores_BxS.reshape(X, M, -1)
+    if "states" in needs:
+        keys = [step_states(examples[b // M], out.steps.text[b]) for b in range(X * M)]
+        fields["states"] = advantages.state_ids(keys, X, M, max(int(out.steps.count_B.max(initial=0)), 1))
     return advantages.Group(rewards_XxM, step=step_index, seed=seed, **fields)
 
 

@@ -14,6 +14,7 @@ step-level ones and GuAE: docs/step_level.md):
     mc_steps  Monte Carlo step values (VinePPO): per-token advantages V(after step) − V(before) from branched rollouts
     sas       SAS: GRPO's advantage withheld from unconfident steps of right and confident steps of wrong completions
     verigate  VeriGate: GRPO where outcomes differ, else group-normalised future-cumulated step-verifier scores
+    ibpo      IBPO: each step against its counterfactual siblings (same state, other step), policy-weighted
 """
 
 from esroll.grpo.estimators import (  # noqa: F401 — registers them
@@ -22,6 +23,7 @@ from esroll.grpo.estimators import (  # noqa: F401 — registers them
     ddrl,
     gmae,
     guae,
+    ibpo,
     lampo,
     maxpo,
     mc_steps,
