@@ -12,6 +12,7 @@ The variant is comma-separated: one method name, then modifiers.
     verigate    GRPO gated to the step verifier's returns where a group's outcomes are all equal ("verigate")
     guae        GRPO with GuAE's anchor-tempered group advantages ("guae")
     ibpo        GRPO with IBPO's counterfactual-sibling step advantages ("ibpo")
+    graft       GRPO with GRAFT's step credit on the group's graph of states ("graft"; graft_gae: Graph GAE on it)
     quick       a seconds-long smoke run (tests)
     hard        5 operands to train and evaluate on, instead of 3 or 4
 Hardware: 2 CPU cores; each full run trains for 10 minutes of wall time (`train.time_budget_s`), evaluation excluded.
@@ -29,6 +30,8 @@ METHODS = {
     "verigate": "GRPO with VeriGate's verifier-gated step advantages",
     "guae": "GRPO with GuAE's anchor-tempered group advantages",
     "ibpo": "GRPO with IBPO's counterfactual-sibling step advantages",
+    "graft": "GRPO with GRAFT's step credit on the group's state graph",
+    "graft_gae": "GRPO with Graph GAE on GRAFT's state graph",
 }
 ESTIMATOR_VARIANTS = tuple(m for m in METHODS if m not in ("grpo", "looroll"))  # GRPO, grpo.advantage = m
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)", "hard": "5 operands instead of 3 or 4"}

@@ -1,6 +1,6 @@
-"""The step-level advantage estimators (SAS, VeriGate, IBPO), the task's step states, and GuAE on small
+"""The step-level advantage estimators (SAS, VeriGate, IBPO, GRAFT), the task's step states, and GuAE on small
 hand-built groups: the expected token advantages are worked out by hand in each test (the quantiles, returns, means,
-variances, and sibling sets written out below), and each trains through
+variances, sibling sets and graph values written out below), and each trains through
 `configs/step_level.py:<name>,quick`."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from esroll.errors import InputError
 from esroll.experiment import check_names
 from esroll.grpo import advantages as A
 from esroll.grpo import make_grpo_method
+from esroll.grpo.estimators.graft import GraftGaeOptions
 from esroll.grpo.estimators.guae import GuaeOptions
 from esroll.grpo.estimators.ibpo import IbpoOptions
 from esroll.grpo.estimators.sas import SasOptions
@@ -210,7 +211,7 @@ def steps_task():
     return cfg, task, params, get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, 0), mesh
 
 
-@pytest.mark.parametrize("name", ["sas", "verigate", "guae", "ibpo"])
+@pytest.mark.parametrize("name", ["sas", "verigate", "guae", "ibpo", "graft", "graft_gae"])
 def test_a_training_step_by_name(steps_task, name):
     """`configs/step_level.py:<name>,quick` takes a GRPO step with the estimator: the same completions as plain GRPO
     (the rollout is keyed by seed and step), the estimator's metrics logged, finite parameters."""
@@ -225,7 +226,7 @@ def test_a_training_step_by_name(steps_task, name):
     assert all(bool(np.isfinite(x).all()) for x in jax.tree.leaves(out.params))
 
 
-# ---------------------------------------------------------------- states and IBPO
+# ---------------------------------------------------------------- states, IBPO and GRAFT
 
 
 def test_arith_steps_states_meet_where_running_values_do():
@@ -295,6 +296,39 @@ def _tokens(step, per_step):
     return np.array([[per_step[b][s] if s >= 0 else 0.0 for s in row] for b, row in enumerate(step)])
 
 
+def test_graft_values_and_edge_credit_on_a_state_graph():
+    """Values: C is where c0 and c2 end (1, 1): V(C) = 1; V(D) = 0 (c1 ends there); V(E) = 0 (c3); V(A) = (1·V(C) +
+    1·V(D)) / 2 = 1/2 (c4, invalid, adds no edge A→C); V(B) = V(C) = 1; V(prompt) = (2·V(A) + V(B) + V(E)) / 4 = 1/2.
+    Credits V(target) − V(source): c0 0, 1/2; c1 0, −1/2; c2 1/2, 0; c3 −1/2; the all-1 prompt: every value 1, 0."""
+    g, step = _state_group()
+    out = A.estimate("graft", g)
+    per_step = [[0, 0.5], [0, -0.5], [0.5, 0], [-0.5], [0, 0]] + [[0, 0, 0]] * 5
+    np.testing.assert_allclose(out.advantage.reshape(10, 4), _tokens(step, per_step), atol=1e-12)
+    assert out.metrics["graft_root_value"] == pytest.approx((0.5 + 1.0) / 2)
+
+
+@pytest.mark.parametrize(
+    "gamma, lam, per_step",
+    [
+        # λ = 1, γ = 1: the reward less V(before the step): c0 1 − 1/2, 1 − V(A); c1 −1/2, −1/2; c2 1/2, 1 − V(B) = 0
+        (1.0, 1.0, [[0.5, 0.5], [-0.5, -0.5], [0.5, 0], [-0.5]]),
+        # λ = 0, γ = 1: one-step differences, the last against the reward: GRAFT's credits here
+        (1.0, 0.0, [[0, 0.5], [0, -0.5], [0.5, 0], [-0.5]]),
+        # γ = λ = 1/2, c0: δ0 = 0.5·V(A) − V(prompt) = −1/4, δ1 = 1 − V(A) = 1/2, A0 = −1/4 + 1/4·1/2 = −1/8;
+        # c1: δ0 = −1/4, δ1 = −1/2, A0 = −1/4 − 1/8; c2: δ0 = 0.5·1 − 1/2 = 0, δ1 = 0; c3: δ = 0 − 1/2
+        (0.5, 0.5, [[-0.125, 0.5], [-0.375, -0.5], [0, 0], [-0.5]]),
+    ],
+)
+def test_graph_gae_along_each_path(gamma, lam, per_step):
+    g, step = _state_group()
+    out = A.estimate("graft_gae", g, GraftGaeOptions(gamma=gamma, lam=lam))
+    # c4 (invalid) gets 0; on the all-1 prompt every value is 1, so a two-step row has δ0 = γ − 1 and δ1 = 0 (0 at
+    # γ = 1) and a one-step row δ = 0
+    d = gamma - 1
+    expected = _tokens(step, per_step + [[0, 0], [d, 0], [0], [0], [d, 0], [d, 0]])
+    np.testing.assert_allclose(out.advantage.reshape(10, 4), expected, atol=1e-12)
+
+
 def test_ibpo_compares_each_step_with_its_counterfactual_siblings():
     """From the prompt: c0 and c1 took A; their siblings are c2's B (reward 1, step probability e^−2) and c3's E (0,
     e^−1): baseline e^−2 / (e^−2 + e^−1) = 1 / (1 + e), so c0 gets 1 − 1/(1 + e) and c1 −1/(1 + e). c2 took B:
@@ -314,3 +348,5 @@ def test_ibpo_compares_each_step_with_its_counterfactual_siblings():
     with_group = A.estimate("ibpo", g, IbpoOptions(group_weight=0.5)).advantage.reshape(10, 4)
     expected = _tokens(step, [[v + 0.5 * p for v in row] for row, p in zip(per_step, plus)])
     np.testing.assert_allclose(with_group, np.where(step >= 0, expected, 0), rtol=1e-6, atol=1e-7)
+    # IBPO and GRAFT credit this group differently (c0's first step: 1 − 1/(1 + e) against 0)
+    assert not np.allclose(out.advantage, A.estimate("graft", g).advantage)

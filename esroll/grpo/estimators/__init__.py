@@ -15,6 +15,7 @@ step-level ones and GuAE: docs/step_level.md):
     sas       SAS: GRPO's advantage withheld from unconfident steps of right and confident steps of wrong completions
     verigate  VeriGate: GRPO where outcomes differ, else group-normalised future-cumulated step-verifier scores
     ibpo      IBPO: each step against its counterfactual siblings (same state, other step), policy-weighted
+    graft     GRAFT: step credit V(target) − V(source) on the group's graph of states; graft_gae: Graph GAE on it
 """
 
 from esroll.grpo.estimators import (  # noqa: F401 — registers them
@@ -22,6 +23,7 @@ from esroll.grpo.estimators import (  # noqa: F401 — registers them
     bv_blend,
     ddrl,
     gmae,
+    graft,
     guae,
     ibpo,
     lampo,
