@@ -13,6 +13,7 @@ The variant is comma-separated: one method name, then modifiers.
     guae        GRPO with GuAE's anchor-tempered group advantages ("guae")
     ibpo        GRPO with IBPO's counterfactual-sibling step advantages ("ibpo")
     graft       GRPO with GRAFT's step credit on the group's graph of states ("graft"; graft_gae: Graph GAE on it)
+    progpo      GRPO with ProGPO's exact-prefix comparison and transition credit ("progpo")
     quick       a seconds-long smoke run (tests)
     hard        5 operands to train and evaluate on, instead of 3 or 4
 Hardware: 2 CPU cores; each full run trains for 10 minutes of wall time (`train.time_budget_s`), evaluation excluded.
@@ -32,6 +33,7 @@ METHODS = {
     "ibpo": "GRPO with IBPO's counterfactual-sibling step advantages",
     "graft": "GRPO with GRAFT's step credit on the group's state graph",
     "graft_gae": "GRPO with Graph GAE on GRAFT's state graph",
+    "progpo": "GRPO with ProGPO's exact-prefix comparison and transition credit",
 }
 ESTIMATOR_VARIANTS = tuple(m for m in METHODS if m not in ("grpo", "looroll"))  # GRPO, grpo.advantage = m
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)", "hard": "5 operands instead of 3 or 4"}

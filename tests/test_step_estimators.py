@@ -1,4 +1,4 @@
-"""The step-level advantage estimators (SAS, VeriGate, IBPO, GRAFT), the task's step states, and GuAE on small
+"""The step-level advantage estimators (SAS, VeriGate, IBPO, GRAFT, ProGPO), the task's step states, and GuAE on small
 hand-built groups: the expected token advantages are worked out by hand in each test (the quantiles, returns, means,
 variances, sibling sets and graph values written out below), and each trains through
 `configs/step_level.py:<name>,quick`."""
@@ -15,7 +15,7 @@ import pytest
 from configs.step_level import get_config
 from esroll import parallel
 from esroll.config import from_config_dict
-from esroll.data import TASKS, Example, get_batch, make_splits, step_states
+from esroll.data import TASKS, Example, get_batch, make_splits, prefix_states, step_states
 from esroll.errors import InputError
 from esroll.experiment import check_names
 from esroll.grpo import advantages as A
@@ -23,6 +23,7 @@ from esroll.grpo import make_grpo_method
 from esroll.grpo.estimators.graft import GraftGaeOptions
 from esroll.grpo.estimators.guae import GuaeOptions
 from esroll.grpo.estimators.ibpo import IbpoOptions
+from esroll.grpo.estimators.progpo import ProgpoOptions
 from esroll.grpo.estimators.sas import SasOptions
 from esroll.grpo.estimators.verigate import VerigateOptions
 from esroll.steps import Steps
@@ -211,7 +212,7 @@ def steps_task():
     return cfg, task, params, get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, 0), mesh
 
 
-@pytest.mark.parametrize("name", ["sas", "verigate", "guae", "ibpo", "graft", "graft_gae"])
+@pytest.mark.parametrize("name", ["sas", "verigate", "guae", "ibpo", "graft", "graft_gae", "progpo"])
 def test_a_training_step_by_name(steps_task, name):
     """`configs/step_level.py:<name>,quick` takes a GRPO step with the estimator: the same completions as plain GRPO
     (the rollout is keyed by seed and step), the estimator's metrics logged, finite parameters."""
@@ -350,3 +351,51 @@ def test_ibpo_compares_each_step_with_its_counterfactual_siblings():
     np.testing.assert_allclose(with_group, np.where(step >= 0, expected, 0), rtol=1e-6, atol=1e-7)
     # IBPO and GRAFT credit this group differently (c0's first step: 1 − 1/(1 + e) against 0)
     assert not np.allclose(out.advantage, A.estimate("graft", g).advantage)
+
+
+def _text_group():
+    """One prompt, steps by text: c0 "a", "b" (reward 1); c1 "a", "c" (0); c2 "d", "b" (0); c3 "d" (1, one step);
+    c4 "a", "b" (NaN: invalid). States are exact prefixes (`prefix_states`)."""
+    texts = [("a", "b"), ("a", "c"), ("d", "b"), ("d",), ("a", "b")]
+    step = np.array([[0, 1, -1], [0, 1, -1], [0, 0, 1], [0, -1, -1], [0, 1, -1]])
+    g = _group([[1, 0, 0, 1, np.nan]], step, np.full((5, 3), -0.5))
+    g = g._replace(steps=g.steps._replace(text=tuple(texts)))
+    keys = [prefix_states(None, t) for t in texts]
+    return g._replace(states=A.state_ids(keys, 1, 5, 2)), step
+
+
+@pytest.mark.parametrize(
+    "depths, per_step",
+    [
+        # Exact-prefix comparison: from the prompt, "a" (rewards 1, 0) and "d" (0, 1) both average 1/2 as does the
+        # group: 0; from "a", "b" (1) and "c" (0) against their mean 1/2: ±1/2; from "d" only c2 went on: 0.
+        # H = 1: Φ is the mean reward through the last step's text: Φ(a) = Φ(d) = 1/2 (= Φ(prompt)), Φ(b) = 1/2
+        # (c0's 1, c2's 0), Φ(c) = 0: transitions 0 everywhere but c1's second step, −1/2.
+        (1, [[0, 0.5], [0, -1.0], [0, 0], [0]]),
+        # H = 2: after the second step the depth-2 states ("a", "b"), ("a", "c"), ("d", "b") have one completion
+        # each (p = 1, 0, 0; v = 0.75·0.25 / 1 = 3/16, weight 16/3); depth 1's "b" has p = 1/2 over 2 (p̃ = 1/2,
+        # v = 1/8, weight 8). Fused Φ after c0's "b" = (8·1/2 + 16/3·1) / (8 + 16/3) = 0.7, after c2's "b" 0.3,
+        # after c1's "c" 0 (both depths 0). Transitions: c0 0.2, c1 −1/2, c2 −0.2.
+        (2, [[0, 0.7], [0, -1.0], [0, -0.2], [0]]),
+    ],
+)
+def test_progpo_exact_prefix_comparison_and_fused_potentials(depths, per_step):
+    g, step = _text_group()
+    out = A.estimate("progpo", g, ProgpoOptions(depths=depths))
+    expected = _tokens(step, per_step + [[0, 0]])
+    np.testing.assert_allclose(out.advantage.reshape(5, 3), expected, atol=1e-6)
+    assert out.metrics["progpo_steps_with_peers"] == pytest.approx(6 / 7)  # all but c2's second step
+
+
+def test_ibpo_graft_and_progpo_credit_one_group_differently():
+    """On the group above (exact-prefix states), c0's second step: IBPO 1 − 0 = 1 (its sibling "c" scored 0) plus
+    half of GRPO's advantage; GRAFT V(a, b) − V(a) = 1 − 1/2; ProGPO 1/2 + 0 (H = 1)."""
+    g, _ = _text_group()
+    out = {name: A.estimate(name, g).advantage.reshape(5, 3) for name in ("ibpo", "graft", "progpo")}
+    o = ProgpoOptions(depths=1)
+    out["progpo"] = A.estimate("progpo", g, o).advantage.reshape(5, 3)
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)  # GRPO over the valid 1, 0, 0, 1
+    assert out["ibpo"][0, 1] == pytest.approx(1 + 0.5 * a) and out["graft"][0, 1] == pytest.approx(0.5)
+    assert out["progpo"][0, 1] == pytest.approx(0.5)
+    for x, y in (("ibpo", "graft"), ("ibpo", "progpo"), ("graft", "progpo")):
+        assert not np.allclose(out[x], out[y]), (x, y)

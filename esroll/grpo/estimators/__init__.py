@@ -16,6 +16,7 @@ step-level ones and GuAE: docs/step_level.md):
     verigate  VeriGate: GRPO where outcomes differ, else group-normalised future-cumulated step-verifier scores
     ibpo      IBPO: each step against its counterfactual siblings (same state, other step), policy-weighted
     graft     GRAFT: step credit V(target) − V(source) on the group's graph of states; graft_gae: Graph GAE on it
+    progpo    ProGPO: exact-prefix step comparison plus transition credit from depth-fused state potentials
 """
 
 from esroll.grpo.estimators import (  # noqa: F401 — registers them
@@ -30,6 +31,7 @@ from esroll.grpo.estimators import (  # noqa: F401 — registers them
     maxpo,
     mc_steps,
     ntf,
+    progpo,
     sas,
     verigate,
 )
