@@ -120,7 +120,7 @@ def _completion_mask(out) -> np.ndarray:
     return np.arange(out.tokens_BxN.shape[1])[None, :] < out.length_B[:, None]
 
 
-def _group(
+def estimator_group(
     out, rewards_XxM, mask_BxN, examples, step_index: int, seed: int, needs: tuple[str, ...]
 ) -> advantages.Group:
     """What the advantage estimator reads of a step's X × M sampled rows (`esroll.grpo.advantages.Group`): the
@@ -301,7 +301,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
 
         # ---- advantages, then the variants' token weights
         own, variant_state = split_host(g, state.host)
-        group = _group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs)
+        group = estimator_group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs)
         if "branches" in needs:
             shape = (X, M, steps.max_steps)
             group = group._replace(branch_rewards=branch_rewards(branched, origin, shape, steps.branches))

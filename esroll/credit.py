@@ -1,0 +1,175 @@
+"""Credit accuracy: how well each group-advantage estimator's per-step advantages agree with Monte Carlo step
+advantages, on groups sampled from a fixed model.
+
+For P held-out prompts, M completions each are sampled (at `grpo.temperature`) and cut into steps; each estimator
+(`esroll.grpo.advantages`) gives per-token advantages, read per step as the mean over the step's tokens (constant
+within a step for the step-level ones). The reference is `mc_steps`' step advantage V(after) − V(before) from
+K_ref fresh continuations per step boundary (`esroll.grpo.estimators.mc_steps.step_values`), with a standard error
+from the continuations' and the group's rewards: sqrt(var_after / K + var_before / n), n = K_ref for a boundary and
+M for the prompt, 0 for the completion's own reward after its last step. Scores, pooled over the steps of all
+prompts' valid completions:
+    spearman        rank correlation of the method's step advantages with the reference's;
+    sign_agreement  over the steps whose reference is non-zero at 95% (|A| > 1.96·SE), the fraction where the
+                    method's advantage has the reference's sign (0 counts as a disagreement);
+    equal_signal    the share of the groups whose rewards are all equal that the method gives a non-zero advantage;
+each with a percentile bootstrap interval over prompts. `mc_steps` itself is scored at small K from continuations
+sampled apart from the reference's. `experiments.credit` runs it and writes the report (docs/step_level.md).
+
+Shape letters (see `esroll`): X prompts, M completions per prompt, S steps, K continuations, N tokens.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+import scipy.stats
+
+from esroll.grpo import advantages
+from esroll.grpo.advantages import Group
+from esroll.grpo.estimators.mc_steps import step_values
+from esroll.grpo.method import branch_rewards, estimator_group
+from esroll.rollout import Sampling, branch, rollout
+
+METHODS = ("grpo", "sas", "verigate", "guae", "ibpo", "graft", "graft_gae", "progpo")
+Z95 = 1.959963984540054
+
+
+def per_step(adv_XxMxN: np.ndarray, g: Group) -> np.ndarray:
+    """[X, M, S]: a per-token (or per-completion [X, M]) advantage read per step as the mean over the step's tokens;
+    NaN past a completion's steps. S = the most steps of any completion."""
+    X, M, N = g.token_mask.shape
+    adv = np.asarray(adv_XxMxN, np.float64)
+    if adv.shape == (X, M):
+        adv = np.broadcast_to(adv[..., None], (X, M, N))
+    step = np.where(np.asarray(g.token_mask, bool), np.asarray(g.steps.step_BxN).reshape(X, M, N), -1)
+    S = max(int(np.asarray(g.steps.count_B).max(initial=0)), 1)
+    out = np.full((X, M, S), np.nan)
+    for s in range(S):
+        on = step == s
+        count = on.sum(2)
+        total = np.where(on, adv, 0.0).sum(2)
+        out[..., s] = np.where(count > 0, total / np.maximum(count, 1), np.nan)
+    return out
+
+
+def reference(g: Group) -> tuple[np.ndarray, np.ndarray]:
+    """(advantages [X, M, S], standard errors [X, M, S]) of the Monte Carlo step advantages from `g.branch_rewards`
+    (see the module docstring); NaN where undefined (past a completion's steps, invalid completions)."""
+    values, adv = step_values(g)
+    r, valid = advantages.valid_rewards(g)
+    n = np.maximum(valid.sum(1), 1)
+    var0 = np.where(valid, (r - (r.sum(1) / n)[:, None]) ** 2, 0.0).sum(1) / n
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # boundaries without continuations
+        k = np.sum(~np.isnan(g.branch_rewards), axis=-1)
+        var_k = np.nanvar(g.branch_rewards, axis=-1) / np.maximum(k, 1)  # [X, M, S]: of V(after step s)
+    X, M, S1 = values.shape
+    S = S1 - 1
+    counts = np.asarray(g.steps.count_B).reshape(X, M)
+    var_after = np.zeros((X, M, S))
+    var_after[..., : var_k.shape[2]] = np.nan_to_num(var_k[..., :S])
+    last = np.arange(S)[None, None, :] == (counts - 1)[..., None]
+    var_after = np.where(last, 0.0, var_after)  # after the last step: the completion's own reward
+    var_before = np.concatenate([np.broadcast_to((var0 / n)[:, None, None], (X, M, 1)), var_after[..., :-1]], axis=2)
+    se = np.sqrt(var_after + var_before)
+    return adv, np.where(np.isnan(adv), np.nan, se)
+
+
+def scores(
+    method_XxMxS: np.ndarray,
+    token_adv: np.ndarray,
+    ref_XxMxS: np.ndarray,
+    se_XxMxS: np.ndarray,
+    equal_X: np.ndarray,
+    *,
+    boot: int = 1000,
+    seed: int = 0,
+) -> dict:
+    """The three scores of one method (module docstring) with 95% percentile bootstrap intervals over prompts
+    (`boot` resamples of the X prompts, drawn from `seed`)."""
+    X = method_XxMxS.shape[0]
+    S = min(method_XxMxS.shape[2], ref_XxMxS.shape[2])
+    m, ref, se = method_XxMxS[..., :S], ref_XxMxS[..., :S], se_XxMxS[..., :S]
+    known = ~np.isnan(ref) & ~np.isnan(m)
+    significant = known & (np.abs(ref) > Z95 * se)
+    signal = np.abs(np.asarray(token_adv, np.float64)).reshape(X, -1).max(1) > 1e-9
+
+    def one(prompts: np.ndarray) -> tuple[float, float, float]:
+        k, sig = known[prompts], significant[prompts]
+        a, b = m[prompts][k], ref[prompts][k]
+        rho = float(scipy.stats.spearmanr(a, b).statistic) if a.size > 2 and np.ptp(a) > 0 and np.ptp(b) > 0 else np.nan
+        agree = float(np.mean(np.sign(m[prompts][sig]) == np.sign(ref[prompts][sig]))) if sig.any() else np.nan
+        eq = equal_X[prompts]
+        share = float(signal[prompts][eq].mean()) if eq.any() else np.nan
+        return rho, agree, share
+
+    point = one(np.arange(X))
+    rng = np.random.default_rng(seed)
+    draws = np.array([one(rng.integers(0, X, X)) for _ in range(boot)]) if boot else np.empty((0, 3))
+    out = {"steps": int(known.sum()), "significant_steps": int(significant.sum()), "equal_groups": int(equal_X.sum())}
+    for i, name in enumerate(("spearman", "sign_agreement", "equal_signal")):
+        col = draws[:, i][~np.isnan(draws[:, i])] if boot else np.empty(0)
+        low, high = np.percentile(col, [2.5, 97.5]) if col.size else (np.nan, np.nan)
+        out[name], out[f"{name}_low"], out[f"{name}_high"] = point[i], float(low), float(high)
+    return out
+
+
+def measure(
+    cfg,
+    task,
+    params,
+    mesh,
+    examples: Sequence,
+    *,
+    group_size: int = 8,
+    k_ref: int = 16,
+    mc_ks: Sequence[int] = (2, 4),
+    seed: int = 0,
+    boot: int = 1000,
+    rows_per_call: int = 512,
+) -> dict:
+    """Sample the groups, the reference and the small-K continuations, and score every method of `METHODS` and
+    `mc_steps` at each of `mc_ks`. Returns {method: scores} and the sample's figures under "sample". The
+    continuations are decoded `rows_per_call` rows at a time (a memory bound; the tokens do not depend on it)."""
+    X, M = len(examples), group_size
+    sampling = Sampling(cfg.train.max_new_tokens, cfg.grpo.temperature, rows_per_device=rows_per_call)
+    steps_cfg = cfg.steps
+    key = jax.random.key(seed)
+    out = rollout(
+        task, mesh, params, examples, np.repeat(np.arange(X), M), jax.random.fold_in(key, 0), sampling,
+        completions=True, steps=steps_cfg, step_scores=True,
+    )  # fmt: skip
+    rewards = np.asarray(out.reward_B, np.float64).reshape(X, M)
+    mask = np.arange(out.tokens_BxN.shape[1])[None, :] < out.length_B[:, None]
+    needs = ("logprobs", "steps", "step_scores", "states")
+    g = estimator_group(out, rewards, mask, list(examples), 0, seed, needs)
+    shape = (X, M, steps_cfg.max_steps)
+    ref_branches, origin = branch(task, mesh, params, examples, out, jax.random.fold_in(key, 1), sampling, k_ref)
+    ref, se = reference(g._replace(branch_rewards=branch_rewards(ref_branches, origin, shape, k_ref)))
+    lo, hi = np.nanmin(np.where(np.isfinite(rewards), rewards, np.nan), 1), np.nanmax(rewards, 1)
+    equal = lo == hi
+    results = {}
+    for i, name in enumerate(METHODS):
+        est = advantages.estimate(name, g, None, advantages.init_state(name))
+        results[name] = scores(per_step(est.advantage, g), est.advantage, ref, se, equal, boot=boot, seed=seed + i)
+    k_max = max(mc_ks)
+    small, origin_k = branch(task, mesh, params, examples, out, jax.random.fold_in(key, 2), sampling, k_max)
+    small_rewards = branch_rewards(small, origin_k, shape, k_max)
+    for k in mc_ks:
+        est = advantages.estimate("mc_steps", g._replace(branch_rewards=small_rewards[..., :k]))
+        results[f"mc_steps_k{k}"] = scores(
+            per_step(est.advantage, g), est.advantage, ref, se, equal, boot=boot, seed=seed
+        )
+    results["sample"] = {
+        "prompts": X,
+        "group_size": M,
+        "k_ref": k_ref,
+        "mean_reward": float(np.nanmean(rewards)),
+        "mean_steps": float(np.mean(out.steps.count_B)),
+        "all_equal_groups": int(equal.sum()),
+        "reference_rows": len(origin),
+    }
+    return results

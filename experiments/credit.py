@@ -1,0 +1,166 @@
+"""Credit accuracy of every step-level estimator (and GRPO, GuAE, `mc_steps` at small K) against Monte Carlo step
+advantages, on groups sampled from one or more fixed models (`esroll.credit`); writes results.json, results.md
+and credit.png to --out.
+
+    python -m experiments.credit --models shipped=assets/tiny-qwen3-steps,grpo50=runs/credit_grpo50/final \
+        --out docs/results/credit
+
+Each model is named `label=path` (a Hugging Face folder: the shipped model, or a run's `final` export). The task,
+the sampling temperature, the steps section and the new-token budget are `configs/step_level.py:grpo`'s (--config
+for another); the groups are the first --prompts held-out questions, --group completions each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from esroll import parallel
+from esroll.config import from_config_dict
+from esroll.credit import METHODS, measure
+from esroll.data import make_splits
+from esroll.experiment import check_names
+from esroll.task import load_task
+from experiments._entry import quiet_tpu_probe
+
+ROWS = (*METHODS, "mc_steps_k2", "mc_steps_k4")
+
+
+def _config(spec: str, model: str):
+    path, _, variant = spec.partition(":")
+    module = importlib.util.spec_from_file_location("credit_config", path)
+    loaded = importlib.util.module_from_spec(module)
+    module.loader.exec_module(loaded)
+    cd = loaded.get_config(variant or None)
+    cd.model.path = model
+    return check_names(from_config_dict(cd.to_dict()))
+
+
+def _cell(s: dict, name: str) -> str:
+    if np.isnan(s[name]):
+        return "–"
+    return f"{s[name]:.2f} [{s[name + '_low']:.2f}, {s[name + '_high']:.2f}]"
+
+
+def report(results: dict, command: str, meta: dict) -> str:
+    models = ", ".join(f"{label} = `{path}`" for label, path in meta["models"])
+    lines = [
+        "# Credit accuracy of the step-level estimators",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"Run on {meta['date']}, {meta['platform']} ({meta['cpus']} CPU cores), {meta['seconds']:.0f} s; seed "
+        f"{meta['seed']}. Models: {models}.",
+        "",
+        "Per model: Spearman correlation of each method's step advantages with Monte Carlo step advantages (K_ref",
+        "continuations per step boundary), pooled over all steps; sign agreement over the steps whose Monte Carlo",
+        "advantage is non-zero at 95%; the share of all-equal groups given a non-zero signal. Brackets: 95% bootstrap",
+        "intervals over prompts. `mc_steps_k2` / `_k4`: `mc_steps` from 2 / 4 continuations sampled apart from the",
+        "reference's. `grpo` (the same advantage on every step of a completion) is the row to beat.",
+    ]
+    for label, res in results.items():
+        s = res["sample"]
+        lines += [
+            "",
+            f"## {label}",
+            "",
+            f"{s['prompts']} prompts × {s['group_size']} completions, mean reward {s['mean_reward']:.3f}, "
+            f"{s['mean_steps']:.2f} steps per completion, {s['all_equal_groups']} all-equal groups, K_ref = "
+            f"{s['k_ref']} ({s['reference_rows']} reference continuations), {res[METHODS[0]]['steps']} steps scored, "
+            f"{res[METHODS[0]]['significant_steps']} with a Monte Carlo advantage non-zero at 95%.",
+            "",
+            "| method | Spearman | sign agreement | all-equal groups with signal |",
+            "|---|---|---|---|",
+        ]
+        for name in ROWS:
+            r = res[name]
+            lines.append(
+                f"| `{name}` | {_cell(r, 'spearman')} | {_cell(r, 'sign_agreement')} | {_cell(r, 'equal_signal')} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def figure(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    width = 0.8 / max(len(results), 1)
+    for i, (label, res) in enumerate(results.items()):
+        x = np.arange(len(ROWS)) + i * width
+        y = np.array([res[n]["spearman"] for n in ROWS])
+        low = np.array([res[n]["spearman_low"] for n in ROWS])
+        high = np.array([res[n]["spearman_high"] for n in ROWS])
+        err = np.nan_to_num(np.stack([y - low, high - y]))
+        ax.bar(x, np.nan_to_num(y), width, yerr=err, label=label, capsize=2)
+    ax.set_xticks(np.arange(len(ROWS)) + width * (len(results) - 1) / 2, ROWS, rotation=30, ha="right")
+    ax.set_ylabel("Spearman with MC step advantage")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="shipped=assets/tiny-qwen3-steps", help="label=path,...")
+    parser.add_argument("--config", default="configs/step_level.py:grpo")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--k_ref", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--boot", type=int, default=1000)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    quiet_tpu_probe()
+    models = [m.split("=", 1) for m in args.models.split(",") if m]
+    if not models or any(len(m) != 2 or not m[0] or not m[1] for m in models):
+        raise SystemExit(f"error: --models: expected label=path[,label=path...], got {args.models!r}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mesh = parallel.make_mesh(1)
+    start = time.perf_counter()
+    results = {}
+    for label, path in models:
+        cfg = _config(args.config, path)
+        train, held_out = make_splits(cfg.data)
+        task, params = load_task(cfg, train, held_out, mesh)
+        if args.prompts > len(held_out):
+            raise SystemExit(f"error: --prompts: {args.prompts} > the {len(held_out)} held-out questions")
+        results[label] = measure(
+            cfg, task, params, mesh, held_out[: args.prompts],
+            group_size=args.group, k_ref=args.k_ref, seed=args.seed, boot=args.boot,
+        )  # fmt: skip
+    command = "python -m experiments.credit " + " ".join(
+        f"--{k} {v}" for k, v in vars(args).items() if v != parser.get_default(k) or k == "out"
+    )
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "platform": jax.devices()[0].platform,
+        "cpus": os.cpu_count(),
+        "seconds": time.perf_counter() - start,
+        "seed": args.seed,
+        "models": models,
+    }
+    (out / "results.json").write_text(json.dumps({"meta": meta, **results}, indent=1, default=float) + "\n")
+    (out / "results.md").write_text(report(results, command, meta))
+    figure(results, out / "credit.png")
+    print(report(results, command, meta))
+    return results
+
+
+if __name__ == "__main__":
+    main()
