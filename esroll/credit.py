@@ -38,21 +38,12 @@ Z95 = 1.959963984540054
 
 
 def per_step(adv_XxMxN: np.ndarray, g: Group) -> np.ndarray:
-    """[X, M, S]: a per-token (or per-completion [X, M]) advantage read per step as the mean over the step's tokens;
-    NaN past a completion's steps. S = the most steps of any completion."""
-    X, M, N = g.token_mask.shape
+    """[X, M, S]: a per-token (or per-completion [X, M]) advantage read per step as the mean over the step's tokens
+    (`esroll.grpo.advantages.step_means`); NaN past a completion's steps. S = the most steps of any completion."""
     adv = np.asarray(adv_XxMxN, np.float64)
-    if adv.shape == (X, M):
-        adv = np.broadcast_to(adv[..., None], (X, M, N))
-    step = np.where(np.asarray(g.token_mask, bool), np.asarray(g.steps.step_BxN).reshape(X, M, N), -1)
-    S = max(int(np.asarray(g.steps.count_B).max(initial=0)), 1)
-    out = np.full((X, M, S), np.nan)
-    for s in range(S):
-        on = step == s
-        count = on.sum(2)
-        total = np.where(on, adv, 0.0).sum(2)
-        out[..., s] = np.where(count > 0, total / np.maximum(count, 1), np.nan)
-    return out
+    if adv.ndim == 2:
+        adv = np.broadcast_to(adv[..., None], g.token_mask.shape)
+    return advantages.step_means(g, adv)
 
 
 def reference(g: Group) -> tuple[np.ndarray, np.ndarray]:
@@ -149,8 +140,7 @@ def measure(
     shape = (X, M, steps_cfg.max_steps)
     ref_branches, origin = branch(task, mesh, params, examples, out, jax.random.fold_in(key, 1), sampling, k_ref)
     ref, se = reference(g._replace(branch_rewards=branch_rewards(ref_branches, origin, shape, k_ref)))
-    lo, hi = np.nanmin(np.where(np.isfinite(rewards), rewards, np.nan), 1), np.nanmax(rewards, 1)
-    equal = lo == hi
+    equal = advantages.all_equal(g)
     results = {}
     for i, name in enumerate(METHODS):
         est = advantages.estimate(name, g, None, advantages.init_state(name))

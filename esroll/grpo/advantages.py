@@ -190,5 +190,47 @@ def valid_rewards(g: Group) -> tuple[np.ndarray, np.ndarray]:
     return np.where(valid, r, 0.0), valid
 
 
+def all_equal(g: Group) -> np.ndarray:
+    """[X] bool: the groups that have a valid completion and whose valid completions' rewards are all equal (where
+    a group-relative advantage is 0 everywhere)."""
+    r, valid = valid_rewards(g)
+    low, high = np.where(valid, r, np.inf).min(1), np.where(valid, r, -np.inf).max(1)
+    return valid.any(1) & (low == high)
+
+
+def step_sums(g: Group, values_XxMxN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sums [X, M, S], token counts [X, M, S]) of a per-token quantity over each step of each completion: the
+    completion tokens (`g.token_mask`) that `g.steps` puts in step s. S is the most steps of any completion."""
+    X, M, N = g.token_mask.shape
+    step = np.where(np.asarray(g.token_mask, bool), np.asarray(g.steps.step_BxN).reshape(X, M, N), -1)
+    values = np.asarray(values_XxMxN, np.float64)
+    S = max(int(np.asarray(g.steps.count_B).max(initial=0)), 1)
+    sums, counts = np.zeros((X, M, S)), np.zeros((X, M, S), np.int64)
+    for s in range(S):
+        on = step == s
+        sums[..., s] = np.where(on, values, 0.0).sum(2)
+        counts[..., s] = on.sum(2)
+    return sums, counts
+
+
+def step_means(g: Group, values_XxMxN: np.ndarray) -> np.ndarray:
+    """[X, M, S]: the mean of a per-token quantity over each step's tokens (`step_sums`); NaN where a step has
+    none (past a completion's steps)."""
+    sums, counts = step_sums(g, values_XxMxN)
+    return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def per_token(g: Group, step_XxMxS: np.ndarray, plus_XxM: np.ndarray | float = 0.0) -> np.ndarray:
+    """[X, M, N] float32: each completion token gets its step's value (NaN counts as 0) plus its completion's
+    `plus`; tokens past a completion's end get 0. The inverse of reading a per-step advantage per token."""
+    X, M, N = g.token_mask.shape
+    step = np.asarray(g.steps.step_BxN).reshape(X, M, N)
+    adv = np.nan_to_num(np.asarray(step_XxMxS, np.float64))
+    taken = np.take_along_axis(adv, np.clip(step, 0, adv.shape[2] - 1), axis=2)
+    total = taken + np.broadcast_to(np.asarray(plus_XxM, np.float64), (X, M))[..., None]
+    keep = np.asarray(g.token_mask, bool) & (step >= 0)
+    return np.where(keep, total, 0.0).astype(np.float32)
+
+
 for _name, _shaping in baselines.BUILTIN.items():
     register_advantage(_name, from_shaping(_shaping))

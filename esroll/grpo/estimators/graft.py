@@ -9,8 +9,8 @@ import dataclasses
 import numpy as np
 
 from esroll.config import check_fields
-from esroll.grpo.advantages import Estimate, Group, register_advantage, valid_rewards
-from esroll.grpo.estimators.step_graph import ROOT, per_token, transitions
+from esroll.grpo.advantages import Estimate, Group, per_token, register_advantage, valid_rewards
+from esroll.grpo.estimators.step_graph import ROOT, transitions
 
 MAX_SWEEPS = 1000  # Bellman sweeps; a graph without cycles is exact after as many as its longest path has steps
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import scipy.special
 
 from esroll.baselines import grpo
 from esroll.config import check_fields
-from esroll.grpo.advantages import Estimate, Group, register_advantage, valid_rewards
-from esroll.grpo.estimators.step_graph import per_token, step_logprob, transitions
+from esroll.grpo.advantages import Estimate, Group, per_token, register_advantage, step_sums, valid_rewards
+from esroll.grpo.estimators.step_graph import transitions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,7 @@ def sibling_advantages(g: Group) -> tuple[np.ndarray, np.ndarray]:
     r, valid = valid_rewards(g)
     before, after = transitions(g)
     X, M, S = after.shape
-    lp = step_logprob(g, S)
+    lp = step_sums(g, g.token_logp)[0]  # each step's log-probability: its tokens' sum
     adv = np.full((X, M, S), np.nan)
     has = np.zeros((X, M, S), bool)
     for x in range(X):
@@ -45,19 +46,14 @@ def sibling_advantages(g: Group) -> tuple[np.ndarray, np.ndarray]:
             adv[x, j, s] = 0.0
             if not sib.any():
                 continue
-            targets = np.unique(a_E[sib])
-            q = np.array([r_E[sib & (a_E == t)].mean() for t in targets])
+            taking = [sib & (a_E == t) for t in np.unique(a_E[sib])]  # the siblings, by the state they reach
+            q = np.array([r_E[t].mean() for t in taking])
             # log of the mean probability of each target's steps, then weights relative to the largest
-            log_pi = np.array([_log_mean_exp(lp_E[sib & (a_E == t)]) for t in targets])
+            log_pi = np.array([scipy.special.logsumexp(lp_E[t]) - np.log(t.sum()) for t in taking])
             w = np.exp(log_pi - log_pi.max())
             adv[x, j, s] = r[x, j] - (w * q).sum() / w.sum()
             has[x, j, s] = True
     return adv, has
-
-
-def _log_mean_exp(v: np.ndarray) -> float:
-    top = v.max()
-    return float(top + np.log(np.mean(np.exp(v - top))))
 
 
 def ibpo(g: Group, o: IbpoOptions, state=None) -> Estimate:
@@ -65,7 +61,7 @@ def ibpo(g: Group, o: IbpoOptions, state=None) -> Estimate:
     group advantage of its completion. Logs `ibpo_steps_with_siblings`, the fraction of steps that had any."""
     r, valid = valid_rewards(g)
     adv, has = sibling_advantages(g)
-    base = np.where(valid, np.asarray(grpo(r, valid), np.float64), 0.0)
+    base = np.asarray(grpo(r, valid), np.float64)  # 0 on invalid entries
     known = ~np.isnan(adv)
     metrics = {"ibpo_steps_with_siblings": float(has[known].mean()) if known.any() else 0.0}
     return Estimate(per_token(g, adv, o.group_weight * base), metrics=metrics)

@@ -8,7 +8,7 @@ import warnings
 
 import numpy as np
 
-from esroll.grpo.advantages import Estimate, Group, register_advantage, valid_rewards
+from esroll.grpo.advantages import Estimate, Group, per_token, register_advantage, valid_rewards
 
 
 def step_values(g: Group) -> tuple[np.ndarray, np.ndarray]:
@@ -45,17 +45,13 @@ def mc_steps(g: Group, o=None, state=None) -> Estimate:
     end, and the completions that are invalid or empty, get 0. Logs `mc_prompt_value` (V(prompt), mean over
     prompts) and `mc_step_advantage_abs` (mean |advantage| over the steps)."""
     values, adv_XxMxS = step_values(g)
-    X, M, N = g.token_mask.shape
-    step_XxMxN = np.asarray(g.steps.step_BxN).reshape(X, M, N)
-    taken = np.take_along_axis(np.nan_to_num(adv_XxMxS), np.maximum(step_XxMxN, 0), axis=2)
-    advantage = np.where(step_XxMxN >= 0, taken, 0.0).astype(np.float32)
     steps_known = ~np.isnan(adv_XxMxS)
     has_value = np.isfinite(values[..., 0]).any(1)  # the prompts with a valid completion
     metrics = {
         "mc_prompt_value": float(np.nanmax(values[has_value, :, 0], axis=1).mean()) if has_value.any() else 0.0,
         "mc_step_advantage_abs": float(np.abs(adv_XxMxS[steps_known]).mean()) if steps_known.any() else 0.0,
     }
-    return Estimate(advantage, metrics=metrics)
+    return Estimate(per_token(g, adv_XxMxS), metrics=metrics)
 
 
 register_advantage("mc_steps", mc_steps, needs=("steps", "branches"))

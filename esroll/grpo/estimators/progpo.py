@@ -10,8 +10,7 @@ import dataclasses
 import numpy as np
 
 from esroll.config import check_fields
-from esroll.grpo.advantages import Estimate, Group, register_advantage, valid_rewards
-from esroll.grpo.estimators.step_graph import per_token
+from esroll.grpo.advantages import Estimate, Group, per_token, register_advantage, valid_rewards
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import numpy as np
 
 from esroll.baselines import grpo
 from esroll.config import check_fields
-from esroll.grpo.advantages import Estimate, Group, register_advantage, valid_rewards
+from esroll.grpo.advantages import Estimate, Group, per_token, register_advantage, step_means, valid_rewards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,15 +36,7 @@ class SasOptions:
 def step_confidence(g: Group) -> np.ndarray:
     """[X, M, S]: the mean log-probability (under the sampling policy) of each step's tokens; NaN past a completion's
     steps. S is the most steps of any completion."""
-    X, M, N = g.token_mask.shape
-    step = np.where(np.asarray(g.token_mask, bool), np.asarray(g.steps.step_BxN).reshape(X, M, N), -1)
-    S = max(int(np.asarray(g.steps.count_B).max(initial=0)), 1)
-    logp = np.asarray(g.token_logp, np.float64)
-    one_hot = step[..., None] == np.arange(S)  # [X, M, N, S]
-    tokens = one_hot.sum(2)
-    total = np.where(one_hot, logp[..., None], 0.0).sum(2)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(tokens > 0, total / tokens, np.nan)
+    return step_means(g, g.token_logp)
 
 
 def sas(g: Group, o: SasOptions, state=None) -> Estimate:
@@ -56,8 +48,7 @@ def sas(g: Group, o: SasOptions, state=None) -> Estimate:
     past a completion's end get 0. Logs `sas_withheld_correct` and `sas_withheld_failed`: the fraction of the
     correct (failed) completions' steps withheld."""
     r, valid = valid_rewards(g)
-    X, M, N = g.token_mask.shape
-    base = np.where(valid, np.asarray(grpo(r, valid), np.float64), 0.0)
+    base = np.asarray(grpo(r, valid), np.float64)  # 0 on invalid entries
     conf = step_confidence(g)
     known = ~np.isnan(conf)
     correct = (valid & (r >= o.correct))[..., None] & known
@@ -69,10 +60,7 @@ def sas(g: Group, o: SasOptions, state=None) -> Estimate:
             cut = np.quantile(conf[steps], q)
             withheld |= steps & (side * (conf - cut) > 0)
         metrics[f"sas_withheld_{name}"] = float(withheld[steps].mean()) if steps.any() else 0.0
-    step = np.asarray(g.steps.step_BxN).reshape(X, M, N)
-    on_token = np.take_along_axis(withheld, np.clip(step, 0, conf.shape[2] - 1), axis=2)
-    keep = np.asarray(g.token_mask, bool) & (step >= 0) & ~on_token
-    return Estimate(np.where(keep, base[..., None], 0.0).astype(np.float32), metrics=metrics)
+    return Estimate(per_token(g, np.where(withheld, 0.0, base[..., None])), metrics=metrics)
 
 
 register_advantage("sas", sas, options=SasOptions, needs=("logprobs", "steps"))

@@ -11,7 +11,7 @@ import numpy as np
 
 from esroll.baselines import grpo
 from esroll.config import check_fields
-from esroll.grpo.advantages import Estimate, Group, register_advantage, valid_rewards
+from esroll.grpo.advantages import Estimate, Group, all_equal, per_token, register_advantage, valid_rewards
 
 EPS = 1e-4  # as GRPO's group std (TRL)
 
@@ -49,15 +49,12 @@ def verigate(g: Group, o: VerigateOptions, state=None) -> Estimate:
     tokens past a completion's end get 0. Logs `verigate_gated` (the fraction of groups gated to step scores) and
     `verigate_gated_signal` (of those, the fraction whose step returns differ)."""
     r, valid = valid_rewards(g)
-    X, M, N = g.token_mask.shape
-    base = np.where(valid, np.asarray(grpo(r, valid), np.float64), 0.0)
+    X, M = r.shape
+    base = np.asarray(grpo(r, valid), np.float64)  # 0 on invalid entries
     count = np.asarray(g.steps.count_B).reshape(X, M)
-    step = np.asarray(g.steps.step_BxN).reshape(X, M, N)
     scores = np.asarray(g.step_scores, np.float64)
     returns = step_returns(scores, count, o.gamma)
-    lo = np.where(valid, r, np.inf).min(1)
-    hi = np.where(valid, r, -np.inf).max(1)
-    gated = (valid.sum(1) > 0) & (lo == hi)
+    gated = all_equal(g)
     process = np.zeros(returns.shape)
     signal = 0
     for x in np.flatnonzero(gated):
@@ -66,14 +63,12 @@ def verigate(g: Group, o: VerigateOptions, state=None) -> Estimate:
         if values.size >= 2:
             process[x][steps] = (values - values.mean()) / (values.std(ddof=1) + EPS)
             signal += bool(np.ptp(values) > 0)
-    on_token = np.take_along_axis(process, np.clip(step, 0, process.shape[2] - 1), axis=2)
-    per_token = np.where(gated[:, None, None], on_token, base[..., None])
-    keep = np.asarray(g.token_mask, bool) & (step >= 0) & valid[..., None]
     metrics = {
         "verigate_gated": float(gated.mean()),
         "verigate_gated_signal": signal / max(int(gated.sum()), 1),
     }
-    return Estimate(np.where(keep, per_token, 0.0).astype(np.float32), metrics=metrics)
+    # invalid completions: 0 in both (GRPO's is 0 there, and their steps get no process value)
+    return Estimate(per_token(g, np.where(gated[:, None, None], process, base[..., None])), metrics=metrics)
 
 
 register_advantage("verigate", verigate, options=VerigateOptions, needs=("steps", "step_scores"))
