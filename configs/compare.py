@@ -95,6 +95,7 @@ def _comparison(experiments: dict[str, ConfigDict]) -> ConfigDict:
     # Methods with the same space get the same draws (False in `tuned`, measured before this existed: its ES methods
     # drew different learning rates, and the draws rather than the estimators decided their ranking).
     c.tuning.shared_draws = False
+    c.tuning.inherit = ConfigDict()  # method -> method whose chosen setting it starts from (esroll.compare.Tuning)
     return c
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 Shaping = Callable[..., Array]
@@ -118,3 +119,17 @@ def rloo(r_XxM: Array, valid_XxM: Array) -> Array:
 BUILTIN: dict[str, Shaping] = {
     f.__name__: f for f in (raw, zscore, centered_ranks, grpo, grpo_population_std, dr_grpo, rloo)
 }
+
+
+def equal_groups(rewards_XxM: np.ndarray, weight_B: np.ndarray) -> dict[str, float]:
+    """What a step does with the groups whose rewards are all equal (rows group-major, [X·M]): their fraction
+    (`frac_groups_all_equal`) and, when there are any, the fraction of them that still carry a learning signal, some
+    row of the group with a non-zero weight `weight_B` (`frac_all_equal_signal`; GRPO: the largest |advantage ×
+    token factor| on the row's tokens)."""
+    X = rewards_XxM.shape[0]
+    equal_X = np.all(rewards_XxM == rewards_XxM[:, :1], axis=1)
+    out = {"frac_groups_all_equal": float(equal_X.mean())}
+    if equal_X.any():
+        signal_X = np.abs(np.asarray(weight_B, np.float64)).reshape(X, -1).max(1) > 1e-9
+        out["frac_all_equal_signal"] = float(signal_X[equal_X].mean())
+    return out

@@ -50,8 +50,11 @@ class Tuning:
     `spaces`: method -> {dotted config key: values}, where values is a list (the choices; a grid's axis) or a string
     "log:LOW:HIGH" / "uniform:LOW:HIGH" (random search only). `search` grid draws `runs` − 1 distinct points of the
     grid in a seeded order; random draws each key independently. With `runs` > 1 every method needs a space: all
-    are tuned alike. `shared_draws`: methods with the same space get the same candidates (seeded by the space, not
-    the method's name), so that their comparison is not one of luckier draws."""
+    are tuned alike; an empty space ({}) declares that the method has nothing of its own to tune, and it runs its own
+    setting alone. `shared_draws`: methods with the same space get the same candidates (seeded by the space, not the
+    method's name), so that their comparison is not one of luckier draws. `inherit`: method -> another method whose
+    chosen setting it starts from (its own candidates are applied over it): variants of a baseline that share the
+    baseline's tuned learning rate and tune only their own option. Inheriting methods are tuned after the others."""
 
     seeds: tuple[int, ...]
     runs: int
@@ -60,6 +63,7 @@ class Tuning:
     time_budget_s: float
     seed: int = 0
     shared_draws: bool = False
+    inherit: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,9 +136,11 @@ def _range(values: Any, where: str) -> tuple[str, float, float]:
 
 
 def candidates(tuning: Tuning, method: str) -> list[dict]:
-    """The settings `method` is tuned over, as nested overrides: [{}] (its own setting) and `runs` − 1 more, the
-    same on every call (seeded by the tuning seed and the method's name, or with `shared_draws` its space)."""
+    """The settings `method` is tuned over, as nested overrides: [{}] (its own setting) and `runs` − 1 more (none
+    with an empty space), the same on every call (seeded by the tuning seed and the method's name, or with `shared_draws` its space)."""
     space = dotted(tuning.spaces.get(method, {}))
+    if not space:
+        return [{}]
     key = json.dumps(space, sort_keys=True) if tuning.shared_draws else method
     rng = np.random.default_rng([tuning.seed, zlib.crc32(key.encode())])
     if tuning.search == "grid":
@@ -165,9 +171,16 @@ def _tuning_from_dict(d: dict, methods: tuple[str, ...], eval_seeds: tuple[int, 
     if d["runs"] < 1:
         raise ValueError("config: tuning.runs must be >= 1")
     spaces = dict(d.get("space") or {})
-    untuned = [m for m in methods if not spaces.get(m) and d["runs"] > 1]
+    untuned = [m for m in methods if m not in spaces and d["runs"] > 1]
     if untuned:
         raise ValueError(f"config: tuning.space has no entry for method {untuned[0]!r}: every method is tuned alike")
+    inherit = dict(d.get("inherit") or {})
+    for method, source in inherit.items():
+        if method not in methods or source not in methods or source in inherit:
+            raise ValueError(
+                f"config: tuning.inherit.{method} = {source!r}: both must be methods of the comparison, and the "
+                "source must not inherit itself"
+            )
     tuning = Tuning(
         seeds,
         int(d["runs"]),
@@ -176,6 +189,7 @@ def _tuning_from_dict(d: dict, methods: tuple[str, ...], eval_seeds: tuple[int, 
         float(d["time_budget_s"] or budget),
         int(d["seed"]),
         bool(d.get("shared_draws", False)),
+        inherit,
     )
     for m in methods:
         candidates(tuning, m)  # refuses a malformed space now, not after hours of runs
@@ -243,13 +257,24 @@ def validation_auc(directory: Path, budget: float) -> float | None:
     return area_under_curve([r["wall_time"] for r in evals], [r["eval_accuracy"] for r in evals], budget)
 
 
-def choose(comp: Comparison, workdir: str | Path) -> dict[str, dict]:
+def tuned_candidates(comp: Comparison, name: str, chosen: dict[str, dict]) -> list[dict]:
+    """`name`'s candidates as run: over the chosen setting of the method it inherits from (`Tuning.inherit`)."""
+    source = comp.tuning.inherit.get(name)
+    base = chosen[source]["overrides"] if source else {}
+    return [_merge(base, c) for c in candidates(comp.tuning, name)]
+
+
+def choose(comp: Comparison, workdir: str | Path, names: list[str] | None = None) -> dict[str, dict]:
     """Each method's chosen setting from the tuning runs on disk: the candidate with the highest mean validation AUC
-    over the tuning seeds (the lowest index on a tie). Raises if a tuning run has not finished."""
-    out = {}
-    for name in comp.configs:
+    over the tuning seeds (the lowest index on a tie); the methods that inherit after those they inherit from.
+    Raises if a tuning run has not finished. `names`: only these (and what they inherit from)."""
+    out: dict[str, dict] = {}
+    inherit = comp.tuning.inherit
+    wanted = list(comp.configs) if names is None else names
+    needed = [n for n in comp.configs if n in wanted or n in {inherit.get(w) for w in wanted}]
+    for name in sorted(needed, key=lambda n: n in inherit):
         scored = []
-        for k, overrides in enumerate(candidates(comp.tuning, name)):
+        for k, overrides in enumerate(tuned_candidates(comp, name, out)):
             aucs = [
                 validation_auc(tuning_dir(workdir, name, k, s), comp.tuning.time_budget_s) for s in comp.tuning.seeds
             ]
@@ -300,12 +325,16 @@ def run_comparison(
     warm: set[str] = set()
     chosen = {name: {} for name in comp.configs}
     if comp.tuning:
-        for i, seed in enumerate(comp.tuning.seeds):
-            for name in comp.order(i):
-                for k, overrides in enumerate(candidates(comp.tuning, name)):
-                    cfg = comp.tuning_config(name, seed, overrides)
-                    label = f"tuning {name} c{k} seed {seed}"
-                    _run(cfg, tuning_dir(workdir, name, k, seed), warm, mesh_devices, overwrite, progress, label)
+        inherit = comp.tuning.inherit
+        for phase in (False, True):  # first the methods that inherit nothing, then those that do, from their choice
+            names = [n for n in comp.configs if (n in inherit) == phase]
+            chosen_before = choose(comp, workdir, sorted(set(inherit.values()))) if phase and names else {}
+            for i, seed in enumerate(comp.tuning.seeds):
+                for name in [n for n in comp.order(i) if n in names]:
+                    for k, overrides in enumerate(tuned_candidates(comp, name, chosen_before)):
+                        cfg = comp.tuning_config(name, seed, overrides)
+                        label = f"tuning {name} c{k} seed {seed}"
+                        _run(cfg, tuning_dir(workdir, name, k, seed), warm, mesh_devices, overwrite, progress, label)
         choice = choose(comp, workdir)
         (workdir / "tuning" / CHOICE_FILE).write_text(json.dumps(choice, indent=2) + "\n")
         chosen = {name: c["overrides"] for name, c in choice.items()}

@@ -70,7 +70,10 @@ class RunResult:
     completions_per_step: int  # sequences generated per step
     complete: bool
     probe_s: float = math.nan  # the evaluation before training: greedy decoding of the held-out set (NaN: not timed)
-    all_equal_groups: float = math.nan  # GRPO: mean fraction of groups whose rewards are all equal (NaN: ES)
+    # Mean over steps of the fraction of groups whose rewards are all equal (GRPO: a prompt's completions; ES: a
+    # prompt's rows over the members), and of those the fraction that still carry a learning signal (steps with any).
+    all_equal_groups: float = math.nan
+    all_equal_signal: float = math.nan
 
     @property
     def final_accuracy(self) -> float:
@@ -136,6 +139,7 @@ def load_run(directory: Path, method: str, seed: int) -> RunResult | None:
     per_eval, per_completion = evaluation_counts(cfg)
     completions, tokens, flops = generated_counts(records, per_completion)
     equal = [r["frac_groups_all_equal"] for r in records if "frac_groups_all_equal" in r]
+    signal = [r["frac_all_equal_signal"] for r in records if "frac_all_equal_signal" in r]
     return RunResult(
         method=method,
         seed=seed,
@@ -151,6 +155,7 @@ def load_run(directory: Path, method: str, seed: int) -> RunResult | None:
         complete=run_ended(records, cfg["train"]),
         probe_s=float(evals[0].get("eval_s", math.nan)) if evals[0]["step"] == 0 else math.nan,
         all_equal_groups=float(np.mean(equal)) if equal else math.nan,
+        all_equal_signal=float(np.mean(signal)) if signal else math.nan,
     )
 
 
@@ -280,6 +285,7 @@ def per_run_rows(
             "final_tokens": float(r.tokens[-1]),
             "final_flops": float(r.flops[-1]),
             "all_equal_groups": r.all_equal_groups,
+            "all_equal_signal": r.all_equal_signal,
         }
         for r in runs
     ]
@@ -317,7 +323,7 @@ def summarize(
         row["range_flops"] = ranges["flops"]
         keys = ("final_accuracy", "auc", "auc_completions", "auc_tokens", "auc_flops")
         keys += ("steps", "evaluations", "completions", "final_completions", "final_tokens", "final_flops")
-        for key in (*keys, "all_equal_groups"):
+        for key in (*keys, "all_equal_groups", "all_equal_signal"):
             values = [v for v in (r[key] for r in mine.values()) if not math.isnan(v)]
             row.update({f"{key}_{k}": v for k, v in _mean_sd(values).items()})
         if name != reference:

@@ -71,16 +71,16 @@ def markdown_table(summary: Sequence[dict], spec: dict) -> str:
         "",
         (
             "| method | seeds | final accuracy | AUC (mean accuracy over the budget) | steps | evaluations | completions "
-            "| all-equal groups |"
+            "| all-equal groups | of them with a signal |"
         ),
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary:
         lines.append(
             f"| {r['method']} | {r['n_seeds']} | {_pct(r['final_accuracy_mean'])} ± {_pct(r['final_accuracy_sd'])} "
             f"| {_pct(r['auc_mean'])} ± {_pct(r['auc_sd'])} | {_fmt(r['steps_mean'], spec='.0f')} "
             f"| {_fmt(r['evaluations_mean'], spec='.0f')} | {_fmt(r['completions_mean'], spec='.0f')} "
-            f"| {_pct(r['all_equal_groups_mean'])} |"
+            f"| {_pct(r['all_equal_groups_mean'])} | {_pct(r['all_equal_signal_mean'])} |"
         )
     lines += ["", f"Paired differences against {ref} (method − {ref}, points of accuracy):", "", *_PAIRED_HEADER]
     lines += _paired_rows(summary, ref, (("final_accuracy", "final accuracy"), ("auc", "AUC")), {})

@@ -173,3 +173,56 @@ def test_step_level_config_variants():
     for bad in ("grpo,looroll", "quick", "grpo,fast", "grpo,quick,quick"):
         with pytest.raises(ValueError, match="configs/step_level.py: variant"):
             get_config(bad)
+
+
+def test_dense_step_fitness_by_hand():
+    """es.step_weight w: (1 − w)·outcome + w·(the row's mean step score over its steps); no steps: 0; a non-finite
+    outcome stays non-finite."""
+    from esroll.es.method import dense_rewards
+
+    reward = np.array([1.0, 0.0, np.nan, 0.5])
+    scores = np.array([[1, 0, np.nan], [np.nan] * 3, [1, 1, 1], [0, 1, np.nan]], float)
+    out = dense_rewards(reward, scores, 0.5)
+    np.testing.assert_array_equal(out[[0, 1, 3]], [0.75, 0.0, 0.5])
+    assert np.isnan(out[2]) and out.dtype == np.float32
+    np.testing.assert_array_equal(dense_rewards(reward[[0, 1, 3]], scores[[0, 1, 3]], 0.0), [1.0, 0.0, 0.5])
+
+
+def test_equal_groups_by_hand():
+    from esroll.baselines import equal_groups
+
+    rewards = np.array([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])  # groups 0 and 2 all equal
+    assert equal_groups(rewards, np.array([0, 0, 1, 0, 0, -0.3])) == {
+        "frac_groups_all_equal": 2 / 3,
+        "frac_all_equal_signal": 0.5,  # group 2 has a non-zero weight, group 0 none
+    }
+    assert equal_groups(np.array([[0.0, 1.0]]), np.ones(2)) == {"frac_groups_all_equal": 0.0}
+
+
+def test_an_es_step_with_the_dense_step_fitness(steps_task):
+    """One LOO-ROLL step at es.step_weight 0 and 0.5 from the same state on the same prompts: the members decode the
+    same completions (greedy), the outcome is the plain step's reward, the mixed reward is (outcome + mean step
+    score) / 2, and the update differs. Outcome-only ES gives no all-equal prompt a signal."""
+    from esroll.es.method import make_es_method
+
+    _, task, params, _, mesh = steps_task
+    outputs = {}
+    for weight in (0.0, 0.5):
+        cd = get_config("looroll,quick")
+        cd.model.path = str(REPO / "assets" / "tiny-qwen3-steps")
+        cd.es.step_weight = weight
+        cfg = check_names(from_config_dict(cd.to_dict()))
+        assert ("steps.verifier" in unread_keys(cfg)) == (weight == 0) and "steps.branches" in unread_keys(cfg)
+        train, _ = make_splits(cfg.data)
+        examples = get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, 0)
+        method = make_es_method(cfg, task, mesh)
+        state = method.init(jax.tree.map(np.array, params), jax.random.key(0))
+        outputs[weight] = method.step(jax.tree.map(np.array, params), state, examples, 0)
+    plain, dense = outputs[0.0].metrics, outputs[0.5].metrics
+    assert "step_score_mean" not in plain and 0 < dense["step_score_mean"] <= 1
+    assert dense["outcome_mean"] == plain["reward_mean"] and outputs[0.0].tokens == outputs[0.5].tokens
+    assert dense["reward_mean"] == pytest.approx(0.5 * dense["outcome_mean"] + 0.5 * dense["step_score_mean"])
+    assert plain.get("frac_all_equal_signal", 0.0) == 0.0 and dense["frac_groups_all_equal"] > 0
+    flat = [np.asarray(x, np.float64) for x in jax.tree.leaves((outputs[0.0].params, outputs[0.5].params))]
+    half = len(flat) // 2
+    assert any(not np.array_equal(a, b) for a, b in zip(flat[:half], flat[half:]))

@@ -396,3 +396,36 @@ def test_shared_draws_give_methods_with_one_space_the_same_candidates():
     assert candidates(shared, "looroll") == candidates(shared, "eggroll")
     assert candidates(own, "looroll") != candidates(own, "eggroll")  # each method's own draws (the measured `tuned`)
     assert comparison_from_dict(get_config("tuned_hard").to_dict()).tuning.shared_draws
+
+
+def test_step_level_comparison_quick_inherits_grpo_s_tuned_learning_rate(tmp_path):
+    """configs/step_level_compare.py:quick through the tuned protocol: plain GRPO tunes its learning rate, VeriGate
+    starts from GRPO's chosen setting (`tuning.inherit`) and tunes only its own γ, LOO-ROLL with the dense step
+    fitness tunes its learning rate; the report gives each arm's all-equal groups and the share of them with a
+    signal. Every variant builds, with its 11 arms paired against plain GRPO."""
+    from configs import step_level_compare
+    from esroll.compare import candidates, choose, tuning_dir
+
+    for variant in step_level_compare.VARIANTS:
+        comp = comparison_from_dict(step_level_compare.get_config(variant).to_dict())
+        assert comp.reference == "grpo" and comp.configs["looroll_dense"].es.step_weight == 0.5
+        if variant != "quick":
+            assert list(comp.configs) == list(step_level_compare.ARMS)
+            assert candidates(comp.tuning, "graft") == [{}]  # no option of its own
+    cd = step_level_compare.get_config("quick")
+    cd.experiment.model.path = str(REPO / "assets" / "tiny-qwen3-steps")
+    comp = comparison_from_dict(cd.to_dict())
+    run_comparison(comp, tmp_path, mesh_devices=1, progress=False)
+    choice = json.loads((tmp_path / "tuning" / "choice.json").read_text())
+    assert choice == json.loads(json.dumps(choose(comp, tmp_path)))
+    grpo_lr = [1e-4, 2e-4][choice["grpo"]["chosen"]]
+    for k, gamma in enumerate((1.0, 0.9)):  # VeriGate's candidates: its own γ and 0.9, both at GRPO's chosen rate
+        cfg = json.loads((tuning_dir(tmp_path, "verigate", k, 100) / "config.json").read_text())
+        assert cfg["optimizer"]["lr"] == grpo_lr and cfg["grpo"]["adv"]["verigate"]["gamma"] == gamma
+    verigate = json.loads((tmp_path / "verigate" / "seed1" / "config.json").read_text())
+    assert verigate["optimizer"]["lr"] == grpo_lr and verigate["data"]["eval_split"] == "test"
+    dense = read_metrics(tmp_path / "looroll_dense" / "seed0" / "metrics.jsonl")
+    assert "step_score_mean" in dense[1] and "frac_groups_all_equal" in dense[1]
+    results = {r["method"]: r for r in _rows(write_report(tmp_path)["results_csv"])}
+    assert set(results) == {"grpo", "verigate", "looroll_dense"} and int(results["verigate"]["n_pairs"]) == 2
+    assert "all_equal_signal_mean" in results["verigate"]

@@ -32,6 +32,10 @@ class ESSettings:
     shift every member's fitness alike (rloo also scales it by M/(M − 1) when every reward is finite), which leaves
     the estimator's weights as raw gives them. Label-free rewards (data.reward = majority) couple the members the
     same way.
+    step_weight: a dense step fitness, w in [0, 1]: each row's reward becomes (1 − w)·outcome + w·(the mean of its
+    steps' verifier scores; `steps.boundary`, `steps.max_steps`, `steps.verifier`; a completion with no step scores
+    0), before the samples are reduced. 0: the outcome alone. The mixed reward is still a function of the member's
+    own completion, so the estimators stay unbiased for the mixed objective (not for the outcome's).
     shaping_options: the options of the shapings that registered some, by name (`es.shaping_options.<name>.<key>`).
     Leaf selection by path regex (see `esroll.es.noise`): defaults freeze embed / lm_head and vectors, perturb other
     matrices.
@@ -50,6 +54,7 @@ class ESSettings:
     samples: int = 1
     sample_reduce: str = "mean"
     prompt_shaping: str = "raw"
+    step_weight: float = 0.0
     shaping_options: Options = Options()
     lowrank_patterns: tuple[str, ...] = (".*",)
     dense_patterns: tuple[str, ...] = ()
@@ -71,6 +76,7 @@ class ESSettings:
             ("sigma_horizon", self.sigma_schedule == "constant" or self.sigma_horizon >= 1, ">= 1 with a schedule"),
             ("samples", self.samples >= 1, ">= 1"),
             ("sample_reduce", self.sample_reduce in ("mean", "max"), "mean or max"),
+            ("step_weight", 0 <= self.step_weight <= 1, "in [0, 1] (the weight of the mean step score)"),
             ("chunk_size", self.chunk_size >= 0, ">= 0 (0: all directions at once)"),
             ("min_valid_fraction", 0 <= self.min_valid_fraction <= 1, "in [0, 1]"),
         ]

@@ -20,13 +20,13 @@ import time
 import jax
 import numpy as np
 
-from esroll import es, ledger, memory, parallel, sharding
+from esroll import baselines, es, ledger, memory, parallel, sharding
 from esroll.config import ConfigError, ESConfig, ExperimentConfig, OptimConfig, check_fields, make_optimizer
 from esroll.data import Example
 from esroll.es import estimators, shaping
 from esroll.es.diagnostics import rank_diagnostics, step_diagnostics
 from esroll.models import abstract_params
-from esroll.rollout import Sampling, prompt_means, rollout, training_rewards
+from esroll.rollout import PAD, Sampling, prompt_means, rollout, training_rewards
 from esroll.task import Method, StepOutput, Task
 
 
@@ -102,7 +102,10 @@ def check_config(cfg: ExperimentConfig) -> None:
 
 def unread(cfg: ExperimentConfig) -> dict[str, str]:
     """{key or section ending in ".": why} for what an ES run of `cfg` does not read (`esroll.experiment.unread_keys`)."""
-    rules = {"steps.": f"method {cfg.method!r} reads no reasoning steps"}
+    if cfg.es.step_weight:
+        rules = {"steps.branches": f"method {cfg.method!r} samples no branches (es.step_weight scores the steps only)"}
+    else:
+        rules = {"steps.": f"method {cfg.method!r} reads no reasoning steps (es.step_weight is 0)"}
     if not cfg.train.diagnostics_pg:
         rules["grpo."] = f"method {cfg.method!r} reads GRPO settings only for train.diagnostics_pg, which is off"
     for name in shaping.SHAPINGS:
@@ -145,7 +148,17 @@ def decode_rows(cfg: ExperimentConfig, model_cfg, prompt_len: int, mesh) -> int:
 def strategy_config(es_cfg: ESConfig) -> ESConfig:
     """`es_cfg` without how rewards become fitness (host-side): runs that differ only there share one compiled
     strategy, and the planner compiles the trainer's program."""
-    return dataclasses.replace(es_cfg, samples=1, sample_reduce="mean", prompt_shaping="raw")
+    return dataclasses.replace(es_cfg, samples=1, sample_reduce="mean", prompt_shaping="raw", step_weight=0.0)
+
+
+def dense_rewards(reward_B: np.ndarray, step_scores_BxS: np.ndarray, weight: float) -> np.ndarray:
+    """[B] the dense step fitness of `es.step_weight`: (1 − w)·reward + w·(the row's mean step score over its steps,
+    NaN past them; 0 for a row with no steps). A non-finite reward stays non-finite (the member is dropped)."""
+    scores = np.asarray(step_scores_BxS, np.float64)
+    counted = np.isfinite(scores)
+    n_B = counted.sum(axis=1)
+    mean_B = np.where(n_B > 0, np.where(counted, scores, 0.0).sum(axis=1) / np.maximum(n_B, 1), 0.0)
+    return ((1.0 - weight) * np.asarray(reward_B, np.float64) + weight * mean_B).astype(np.float32)
 
 
 def member_fitness(es_settings, reward_B: np.ndarray, M: int, X: int, gold_B: np.ndarray | None = None) -> np.ndarray:
@@ -168,6 +181,11 @@ def member_fitness(es_settings, reward_B: np.ndarray, M: int, X: int, gold_B: np
     return np.where(broken_M, np.nan, shaped_XxM.mean(axis=0)).astype(np.float32)
 
 
+def _finite_mean(values: np.ndarray) -> float:
+    finite = values[np.isfinite(values)]
+    return finite.mean(dtype=np.float64) if finite.size else np.nan
+
+
 def make_es_method(
     cfg: ExperimentConfig, task: Task, mesh, rows_per_device: int | None = None, policy_gradient=None
 ) -> Method:
@@ -187,6 +205,7 @@ def make_es_method(
     sample_key = jax.random.key(cfg.seed + 1)
     chunk = rows_per_device or decode_rows(cfg, task.cfg, task.prompt_multiple, mesh)
     sampling = Sampling.of(cfg.train.max_new_tokens, cfg.train.temperature, cfg.parallel, chunk)
+    step_weight = cfg.es.step_weight
     every = cfg.train.diagnostics_every
     diagnose, ranks = _diagnostics(es_cfg, task.cfg)
     first = jax.local_devices()[0]  # where `ranks` runs
@@ -209,10 +228,18 @@ def make_es_method(
             deltas=strategy.ask(state, compute),
             member_B=member_B,
             answers=label_free,
+            steps=cfg.steps if step_weight else None,
+            step_scores=bool(step_weight),
         )
         del compute  # the decoding copy is not needed by `tell`: free it first
         start = time.perf_counter()
         reward_B, extra = training_rewards(out, label_free)
+        outcome_B = reward_B
+        if step_weight:
+            extra["outcome_mean"] = _finite_mean(outcome_B)  # before mixing; reward_mean below is the mixed reward
+            real_B = out.example_B != PAD
+            extra["step_score_mean"] = _finite_mean(dense_rewards(outcome_B, out.step_scores_BxS, 1.0)[real_B])
+            reward_B = dense_rewards(reward_B, out.step_scores_BxS, step_weight)
         fitness_M = member_fitness(cfg.es, reward_B, M, X, gold_B=out.reward_B if label_free else None)
         fitness = parallel.put_replicated(mesh, fitness_M)
         extra["s_scoring"] = out.seconds["score"] + time.perf_counter() - start
@@ -227,13 +254,16 @@ def make_es_method(
         params, state, metrics = strategy.tell(params, state, fitness)
         jax.block_until_ready(params)
         extra["s_update"] = time.perf_counter() - start
-        finite = np.isfinite(reward_B)
-        extra["reward_mean"] = reward_B[finite].mean(dtype=np.float64) if finite.any() else np.nan  # before shaping
+        extra["reward_mean"] = _finite_mean(reward_B)  # before shaping
         generate_flops = ledger.rollout_flops(task.cfg, out.prompt_BxP.shape[1], out.length_B, perturb_rank=es_cfg.rank)
         extra.update(
             s_rollout=out.seconds["generate"], flops_generate=float(generate_flops), flops_update=float(update_flops)
         )
-        prompt_reward = prompt_means(example_B, reward_B, X)
+        # The prompts whose rows' outcomes are all equal, and those of them the fitness still tells apart.
+        by_prompt = np.asarray(outcome_B).reshape(M, X, K).transpose(1, 0, 2).reshape(X, M * K)
+        mixed = np.asarray(reward_B, np.float64).reshape(M, X, K).transpose(1, 0, 2).reshape(X, M * K)
+        extra.update(baselines.equal_groups(by_prompt, (mixed - mixed[:, :1]).ravel()))
+        prompt_reward = prompt_means(example_B, outcome_B, X)  # each prompt's success, as the curriculum reads it
         flops = generate_flops + update_flops
         return StepOutput(params, state, {**metrics, **extra}, int(out.length_B.sum()), prompt_reward, flops)
 

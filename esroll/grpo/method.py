@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from esroll import ledger, parallel, sharding
+from esroll import baselines, ledger, parallel, sharding
 from esroll.config import ConfigError, ExperimentConfig, check_fields, make_optimizer
 from esroll.data import Example, step_states
 from esroll.grpo import advantages
@@ -360,7 +360,11 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             **(estimate.metrics or {}),
         )
         if M > 1:  # a group of one is trivially all-equal
-            metrics["frac_groups_all_equal"] = np.mean(np.all(rewards_XxM == rewards_XxM[:, :1], axis=1))
+            metrics.update(
+                baselines.equal_groups(
+                    rewards_XxM, np.abs(advantage_BxN * factor_BxN).max(1, where=mask_BxN, initial=0)
+                )
+            )
         prompt_reward = prompt_means(example_B, reward_B, X)
         flops = generate_flops + update_flops
         return StepOutput(params, state, metrics, int(out.length_B.sum()) + branch_tokens, prompt_reward, flops)
