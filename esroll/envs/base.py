@@ -34,10 +34,12 @@ class Turn:
 
 
 class TextEnv(Protocol):
-    """A text environment: `actions` are the words an action may be; `reset(seed)` starts the seed's episode and
-    returns its first observation; `step(action)` plays one turn. Implementations hold one episode's state."""
+    """A text environment: `actions` are the words an action may be; `instructions` one line that states the task
+    (what an agent's prompt starts with); `reset(seed)` starts the seed's episode and returns its first
+    observation; `step(action)` plays one turn. Implementations hold one episode's state."""
 
     actions: tuple[str, ...]
+    instructions: str
 
     def reset(self, seed: int) -> str: ...
 

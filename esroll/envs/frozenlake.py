@@ -48,6 +48,7 @@ class FrozenLake:
     """One FrozenLake episode at a time (`esroll.envs.base.TextEnv`)."""
 
     actions = ACTIONS
+    instructions = "FrozenLake: walk P to G, never onto H. Actions: left, down, right, up."
 
     def __init__(self, options: FrozenLakeOptions = FrozenLakeOptions()):
         try:

@@ -176,6 +176,7 @@ class Sokoban:
     """One Sokoban episode at a time (`esroll.envs.base.TextEnv`)."""
 
     actions = ACTIONS
+    instructions = "Sokoban: push every $ onto a . target. Actions: up, down, left, right."
 
     def __init__(self, options: SokobanOptions = SokobanOptions()):
         self.options = options

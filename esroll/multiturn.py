@@ -1,0 +1,264 @@
+"""Multi-turn episodes in one KV cache: a batch of episodes played in lockstep, each turn decoding the model's action
+into the cache and then appending the environment's answer, so that no turn re-reads (or re-tokenises) what came
+before.
+
+    episodes = play(cfg, params, tokenizer, envs, seeds, key, max_turns=8)
+
+An episode's text is its prompt, `format_prompt(env.instructions, first observation)`, then per turn the model's
+action (its sampled tokens, up to and including the end token, kept exactly as sampled) and the environment's answer
+(`format_observation`: the observation and a newline, tokenised). The model's tokens get loss (`Episodes.loss_mask`);
+the prompt's and the environment's never do. An episode that ends (solved, failed, or out of turns) stops: its rows
+decode nothing more and its cache slots stay empty (masked), while the others go on.
+
+Per-member perturbations work as in single-turn decoding (`perturb`, `member_B`): each row sees its member's weights
+in every forward of every turn. Sampling noise is drawn per (key, turn, global row, step), the global row being
+`row_offset` + b, so a caller that plays rows of a larger batch in chunks gets the tokens the whole batch would.
+`actions` replaces the model's choice by given texts (a scripted policy, teacher forcing): the texts' tokens and the
+end token go through the same cache, and their log-probabilities under the model are recorded.
+
+The cache holds `P + T·(O + 1 + A)` slots: the padded prompt, and per turn an observation of at most
+`max_observation_tokens` (O) tokens plus the previous action's last token, and an action of at most
+`max_action_tokens` (A) tokens; unused slots are masked. One program serves every turn (the turn is traced).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from esroll.envs.base import TextEnv
+from esroll.models import ModelConfig, Perturbation, forward, init_cache
+from esroll.sampling import _sample, pad_prompts
+
+Array = jax.Array
+
+
+def format_prompt(instructions: str, observation: str) -> str:
+    """An episode's first text: the environment's instructions, then its first observation and a newline."""
+    return f"{instructions}\n{format_observation(observation)}"
+
+
+def format_observation(observation: str) -> str:
+    """The environment's answer to an action, as the episode's text continues after the action's end token."""
+    return f"{observation}\n"
+
+
+@dataclasses.dataclass
+class Episodes:
+    """Episodes played in lockstep, B rows (host arrays). L = the longest episode's tokens after its prompt.
+
+    tokens_BxL: the episode after the prompt, actions and observations interleaved, `pad_id` after its end;
+    loss_mask_BxL: True on the model's tokens (the actions), never on the environment's; logprobs_BxL: log π of each
+    action token under the model (temperature 1, as `esroll.sampling.Generation`), 0 elsewhere; length_B: tokens
+    after the prompt; prompt_BxP / prompt_mask_BxP: the left-padded prompts. Turn t of row b: its action is
+    tokens[b, action_start[b, t] : action_end[b, t]], its answer follows up to the next action's start;
+    reward_BxT, valid_BxT (the action parsed, `esroll.envs.parse_action`), turns_B (turns played); done_B (ended
+    by the environment or its turn limit, not cut by `max_turns`); observations: each row's observation texts, the
+    first one and one per turn; actions: the action texts as the environment read them. return_B: the sum of the
+    rewards."""
+
+    prompt_BxP: np.ndarray
+    prompt_mask_BxP: np.ndarray
+    tokens_BxL: np.ndarray
+    loss_mask_BxL: np.ndarray
+    logprobs_BxL: np.ndarray
+    length_B: np.ndarray
+    action_start_BxT: np.ndarray
+    action_end_BxT: np.ndarray
+    reward_BxT: np.ndarray
+    valid_BxT: np.ndarray
+    turns_B: np.ndarray
+    done_B: np.ndarray
+    observations: list[list[str]]
+    actions: list[list[str]]
+
+    @property
+    def return_B(self) -> np.ndarray:
+        return self.reward_BxT.sum(axis=1)
+
+
+def play(
+    cfg: ModelConfig,
+    params: dict,
+    tokenizer,
+    envs: Sequence[TextEnv],
+    seeds: Sequence[int],
+    key: Array,
+    *,
+    max_turns: int,
+    max_action_tokens: int = 8,
+    max_observation_tokens: int = 64,
+    temperature: float = 1.0,
+    eos_id: int,
+    pad_id: int,
+    perturb: Perturbation | None = None,
+    row_offset: int = 0,
+    actions: Callable[[int, list[str]], list[str]] | None = None,
+    prompt_multiple: int = 16,
+) -> Episodes:
+    """Play `envs[b]` from `seeds[b]` for every row b, at most `max_turns` turns, in one KV cache per row.
+
+    `perturb` (its `member_B` mapping rows to members) perturbs every forward. `actions(turn, observations)` — the
+    current observation of every row — returns each row's action text (a scripted policy); without it the model
+    samples at `temperature` (0: greedy). An observation longer than `max_observation_tokens` tokens is refused
+    (a ValueError naming the option): the cache's size is fixed before the first turn."""
+    B, T, A, O = len(envs), max_turns, max_action_tokens, max_observation_tokens
+    first = [env.reset(int(seed)) for env, seed in zip(envs, seeds)]
+    prompts = [
+        tokenizer.encode(format_prompt(env.instructions, o), add_special_tokens=False) for env, o in zip(envs, first)
+    ]
+    prompt_BxP, prompt_mask_BxP = pad_prompts(prompts, multiple=prompt_multiple, pad_id=pad_id)
+    P = prompt_BxP.shape[1]
+    cache = _start(
+        cfg, params, jnp.asarray(prompt_BxP), jnp.asarray(prompt_mask_BxP), perturb, slots=P + T * (O + 1 + A)
+    )
+    observations = [[o] for o in first]
+    acted: list[list[str]] = [[] for _ in range(B)]
+    pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(B)]  # (tokens, logprobs, is_action)
+    reward_BxT, valid_BxT = np.zeros((B, T), np.float32), np.zeros((B, T), bool)
+    turns_B, live_B = np.zeros(B, np.int32), np.ones(B, bool)
+    # The next input of each row: what the cache has not seen yet (left-padded to O + 1; the last column is real).
+    input_rows = [[p[-1]] for p in prompts]
+    for turn in range(T):
+        inputs_BxI, inputs_mask_BxI = _left_pad(input_rows, O + 1, pad_id, live_B)
+        forced_BxA, forced_len_B = np.zeros((B, A), np.int32), np.zeros(B, np.int32)
+        if actions is not None:
+            texts = actions(turn, [obs[-1] for obs in observations])
+            for b in np.flatnonzero(live_B):
+                ids = tokenizer.encode(texts[b], add_special_tokens=False)[: A - 1] + [eos_id]
+                forced_BxA[b, : len(ids)], forced_len_B[b] = ids, len(ids)
+        cache, out = _turn(
+            cfg,
+            params,
+            cache,
+            jnp.asarray(inputs_BxI),
+            jnp.asarray(inputs_mask_BxI),
+            jax.random.fold_in(key, turn),
+            perturb,
+            jnp.asarray(row_offset, jnp.int32),
+            jnp.asarray(live_B),
+            jnp.asarray(forced_BxA),
+            jnp.asarray(forced_len_B),
+            eos_id=eos_id,
+            pad_id=pad_id,
+            max_action_tokens=A,
+            temperature=temperature,
+            forced=actions is not None,
+        )
+        tokens_BxA, logprobs_BxA, length_B = (np.asarray(x) for x in out)
+        input_rows = [[] for _ in range(B)]
+        for b in np.flatnonzero(live_B):
+            n = int(length_B[b])
+            ids = [int(i) for i in tokens_BxA[b, :n]]
+            pieces[b].append((ids, [float(x) for x in logprobs_BxA[b, :n]], True))
+            text = tokenizer.decode([i for i in ids if i != eos_id], skip_special_tokens=False)
+            step = envs[b].step(text)
+            acted[b].append(text)
+            observations[b].append(step.observation)
+            reward_BxT[b, turn], valid_BxT[b, turn], turns_B[b] = step.reward, step.valid, turn + 1
+            if step.done:
+                live_B[b] = False
+                continue
+            answer = tokenizer.encode(format_observation(step.observation), add_special_tokens=False)
+            if len(answer) > O:
+                raise ValueError(
+                    f"an observation of {len(answer)} tokens does not fit max_observation_tokens = {O} "
+                    f"(turn {turn}, row {b}): raise it"
+                )
+            pieces[b].append((answer, [0.0] * len(answer), False))
+            # The decode loop feeds each drawn token back at its next step: an action that used all A steps still
+            # has its last token to cache; a shorter one ended with the end token, which was fed back.
+            input_rows[b] = ids[-1:] + answer if n == A else answer
+        if not live_B.any():
+            break
+    return _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxT, valid_BxT, turns_B, ~live_B, pad_id,
+                     observations, acted)  # fmt: skip
+
+
+def _left_pad(rows: list[list[int]], width: int, pad_id: int, live_B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    tokens, mask = np.full((len(rows), width), pad_id, np.int32), np.zeros((len(rows), width), bool)
+    for b, ids in enumerate(rows):
+        if live_B[b] and ids:
+            tokens[b, width - len(ids) :], mask[b, width - len(ids) :] = ids, True
+    return tokens, mask
+
+
+def _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxT, valid_BxT, turns_B, done_B, pad_id, observations, acted):
+    B, T = reward_BxT.shape
+    L = max([sum(len(p[0]) for p in row) for row in pieces] + [1])
+    tokens = np.full((B, L), pad_id, np.int32)
+    loss, logp = np.zeros((B, L), bool), np.zeros((B, L), np.float32)
+    start, end, length = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32), np.zeros(B, np.int32)
+    for b, row in enumerate(pieces):
+        at, turn = 0, 0
+        for ids, lps, is_action in row:
+            tokens[b, at : at + len(ids)] = ids
+            if is_action:
+                loss[b, at : at + len(ids)] = True
+                logp[b, at : at + len(ids)] = lps
+                start[b, turn], end[b, turn] = at, at + len(ids)
+                turn += 1
+            at += len(ids)
+        length[b] = at
+    return Episodes(prompt_BxP, prompt_mask_BxP, tokens, loss, logp, length, start, end, reward_BxT, valid_BxT,
+                    turns_B, done_B, observations, acted)  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "slots"))
+def _start(cfg, params, prompt_BxP, mask_BxP, perturb, *, slots):
+    """A cache of `slots` slots holding every prompt token but the last (the first turn's input)."""
+    B = prompt_BxP.shape[0]
+    cache = init_cache(cfg, B, slots, params["embed"].dtype)
+    _, cache = forward(cfg, params, prompt_BxP[:, :-1], mask_BxT=mask_BxP[:, :-1], cache=cache, perturb=perturb)
+    return cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "pad_id", "eos_id", "max_action_tokens", "temperature", "forced"))
+def _turn(cfg, params, cache, inputs_BxI, mask_BxI, key, perturb, row_offset, live_B, forced_BxA, forced_len_B, *,
+          eos_id, pad_id, max_action_tokens, temperature, forced):  # fmt: skip
+    """One turn of every row: cache the row's new input but its last token, then decode its action from that token
+    (a live row's last input column is real), at most `max_action_tokens` tokens or through `eos_id`; with
+    `forced`, the tokens are the given ones instead of samples. Returns the cache and (tokens, logprobs, lengths)."""
+    B, A = inputs_BxI.shape[0], max_action_tokens
+    if perturb is not None:
+        perturb = perturb.per_row()
+    run = functools.partial(forward, cfg, params, perturb=perturb)
+    _, cache = run(inputs_BxI[:, :-1], mask_BxT=mask_BxI[:, :-1], cache=cache)
+    rows_B = jnp.arange(B, dtype=jnp.int32) + row_offset
+
+    def step(t, state):
+        cache, token_B, real_B, tokens_BxA, logprobs_BxA, length_B, done_B = state
+        logits_Bx1xV, cache = run(token_B[:, None], mask_BxT=real_B[:, None], cache=cache)
+        logits_BxV = logits_Bx1xV[:, 0]
+        max_B = logits_BxV.max(-1)
+        keys_B = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(key, t), rows_B)
+        new_B = forced_BxA[:, t] if forced else _sample(logits_BxV, max_B, keys_B, temperature, 0, 1.0)
+        logsumexp_B = max_B + jnp.log(jnp.exp(logits_BxV - max_B[:, None]).sum(-1))
+        logprob_B = jnp.take_along_axis(logits_BxV, new_B[:, None], -1)[:, 0] - logsumexp_B
+        new_B = jnp.where(done_B, pad_id, new_B)
+        tokens_BxA = tokens_BxA.at[:, t].set(new_B)
+        logprobs_BxA = logprobs_BxA.at[:, t].set(jnp.where(done_B, 0.0, logprob_B))
+        length_B = length_B + ~done_B
+        real_B = ~done_B  # the token just drawn is fed back at the next step unless the row had already ended
+        ended_B = new_B == eos_id
+        if forced:  # the given tokens end with the end token; a shorter row is done at its length
+            ended_B = ended_B | (t + 1 >= forced_len_B)
+        done_B = done_B | ended_B
+        return cache, new_B, real_B, tokens_BxA, logprobs_BxA, length_B, done_B
+
+    state = (
+        cache,
+        inputs_BxI[:, -1],
+        mask_BxI[:, -1] & live_B,
+        jnp.full((B, A), pad_id, jnp.int32),
+        jnp.zeros((B, A), jnp.float32),
+        jnp.zeros((B,), jnp.int32),
+        ~live_B,
+    )
+    cache, _, _, tokens_BxA, logprobs_BxA, length_B, _ = jax.lax.fori_loop(0, A, step, state)
+    return cache, (tokens_BxA, logprobs_BxA, length_B)
