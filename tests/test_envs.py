@@ -251,3 +251,24 @@ def test_sokoban_push_off_a_target_costs_one():
     assert env.player == (1, 5)
     turn = env.step("left")  # pushes (1, 4) off its target to (1, 3)
     assert turn.reward == pytest.approx(-1.1) and env.boxes == {(1, 3), (2, 4)}
+
+
+def test_plans_are_shortest_solutions_from_the_current_state():
+    """`plan()`, the planner the agent model learns from: FrozenLake's walk has the length of the search above and
+    reaches G when played; Sokoban's is the level's solution at the start, and after a first move, one turn fewer is
+    left and the plan (when one exists) still solves the level."""
+    for seed in range(10):
+        lake = FrozenLake()
+        text = lake.reset(seed)
+        walk = lake.plan()
+        assert len(walk) == len(lake_path(text))
+        assert [lake.step(a).reward for a in walk][-1] == 1.0
+        box = Sokoban()
+        box.reset(seed)
+        assert box.plan() == box.level.solution
+        box.step(box.level.solution[0])
+        rest = box.plan()
+        assert rest is not None and len(rest) == len(box.level.solution) - 1
+        for action in rest:
+            turn = box.step(action)
+        assert box.solved and turn.done

@@ -78,6 +78,29 @@ class FrozenLake:
         rows[self.state // size][self.state % size] = "P"
         return "\n".join("".join(row) for row in rows)
 
+    def plan(self) -> tuple[str, ...] | None:
+        """A shortest walk from the player's tile to G over non-hole tiles (breadth-first), or None."""
+        size, rows = self.options.size, self.map
+        start = (self.state // size, self.state % size)
+        parent = {start: None}
+        frontier = [start]
+        while frontier:
+            nxt = []
+            for pos in frontier:
+                if rows[pos[0]][pos[1]] == "G":
+                    path = []
+                    while parent[pos] is not None:
+                        pos, action = parent[pos]
+                        path.append(action)
+                    return tuple(reversed(path))
+                for action, (dr, dc) in zip(ACTIONS, ((0, -1), (1, 0), (0, 1), (-1, 0))):
+                    r, c = pos[0] + dr, pos[1] + dc
+                    if 0 <= r < size and 0 <= c < size and rows[r][c] != "H" and (r, c) not in parent:
+                        parent[(r, c)] = (pos, action)
+                        nxt.append((r, c))
+            frontier = nxt
+        return None
+
     def step(self, action: str) -> Turn:
         if self.done:
             raise RuntimeError("FrozenLake.step: the episode has ended; reset it first")

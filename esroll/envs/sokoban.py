@@ -192,6 +192,11 @@ class Sokoban:
     def solved(self) -> bool:
         return self.boxes == set(self.level.targets)
 
+    def plan(self) -> tuple[str, ...] | None:
+        """A shortest solution from the current state within the turns left (`solve`), or None."""
+        lv = self.level
+        return solve(lv.walls, lv.targets, frozenset(self.boxes), self.player, self.options.max_turns - self.turns)
+
     def render(self) -> str:
         lv = self.level
         rows = []

@@ -1,0 +1,183 @@
+"""Build the small agent model that ships with esroll (`assets/tiny-qwen3-agent`): one Qwen3-architecture decoder and
+tokenizer for FrozenLake and Sokoban, trained with plain supervised learning on a planner's episodes, stopped while
+it still fails often, so that ES and policy gradient have headroom.
+
+    python -m experiments.pretrain_agent --out assets/tiny-qwen3-agent
+
+Episodes: for each training seed of each environment, a planner plays the episode (each turn, the first move of a
+shortest solution from the current state: `FrozenLake.plan`, `Sokoban.plan`), a random move instead with probability
+--random_moves, and the episode's text is exactly what `esroll.multiturn.play` writes (`format_prompt`, each action
+and the end token, `format_observation`). The loss is on the actions' tokens only, as in the multi-turn rollout.
+Training seeds are [0, --episodes); held-out seeds start at 1,000,000, so no held-out level is trained on.
+
+Every --eval_every steps, greedy play (`esroll.multiturn.play`, temperature 0) on --eval_episodes held-out seeds of
+each environment measures the success rate (FrozenLake: reached G; Sokoban: solved); training stops at the first
+evaluation whose FrozenLake success is at least --stop_at, or after --max_steps. The model's
+`max_position_embeddings` covers the longest episode of either environment. Deterministic from --seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from esroll.envs import FrozenLake, FrozenLakeOptions, Sokoban, SokobanOptions
+from esroll.models import forward, save_hf
+from esroll.multiturn import format_observation, format_prompt, play
+from experiments.pretrain_tiny import EOS, build_tokenizer, init_params, model_config
+
+HELD_OUT = 1_000_000  # the first held-out seed
+ENVS = {"frozenlake": (FrozenLake, FrozenLakeOptions()), "sokoban": (Sokoban, SokobanOptions())}
+MAX_ACTION_TOKENS = 4
+MAX_OBSERVATION_TOKENS = 48
+
+
+def planner_episode(name: str, seed: int, rng: np.random.Generator, random_moves: float) -> list[tuple[str, bool]]:
+    """The planner's episode of `seed` as (text, is_action) pieces: the prompt, then each action and answer."""
+    cls, options = ENVS[name]
+    env = cls(options)
+    observation = env.reset(seed)
+    pieces = [(format_prompt(env.instructions, observation), False)]
+    for _ in range(options.max_turns):
+        plan = env.plan()
+        if plan and rng.random() >= random_moves:
+            action = plan[0]
+        else:
+            action = env.actions[int(rng.integers(len(env.actions)))]
+        turn = env.step(action)
+        pieces.append((action, True))
+        if turn.done:
+            break
+        pieces.append((format_observation(turn.observation), False))
+    return pieces
+
+
+def encode(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+    """Token ids and loss mask of an episode: each action's tokens and the end token after it get loss."""
+    ids, loss = [], []
+    for text, is_action in pieces:
+        piece = tokenizer.encode(text, add_special_tokens=False) + ([tokenizer.eos_token_id] if is_action else [])
+        ids += piece
+        loss += [is_action] * len(piece)
+    return ids, loss
+
+
+def success_rates(cfg, params, tokenizer, episodes: int) -> dict[str, float]:
+    """Greedy play on the held-out seeds: each environment's success rate, mean turns and tokens per episode."""
+    out = {}
+    for name, (cls, options) in ENVS.items():
+        envs = [cls(options) for _ in range(episodes)]
+        ep = play(
+            cfg, params, tokenizer, envs, range(HELD_OUT, HELD_OUT + episodes), jax.random.key(0),
+            max_turns=options.max_turns, max_action_tokens=MAX_ACTION_TOKENS,
+            max_observation_tokens=MAX_OBSERVATION_TOKENS, temperature=0.0, eos_id=tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        solved = [env.solved if name == "sokoban" else ep.return_B[b] > 0 for b, env in enumerate(envs)]
+        out[f"{name}_success"] = float(np.mean(solved))
+        out[f"{name}_turns"] = float(ep.turns_B.mean())
+        out[f"{name}_tokens"] = float((ep.length_B + ep.prompt_mask_BxP.sum(1)).mean())
+        out[f"{name}_valid_actions"] = float(ep.valid_BxT[ep.action_end_BxT > 0].mean())
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--out", type=Path, default=Path("assets/tiny-qwen3-agent"), help="folder to write the model and tokenizer to")
+    add("--seed", type=int, default=0, help="initialisation, planner and batch-order seed")
+    add("--episodes", type=int, default=4000, help="training episodes per environment")
+    add("--random_moves", type=float, default=0.25, help="probability of a random move instead of the planner's")
+    add("--batch", type=int, default=32, help="training episodes per step")
+    add("--lr", type=float, default=2e-3, help="AdamW learning rate (warm-up, then cosine to --max_steps)")
+    add("--max_steps", type=int, default=3000, help="stop after this many steps if --stop_at is not reached")
+    add("--eval_every", type=int, default=100, help="steps between held-out evaluations")
+    add("--eval_episodes", type=int, default=64, help="held-out episodes per environment per evaluation")
+    add("--stop_at", type=float, default=0.4, help="stop at the first evaluation with this FrozenLake success rate")
+    add("--vocab", type=int, default=160, help="BPE vocabulary size of the tokenizer")
+    add("--hidden", type=int, default=128, help="hidden size (4 heads of 32, 2 kv heads)")
+    add("--layers", type=int, default=4, help="decoder layers")
+    args = parser.parse_args(argv)
+    if not args.out.parent.is_dir():
+        parser.error(f"--out: the folder {args.out.parent} does not exist")
+
+    start = time.perf_counter()
+    rng = np.random.default_rng(args.seed)
+    episodes = [planner_episode(n, s, rng, args.random_moves) for s in range(args.episodes) for n in ENVS]
+    tokenizer = build_tokenizer(["".join(t for t, _ in ep) for ep in episodes[:4000]], args.vocab)
+    encoded = [encode(tokenizer, ep) for ep in episodes]
+    # The longest episode either environment can give: its prompt and every turn's action and answer at their caps.
+    longest_prompt = max(len(ids) - sum(loss) for ids, loss in encoded)
+    max_turns = max(options.max_turns for _, options in ENVS.values())
+    positions = 64 * -(-(longest_prompt + max_turns * (MAX_ACTION_TOKENS + MAX_OBSERVATION_TOKENS + 1)) // 64)
+    cfg = dataclasses.replace(
+        model_config(len(tokenizer), tokenizer.eos_token_id),
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_layers=args.layers,
+        max_position_embeddings=positions,
+    )
+    length = max(len(ids) for ids, _ in encoded)
+    tokens = np.full((len(encoded), length), tokenizer.eos_token_id, np.int32)
+    mask, target = np.zeros_like(tokens, bool), np.zeros_like(tokens, bool)
+    for i, (ids, loss) in enumerate(encoded):
+        tokens[i, : len(ids)], mask[i, : len(ids)], target[i, : len(ids)] = ids, True, loss
+
+    params = init_params(cfg, jax.random.key(args.seed))
+    warmup = min(100, args.max_steps // 2)
+    opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.max_steps), weight_decay=0.01)
+    opt_state = opt.init(params)
+
+    def loss_fn(params, tokens, mask, target):
+        logits, _ = forward(cfg, params, tokens, mask_BxT=mask)
+        logp = jax.nn.log_softmax(logits[:, :-1])  # position t predicts token t + 1
+        nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+        return (nll * target[:, 1:]).sum() / target[:, 1:].sum()
+
+    @jax.jit
+    def step(params, opt_state, tokens, mask, target):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask, target)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    history = []
+    for i in range(1, args.max_steps + 1):
+        idx = rng.integers(0, len(tokens), args.batch)
+        params, opt_state, loss = step(params, opt_state, tokens[idx], mask[idx], target[idx])
+        if i % args.eval_every == 0:
+            figures = success_rates(cfg, params, tokenizer, args.eval_episodes)
+            history.append({"step": i, "train_loss": float(loss), **figures})
+            print(f"step {i:5d}  loss {float(loss):.3f}  " + "  ".join(f"{k} {v:.3f}" for k, v in figures.items()),
+                  flush=True)  # fmt: skip
+            if figures["frozenlake_success"] >= args.stop_at:
+                break
+    save_hf(args.out, cfg, params, tokenizer=tokenizer)
+    summary = {
+        "command": "python -m experiments.pretrain_agent " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "seconds": round(time.perf_counter() - start, 1),
+        "seed": args.seed,
+        "steps": history[-1]["step"] if history else 0,
+        **(history[-1] if history else {}),
+        "parameters": int(sum(x.size for x in jax.tree.leaves(params))),
+        "max_position_embeddings": positions,
+        "train_episodes_per_env": args.episodes,
+        "held_out_episodes_per_env": args.eval_episodes,
+        "eos": EOS,
+        "history": history,
+    }
+    (args.out / "pretrain_summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"saved {args.out} ({summary['parameters']} parameters)")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
