@@ -4,7 +4,7 @@ text) → `Turn`), one registry (`ENVIRONMENTS`, `env.name`), and the built-ins,
 
 from esroll.envs.base import ENVIRONMENTS, MAX_ACTION_CHARS, TextEnv, Turn, make_env, parse_action, register_env
 from esroll.envs.frozenlake import FrozenLake, FrozenLakeOptions
-from esroll.envs.sokoban import Level, Sokoban, SokobanOptions, generate, solve
+from esroll.envs.sokoban import Level, Sokoban, SokobanOptions, make_level, solve
 
 __all__ = [
     "ENVIRONMENTS",
@@ -16,8 +16,8 @@ __all__ = [
     "SokobanOptions",
     "TextEnv",
     "Turn",
-    "generate",
     "make_env",
+    "make_level",
     "parse_action",
     "register_env",
     "solve",

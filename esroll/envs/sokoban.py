@@ -101,7 +101,7 @@ def _connected(floor: set[Pos]) -> bool:
     return len(seen) == len(floor)
 
 
-def generate(seed: int, o: SokobanOptions) -> Level:
+def make_level(seed: int, o: SokobanOptions) -> Level:
     """The level of `seed`: every box off its target after the backward moves, the solution recorded. Deterministic
     from the seed (and the options)."""
     rng = random.Random(f"sokoban-{seed}")
@@ -183,7 +183,7 @@ class Sokoban:
         self.done = True
 
     def reset(self, seed: int) -> str:
-        self.level = generate(int(seed), self.options)
+        self.level = make_level(int(seed), self.options)
         self.boxes, self.player = set(self.level.boxes), self.level.player
         self.turns, self.done = 0, False
         return self.render()
