@@ -156,6 +156,7 @@ def _tuned(quick: bool) -> ConfigDict:
         c.tuning.time_budget_s = 1.0
         small = {"optimizer": {"lr": "log:1e-4:1e-3"}}
         c.tuning.space = {"looroll": small, "grpo": small}
+        c.warmup = False
     return c
 
 
@@ -184,6 +185,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.seeds = (0, 1)
         c.time_budget_s = 1.0
         c.max_steps = 3  # the budget or 3 steps, whichever comes first
+        c.warmup = False  # runs of seconds, for tests: no throwaway compilation runs
         return c
     if arg in ("tuned", "tuned_quick"):
         return _tuned(arg == "tuned_quick")

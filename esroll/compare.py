@@ -292,7 +292,7 @@ def _run(cfg, directory, warm, mesh_devices, overwrite, progress, label) -> str:
     if is_complete(directory, cfg):
         return "skipped"
     key = json.dumps(_config_json(dataclasses.replace(cfg, seed=0, data=dataclasses.replace(cfg.data, order_seed=0))))
-    if key not in warm:  # one warm-up per distinct setting: each compiles its own programs
+    if warm is not None and key not in warm:  # one warm-up per distinct setting: each compiles its own programs
         _warm_up(cfg, mesh_devices)
         warm.add(key)
     print(f"[compare] {label}: training for {cfg.train.time_budget_s:.0f} s", flush=True)
@@ -322,7 +322,7 @@ def run_comparison(
     if comp.tuning:
         spec["tuning"] = dataclasses.asdict(comp.tuning)
     (workdir / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
-    warm: set[str] = set()
+    warm: set[str] | None = set() if comp.warmup else None  # None: no warm-up runs (comparisons in seconds, tests)
     chosen = {name: {} for name in comp.configs}
     if comp.tuning:
         inherit = comp.tuning.inherit

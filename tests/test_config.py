@@ -8,7 +8,6 @@ import ast
 import dataclasses
 import json
 import re
-import random
 import subprocess
 import sys
 
@@ -96,15 +95,11 @@ def test_config_and_errors_do_not_import_jax():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("order", ["sorted", "reversed", "shuffled0", "shuffled1"])
-def test_every_module_imports_in_any_order(order):
-    """A fresh interpreter imports every module of esroll/ one after another, in sorted, reverse and shuffled
-    orders: an import cycle shows as an ImportError (a name read from a partly initialised module) in some order."""
+def test_every_module_imports_in_one_interpreter():
+    """A fresh interpreter imports every module of esroll/ one after another: no module's import breaks another's.
+    (Import cycles, which show in some orders only, are what `test_every_module_imports_first` finds: it enters
+    every module first.)"""
     modules = esroll_modules()
-    if order == "reversed":
-        modules.reverse()
-    elif order.startswith("shuffled"):
-        random.Random(int(order[-1])).shuffle(modules)
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
     proc = subprocess.run([sys.executable, "-c", code, *modules], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr

@@ -364,7 +364,7 @@ def test_entropy_is_that_of_the_full_softmax(tiny, chunk):
 
 
 @pytest.mark.parametrize("tiny", ["untied"], indirect=True)  # one model will do
-@pytest.mark.parametrize("data,model", [(4, 1), (8, 1), (4, 2), (2, 4)])
+@pytest.mark.parametrize("data,model", [(8, 1), (4, 2), (2, 4)])
 def test_update_on_any_mesh_equals_one_device(tiny, data, model):
     """6 rows per microbatch (2 microbatches) on a data × model mesh of fake devices, padded by `pad_rows` to a
     multiple of the data axis (8 on 4 and 8 devices; none on 2), against the same 6 rows on 1 device: the same
@@ -407,13 +407,13 @@ def test_update_on_any_mesh_equals_one_device(tiny, data, model):
 
 
 def test_float32_masters_keep_small_updates_of_a_bf16_model():
-    """The shipped model decoded in bfloat16: 10 GRPO steps of AdamW at lr 1e-6 (no weight decay) move >= 99% of the
+    """The shipped model decoded in bfloat16: 3 GRPO steps of AdamW at lr 1e-6 (no weight decay) move >= 99% of the
     float32 master entries that received a non-zero gradient (Adam's second moment > 0: embedding rows of tokens never
     seen receive none). bfloat16 masters, as the baseline once had, keep most of them: an update of ~lr is below half
     a bfloat16 spacing of most weights, so it rounds away."""
 
     def changed_fraction(master_dtype: str) -> float:
-        cfg = quick_config("grpo_quick", grpo={"beta": 0.0}, steps=10)
+        cfg = quick_config("grpo_quick", grpo={"beta": 0.0}, steps=3)
         cfg = dataclasses.replace(
             cfg,
             model=dataclasses.replace(cfg.model, dtype="bfloat16", master_dtype=master_dtype),
@@ -441,8 +441,8 @@ def test_float32_masters_keep_small_updates_of_a_bf16_model():
         assert graded > 0.5 * sum(x.size for x in jax.tree.leaves(initial))
         return moved / graded
 
-    assert changed_fraction("float32") >= 0.99  # 0.99987 measured
-    assert changed_fraction("bfloat16") < 0.5  # 0.017 measured
+    assert changed_fraction("float32") >= 0.99  # 0.9997 measured
+    assert changed_fraction("bfloat16") < 0.5  # 0.016 measured
 
 
 # ---- token-level methods: STARE's reweighting and gate, the progress advantage

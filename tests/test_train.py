@@ -28,6 +28,9 @@ def quick(**train_overrides):
     return quick_config("quick", **train_overrides)
 
 
+TWO_STEPS = quick(steps=2, eval_every=100, checkpoint_every=100, export=False)
+
+
 def test_quick_run_writes_everything(tmp_path):
     import torch
     import transformers
@@ -76,16 +79,21 @@ def test_resume_is_exact(tmp_path):
     np.testing.assert_allclose([r["sigma"] for r in steps], [sigma, sigma * 5 / 6, sigma * 4 / 6, sigma / 2], rtol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """The parameters of 2 steps of the quick config on one device: what the sharded runs below must match."""
+    out = train_and_evaluate(TWO_STEPS, tmp_path_factory.mktemp("one"), mesh_devices=1, progress=False)
+    return jax.device_get(out["params"])
+
+
 @pytest.mark.parametrize("model", [1, 2])
-def test_sharded_equals_unsharded(tmp_path, model):
+def test_sharded_equals_unsharded(tmp_path, model, one_device):
     """8 fake CPU devices split the population (and with a model axis of 2, each model's weights over two of them);
     the parameters after two steps match one device to 1e-6."""
-    cfg = quick(steps=2, eval_every=100, checkpoint_every=100, export=False)
-    one = train_and_evaluate(cfg, tmp_path / "one", mesh_devices=1, progress=False)
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, model=model))
+    cfg = dataclasses.replace(TWO_STEPS, parallel=dataclasses.replace(TWO_STEPS.parallel, model=model))
     eight = train_and_evaluate(cfg, tmp_path / "eight", mesh_devices=8, progress=False)
     assert len(jax.devices()) == 8
-    assert_params_match(one["params"], eight["params"])
+    assert_params_match(one_device, eight["params"])
 
 
 def assert_params_match(x, y):
@@ -103,9 +111,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_equal_one(tmp_path):
+def test_two_processes_equal_one(tmp_path, one_device):
     """Two processes with two CPU devices each (gloo collectives on localhost), each process's two devices one model
-    axis (the weights split over them, the rows over the processes), match one process with four devices."""
+    axis (the weights split over them, the rows over the processes), match one process on one device."""
     script = REPO / "tests" / "multiprocess_worker.py"
     port = _free_port()
     env = {
@@ -131,11 +139,7 @@ def test_two_processes_equal_one(tmp_path):
     trained = np.load(tmp_path / "p0.npz")
     for name in ("q", "down"):  # split over the model axis by columns / by rows
         np.testing.assert_array_equal(np.asarray(exported["layers"][name]), trained[f"['layers']['{name}']"])
-    cfg = quick(steps=2, eval_every=100, checkpoint_every=100, export=False)
-    single = train_and_evaluate(cfg, tmp_path / "single", mesh_devices=4, progress=False)
-    flat_single = {
-        jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(single["params"])
-    }
+    flat_single = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(one_device)}
     for i in range(2):
         got = np.load(tmp_path / f"p{i}.npz")
         assert set(got.files) == set(flat_single)
