@@ -25,8 +25,8 @@ per boundary (4 or 2); GRAFT has no option and runs GRPO's choice. The ES arms t
 Variants:
   default   arith_steps (3-4 operands, the shipped steps model starts at 39% on held-out): 11 arms; 40 s per tuning
             run, 75 s per evaluation run, an evaluation every 5 steps (0.3 s each on 2 cores); held-out 384
-            questions: validation 128, test 256. About 1 h 45 min on 2 CPU cores (21 tuning runs, 55 evaluation
-            runs, each with about 12 s of start-up and evaluation).
+            questions: validation 128, test 256. 1 h 35 min on 2 CPU cores (measured: 21 tuning runs, 55
+            evaluation runs, each with about 10 s of start-up and evaluation; docs/results/step_level/results.md).
   hard      the same with 5 operands (`configs/step_level.py:grpo,hard`).
   quick     seconds per run, for the test suite: grpo, verigate (inheriting GRPO's learning rate) and looroll_dense,
             one tuning seed of 2 settings, 2 evaluation seeds.
@@ -107,4 +107,5 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.time_budget_s = 1.0
         c.max_steps = 2
         c.tuning.time_budget_s = 1.0
+        c.warmup = False  # no throwaway compilation runs
     return c

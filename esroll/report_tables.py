@@ -49,14 +49,16 @@ def _paired_rows(summary: Sequence[dict], ref: str, metrics: Sequence[tuple[str,
             lines.append(
                 f"| {r['method']} | {label} | {r[pairs.get(key, 'n_pairs')]} | {_pct(r[f'{key}_diff_mean'])} "
                 f"| [{_pct(r[f'{key}_diff_ci_low'])}, {_pct(r[f'{key}_diff_ci_high'])}] | {_p(r[f'{key}_diff_p_t'])} "
-                f"| {_p(r[f'{key}_diff_p_wilcoxon'])} | {_p(r[f'{key}_diff_p_sign'])} |"
+                f"| {_p(r[f'{key}_diff_p_holm'])} | {_p(r[f'{key}_diff_p_wilcoxon'])} | {_p(r[f'{key}_diff_p_sign'])} "
+                f"| {_pct(r[f'{key}_diff_mde80'])} |"
             )
     return lines
 
 
 _PAIRED_HEADER = [
-    "| method | metric | pairs | mean diff | 95% CI (t) | paired t p | Wilcoxon p | sign test p |",
-    "|---|---|---|---|---|---|---|---|",
+    "| method | metric | pairs | mean diff | 95% CI (t) | paired t p | Holm p (t) | Wilcoxon p | sign test p "
+    "| 80%-power effect |",
+    "|---|---|---|---|---|---|---|---|---|---|",
 ]
 
 
@@ -152,7 +154,13 @@ def markdown_table(summary: Sequence[dict], spec: dict) -> str:
         (
             f"Notes. With n = {n} seeds the Wilcoxon signed-rank and sign tests cannot give a two-sided p below "
             f"2·0.5^n = {2 * 0.5**n:.3g}, however large the effect; the t-test assumes normal differences, which "
-            f"n = {n} cannot check; — marks an undefined value (e.g. all differences equal). Final accuracy: the "
+            f"n = {n} cannot check; the 80%-power effect is the smallest true mean difference the paired t-test "
+            "would detect at 0.05 four times in five with these pairs' spread (a smaller effect can go unseen); "
+            "Holm p adjusts each table's paired t p-values of one metric over the methods "
+            "compared with the reference (family-wise error); — marks an undefined value (e.g. all differences "
+            "equal). All-equal groups: the mean over steps of the fraction of prompts whose rewards are all equal "
+            "(GRPO: over the group's completions; ES: over the members' rows), and of them the fraction the method "
+            "still gives a learning signal (a non-zero advantage, or a fitness that still differs). Final accuracy: the "
             "evaluation after the step that used up the budget. AUC: trapezoids between evaluations over [0, budget], "
             "held at the last value, divided by the budget. Evaluations: ES population members × steps (each member "
             "scores all of a step's prompts); GRPO sampled completions. Completions: sequences generated for training."

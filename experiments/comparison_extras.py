@@ -13,7 +13,7 @@ import argparse
 import numpy as np
 
 from esroll.metrics import read_metrics
-from esroll.report import area_under_curve, load_comparison, paired_test, run_dir
+from esroll.report import area_under_curve, holm, load_comparison, paired_test, run_dir
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,11 +44,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             if method in args.holm.split(","):
                 tests.append((t["p_t"], method, name))
-    if tests:  # Holm: the i-th smallest of m p-values times (m − i), never below an earlier adjusted one
+    if tests:
         print(f"Holm over {len(tests)} tests")
-        adjusted = 0.0
-        for i, (p, method, name) in enumerate(sorted(tests)):
-            adjusted = max(adjusted, min(1.0, p * (len(tests) - i)))
+        for (p, method, name), adjusted in sorted(zip(tests, holm([t[0] for t in tests]))):
             print(f"  {method:22s} {name:6s} p = {p:.4f}  Holm p = {adjusted:.3f}")
 
     print(f"all-equal groups over the first {args.early_steps} steps (%, mean and range over seeds)")

@@ -38,6 +38,8 @@ def test_paired_test_known_mean_and_sd():
     assert out["p_t"] == pytest.approx(1 - t / math.sqrt(t**2 + 2))
     assert out["ci_low"] == pytest.approx(2 - q / math.sqrt(3))
     assert out["ci_high"] == pytest.approx(2 + q / math.sqrt(3))
+    q80 = 0.6 * math.sqrt(2 / (4 * 0.8 * 0.2))  # the 0.8 quantile, by the same closed form
+    assert out["mde80"] == pytest.approx((q + q80) / math.sqrt(3))
 
 
 @pytest.mark.parametrize("n", [3, 5, 8])
@@ -52,6 +54,16 @@ def test_paired_test_zeros_and_small_n():
     assert out["p_sign"] == pytest.approx(1.0) and out["mean"] == pytest.approx(0.0)
     assert paired_test([0.0, 0.0, 0.0])["p_sign"] == 1.0
     assert math.isnan(paired_test([0.3])["p_t"]) and paired_test([0.3])["mean"] == pytest.approx(0.3)
+
+
+def test_holm_adjustment_by_hand():
+    """p = (0.01, 0.04, 0.03) and a NaN: m = 3 finite; sorted 0.01·3 = 0.03, 0.03·2 = 0.06, 0.04·1 = 0.04 raised to
+    the earlier 0.06; a product above 1 is 1."""
+    from esroll.report import holm
+
+    out = holm([0.01, 0.04, 0.03, math.nan])
+    assert out[:3] == pytest.approx([0.03, 0.06, 0.06]) and math.isnan(out[3])
+    assert holm([0.6, 0.5]) == [1.0, 1.0] and holm([]) == []
 
 
 def test_area_under_curve_of_known_curves():
@@ -316,6 +328,8 @@ def test_quick_comparison_tables_match_the_runs(quick_comparison):
     m, k = len(nonzero), sum(d > 0 for d in nonzero)
     sign_p = min(1.0, 2 * sum(math.comb(m, i) for i in range(min(k, m - k) + 1)) / 2**m)
     assert float(egg["final_accuracy_diff_p_sign"]) == pytest.approx(sign_p)
+    # One method against the reference: Holm over one test leaves its p as it is.
+    assert egg["final_accuracy_diff_p_holm"] == egg["final_accuracy_diff_p_t"]
 
 
 def test_rerun_skips_finished_runs_and_resumes_an_interrupted_one(quick_comparison):
