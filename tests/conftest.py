@@ -3,6 +3,7 @@ folders; quick configs of the shipped model; the exact-resumption check shared b
 
 from __future__ import annotations
 
+import collections
 import os
 
 # 8 fake CPU devices for the sharding tests; cheaper XLA passes, since compile time dominates these tiny models.
@@ -144,3 +145,27 @@ def tiny_model(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"tiny_{request.param}")
     model = build_tiny_hf(request.param, folder)
     return request.param, folder, model
+
+
+def lake_path(text: str) -> list[str]:
+    """A shortest FrozenLake walk from P to G over non-hole tiles, breadth-first on the rendered grid (written here,
+    apart from the environment's own planner)."""
+    rows = text.split("\n")
+    (start,) = [(r, c) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch == "P"]
+    moves = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}
+    parent = {start: None}
+    todo = collections.deque([start])
+    while todo:
+        pos = todo.popleft()
+        if rows[pos[0]][pos[1]] == "G":
+            path = []
+            while parent[pos] is not None:
+                pos, action = parent[pos]
+                path.append(action)
+            return path[::-1]
+        for action, (dr, dc) in moves.items():
+            r, c = pos[0] + dr, pos[1] + dc
+            if 0 <= r < len(rows) and 0 <= c < len(rows) and rows[r][c] != "H" and (r, c) not in parent:
+                parent[(r, c)] = (pos, action)
+                todo.append((r, c))
+    raise AssertionError("no path")

@@ -4,12 +4,12 @@ answered as penalised no-ops, never evaluated, never an exception."""
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 
-from esroll.errors import InputError
 from esroll.envs import ENVIRONMENTS, FrozenLake, Level, Sokoban, SokobanOptions, make_env, parse_action, solve
+from esroll.errors import InputError
+
+from conftest import lake_path
 
 pytest.importorskip("gymnasium")
 
@@ -63,28 +63,6 @@ def test_registry_names_and_options():
 
 
 # ---- FrozenLake
-
-
-def lake_path(text: str) -> list[str]:
-    """A shortest walk from P to G over non-hole tiles (breadth-first, on the text)."""
-    rows = grid(text)
-    (start,) = find(text, "P")
-    parent = {start: None}
-    todo = collections.deque([start])
-    while todo:
-        pos = todo.popleft()
-        if rows[pos[0]][pos[1]] == "G":
-            path = []
-            while parent[pos] is not None:
-                pos, action = parent[pos]
-                path.append(action)
-            return path[::-1]
-        for action, (dr, dc) in MOVES.items():
-            r, c = pos[0] + dr, pos[1] + dc
-            if 0 <= r < len(rows) and 0 <= c < len(rows) and rows[r][c] != "H" and (r, c) not in parent:
-                parent[(r, c)] = (pos, action)
-                todo.append((r, c))
-    raise AssertionError("no path")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 7])

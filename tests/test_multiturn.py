@@ -5,8 +5,6 @@ text before it); environment tokens never get loss; per-member perturbed episode
 
 from __future__ import annotations
 
-import collections
-
 import jax
 import numpy as np
 import optax
@@ -18,12 +16,11 @@ from esroll.models import Perturbation, forward, load_hf
 from esroll.multiturn import format_observation, format_prompt, play
 from esroll.sampling import pad_prompts
 
-from conftest import SHIPPED_MODEL
+from conftest import SHIPPED_MODEL, lake_path
 
 pytest.importorskip("gymnasium")
 
 A, O = 10, 32  # actions of the scripted walks take 5-6 tokens: several decode steps after their end
-MOVES = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}
 
 
 @pytest.fixture(scope="module")
@@ -32,26 +29,6 @@ def model():
 
     cfg, params = load_hf(SHIPPED_MODEL)
     return cfg, params, AutoTokenizer.from_pretrained(SHIPPED_MODEL)
-
-
-def shortest_walk(text: str) -> list[str]:
-    rows = text.split("\n")
-    start = next((r, c) for r, row in enumerate(rows) for c, ch in enumerate(row) if ch == "P")
-    parent, todo = {start: None}, collections.deque([start])
-    while todo:
-        pos = todo.popleft()
-        if rows[pos[0]][pos[1]] == "G":
-            path = []
-            while parent[pos] is not None:
-                pos, action = parent[pos]
-                path.append(action)
-            return path[::-1]
-        for action, (dr, dc) in MOVES.items():
-            r, c = pos[0] + dr, pos[1] + dc
-            if 0 <= r < len(rows) and 0 <= c < len(rows) and rows[r][c] != "H" and (r, c) not in parent:
-                parent[(r, c)] = (pos, action)
-                todo.append((r, c))
-    raise AssertionError("no path")
 
 
 def play_lake(model, seeds, key=0, **kwargs):
@@ -87,7 +64,7 @@ def test_a_scripted_episode_equals_the_environment_stepped_by_hand(model):
     on the actions only, and the rewards, turns and boundaries are those of the environments stepped by hand."""
     _, _, tok = model
     seeds = [0, 1, 7]
-    paths = [shortest_walk(FrozenLake().reset(s)) for s in seeds]
+    paths = [lake_path(FrozenLake().reset(s)) for s in seeds]
     scripts = [paths[0], ["jump", *paths[1]], ["left"] * 8]
 
     ep = play_lake(model, seeds, actions=lambda turn, obs: [s[turn] if turn < len(s) else "up" for s in scripts])
