@@ -137,7 +137,8 @@ def _range(values: Any, where: str) -> tuple[str, float, float]:
 
 def candidates(tuning: Tuning, method: str) -> list[dict]:
     """The settings `method` is tuned over, as nested overrides: [{}] (its own setting) and `runs` − 1 more (none
-    with an empty space), the same on every call (seeded by the tuning seed and the method's name, or with `shared_draws` its space)."""
+    with an empty space), the same on every call (seeded by the tuning seed and the method's name, or with
+    `shared_draws` its space)."""
     space = dotted(tuning.spaces.get(method, {}))
     if not space:
         return [{}]

@@ -16,9 +16,10 @@ in every forward of every turn. Sampling noise is drawn per (key, turn, global r
 `actions` replaces the model's choice by given texts (a scripted policy, teacher forcing): the texts' tokens and the
 end token go through the same cache, and their log-probabilities under the model are recorded.
 
-The cache holds `P + T·(O + 1 + A)` slots: the padded prompt, and per turn an observation of at most
-`max_observation_tokens` (O) tokens plus the previous action's last token, and an action of at most
-`max_action_tokens` (A) tokens; unused slots are masked. One program serves every turn (the turn is traced).
+The cache holds `P − 1 + T·(O + A)` slots: the padded prompt but its last token, and per turn an input of at most
+O + 1 tokens (the previous action's last token if it is not cached yet, and an observation of at most
+`max_observation_tokens`, O) of which all but the last are cached before decoding, then `max_action_tokens` (A)
+decode steps; unused slots are masked. One program serves every turn (the turn is traced).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 
 from esroll.envs.base import TextEnv
 from esroll.models import ModelConfig, Perturbation, forward, init_cache
-from esroll.sampling import _sample, pad_prompts
+from esroll.sampling import draw, pad_prompts
 
 Array = jax.Array
 
@@ -105,8 +106,9 @@ def play(
 
     `perturb` (its `member_B` mapping rows to members) perturbs every forward. `actions(turn, observations)` — the
     current observation of every row — returns each row's action text (a scripted policy); without it the model
-    samples at `temperature` (0: greedy). An observation longer than `max_observation_tokens` tokens is refused
-    (a ValueError naming the option): the cache's size is fixed before the first turn."""
+    samples at `temperature` (0: greedy); a given text is cut to `max_action_tokens` − 1 tokens before its end token.
+    An observation longer than `max_observation_tokens` tokens is refused (a ValueError naming the option): the
+    cache's size is fixed before the first turn."""
     B, T, A, O = len(envs), max_turns, max_action_tokens, max_observation_tokens
     first = [env.reset(int(seed)) for env, seed in zip(envs, seeds)]
     prompts = [
@@ -114,9 +116,8 @@ def play(
     ]
     prompt_BxP, prompt_mask_BxP = pad_prompts(prompts, multiple=prompt_multiple, pad_id=pad_id)
     P = prompt_BxP.shape[1]
-    cache = _start(
-        cfg, params, jnp.asarray(prompt_BxP), jnp.asarray(prompt_mask_BxP), perturb, slots=P + T * (O + 1 + A)
-    )
+    slots = P - 1 + T * (O + A)  # the prompt but its last token; per turn O of the input's O + 1, then A decoded
+    cache = _start(cfg, params, jnp.asarray(prompt_BxP), jnp.asarray(prompt_mask_BxP), perturb, slots=slots)
     observations = [[o] for o in first]
     acted: list[list[str]] = [[] for _ in range(B)]
     pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(B)]  # (tokens, logprobs, is_action)
@@ -234,12 +235,8 @@ def _turn(cfg, params, cache, inputs_BxI, mask_BxI, key, perturb, row_offset, li
     def step(t, state):
         cache, token_B, real_B, tokens_BxA, logprobs_BxA, length_B, done_B = state
         logits_Bx1xV, cache = run(token_B[:, None], mask_BxT=real_B[:, None], cache=cache)
-        logits_BxV = logits_Bx1xV[:, 0]
-        max_B = logits_BxV.max(-1)
-        keys_B = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(key, t), rows_B)
-        new_B = forced_BxA[:, t] if forced else _sample(logits_BxV, max_B, keys_B, temperature, 0, 1.0)
-        logsumexp_B = max_B + jnp.log(jnp.exp(logits_BxV - max_B[:, None]).sum(-1))
-        logprob_B = jnp.take_along_axis(logits_BxV, new_B[:, None], -1)[:, 0] - logsumexp_B
+        given_B = forced_BxA[:, t] if forced else None
+        new_B, logprob_B = draw(logits_Bx1xV[:, 0], jax.random.fold_in(key, t), rows_B, temperature, given_B=given_B)
         new_B = jnp.where(done_B, pad_id, new_B)
         tokens_BxA = tokens_BxA.at[:, t].set(new_B)
         logprobs_BxA = logprobs_BxA.at[:, t].set(jnp.where(done_B, 0.0, logprob_B))

@@ -247,8 +247,7 @@ def paired_test(differences: Sequence[float]) -> dict[str, float]:
         out["t"] = out["mean"] / (out["sd"] / math.sqrt(n))
         p_t = float(2 * stats.t.sf(abs(out["t"]), n - 1))
         out.update(ci_low=out["mean"] - half, ci_high=out["mean"] + half, p_t=p_t)
-    if n >= 2 and out["sd"] >= 0:
-        out["mde80"] = float((stats.t.ppf(0.975, n - 1) + stats.t.ppf(0.8, n - 1)) * out["sd"] / math.sqrt(n))
+    out["mde80"] = float((stats.t.ppf(0.975, n - 1) + stats.t.ppf(0.8, n - 1)) * out["sd"] / math.sqrt(n))
     nonzero = d[d != 0]
     if len(nonzero) == 0:
         out.update(p_wilcoxon=1.0, p_sign=1.0)

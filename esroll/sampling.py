@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec
 from esroll.models import KVCache, ModelConfig, Perturbation, forward, init_cache
 from esroll.sampling_layout import _arguments, _constrain, _constrain_cache
 
-__all__ = ["Generation", "generate", "lower_generate", "pad_prompts"]
+__all__ = ["Generation", "draw", "generate", "lower_generate", "pad_prompts"]
 
 Array = jax.Array
 
@@ -270,12 +270,7 @@ def _decode(
         t, cache, token_B, tokens_BxN, logprobs_BxN, length_B, done_B = state
         logits_Bx1xV, cache = run(token_B[:, None], cache=cache)
         cache = constrain(cache)
-        logits_BxV = logits_Bx1xV[:, 0]
-        max_B = logits_BxV.max(-1)
-        keys_B = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(key, t), rows_B)
-        new_B = _sample(logits_BxV, max_B, keys_B, temperature, top_k, top_p)
-        logsumexp_B = max_B + jnp.log(jnp.exp(logits_BxV - max_B[:, None]).sum(-1))
-        logprob_B = jnp.take_along_axis(logits_BxV, new_B[:, None], -1)[:, 0] - logsumexp_B
+        new_B, logprob_B = draw(logits_Bx1xV[:, 0], jax.random.fold_in(key, t), rows_B, temperature, top_k, top_p)
         new_B = jnp.where(done_B, pad_id, new_B)
         tokens_BxN = jax.lax.dynamic_update_slice(tokens_BxN, new_B[:, None], (0, t))
         logprobs_BxN = jax.lax.dynamic_update_slice(logprobs_BxN, jnp.where(done_B, 0.0, logprob_B)[:, None], (0, t))
@@ -319,6 +314,26 @@ def _grow(cache: KVCache, slots: int) -> KVCache:
         return jnp.pad(x, widths)
 
     return KVCache(pad(cache.k, 2), pad(cache.v, 2), valid_BxS=pad(cache.valid_BxS, 1), index=cache.index)
+
+
+def draw(
+    logits_BxV: Array,
+    key: Array,
+    rows_B: Array,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    given_B: Array | None = None,
+) -> tuple[Array, Array]:
+    """One decode step's token per row (`_sample`, each row's noise keyed by `key` and its global row index), or
+    `given_B` when given (teacher forcing), and its log-probability under the raw logits (temperature 1, no
+    filtering: the policy's own, as `Generation.logprobs`)."""
+    max_B = logits_BxV.max(-1)
+    if given_B is None:
+        keys_B = jax.vmap(jax.random.fold_in, (None, 0))(key, rows_B)
+        given_B = _sample(logits_BxV, max_B, keys_B, temperature, top_k, top_p)
+    logsumexp_B = max_B + jnp.log(jnp.exp(logits_BxV - max_B[:, None]).sum(-1))
+    return given_B, jnp.take_along_axis(logits_BxV, given_B[:, None], -1)[:, 0] - logsumexp_B
 
 
 def _sample(logits_BxV: Array, max_B: Array, keys_B: Array, temperature: float, top_k: int, top_p: float) -> Array:

@@ -26,14 +26,13 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from esroll.envs import FrozenLake, FrozenLakeOptions, Sokoban, SokobanOptions
-from esroll.models import forward, save_hf
+from esroll.models import save_hf
 from esroll.multiturn import format_observation, format_prompt, play
-from experiments.pretrain_tiny import EOS, build_tokenizer, init_params, model_config
+from experiments.pretrain_tiny import EOS, build_tokenizer, init_params, model_config, supervised_step
 
 HELD_OUT = 1_000_000  # the first held-out seed
 ENVS = {"frozenlake": (FrozenLake, FrozenLakeOptions()), "sokoban": (Sokoban, SokobanOptions())}
@@ -137,17 +136,7 @@ def main(argv=None) -> dict:
     opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.max_steps), weight_decay=0.01)
     opt_state = opt.init(params)
 
-    def loss_fn(params, tokens, mask, target):
-        logits, _ = forward(cfg, params, tokens, mask_BxT=mask)
-        logp = jax.nn.log_softmax(logits[:, :-1])  # position t predicts token t + 1
-        nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
-        return (nll * target[:, 1:]).sum() / target[:, 1:].sum()
-
-    @jax.jit
-    def step(params, opt_state, tokens, mask, target):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask, target)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    step = supervised_step(cfg, opt)
 
     history = []
     for i in range(1, args.max_steps + 1):

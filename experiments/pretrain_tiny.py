@@ -20,6 +20,7 @@ worked one line per step, the fraction of completions with a wrong line, right a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -144,6 +145,33 @@ def completion_figures(examples: list[Example], texts: list[str], tokenizer) -> 
     return figures
 
 
+def supervised_stats(cfg: ModelConfig, params: dict, tokens, mask, target) -> tuple[jax.Array, jax.Array]:
+    """(mean NLL of the target tokens, the fraction of rows whose every target token is the argmax): position t
+    predicts token t + 1, `target` marks the tokens that get loss."""
+    logits, _ = forward(cfg, params, tokens, mask_BxT=mask)
+    logp = jax.nn.log_softmax(logits[:, :-1])
+    nxt, tgt = tokens[:, 1:], target[:, 1:]
+    nll = -jnp.take_along_axis(logp, nxt[..., None], -1)[..., 0]
+    loss = (nll * tgt).sum() / tgt.sum()
+    hit = (logits[:, :-1].argmax(-1) == nxt) | ~tgt
+    return loss, hit.all(-1).mean()
+
+
+def supervised_step(cfg: ModelConfig, opt: optax.GradientTransformation):
+    """The jitted step(params, opt_state, tokens, mask, target) -> (params, opt_state, loss) on `supervised_stats`'s
+    loss."""
+
+    @jax.jit
+    def step(params, opt_state, tokens, mask, target):
+        (loss, _), grads = jax.value_and_grad(supervised_stats, argnums=1, has_aux=True)(
+            cfg, params, tokens, mask, target
+        )
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
@@ -174,22 +202,8 @@ def main(argv=None) -> dict:
     opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 100, args.max_steps), weight_decay=0.01)
     opt_state = opt.init(params)
 
-    def stats(params, tokens, mask, target):
-        logits, _ = forward(cfg, params, tokens, mask_BxT=mask)
-        # Position t predicts token t+1.
-        logp = jax.nn.log_softmax(logits[:, :-1])
-        nxt, tgt = tokens[:, 1:], target[:, 1:]
-        nll = -jnp.take_along_axis(logp, nxt[..., None], -1)[..., 0]
-        loss = (nll * tgt).sum() / tgt.sum()
-        hit = (logits[:, :-1].argmax(-1) == nxt) | ~tgt
-        return loss, hit.all(-1).mean()
-
-    @jax.jit
-    def step(params, opt_state, tokens, mask, target):
-        (loss, _), grads = jax.value_and_grad(stats, has_aux=True)(params, tokens, mask, target)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    stats = functools.partial(supervised_stats, cfg)
+    step = supervised_step(cfg, opt)
     evaluate = jax.jit(stats)
     rng = np.random.default_rng(args.seed)
     history = []

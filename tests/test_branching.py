@@ -178,14 +178,16 @@ def test_step_level_config_variants():
 def test_dense_step_fitness_by_hand():
     """es.step_weight w: (1 − w)·outcome + w·(the row's mean step score over its steps); no steps: 0; a non-finite
     outcome stays non-finite."""
-    from esroll.es.method import dense_rewards
+    from esroll.es.method import dense_rewards, mean_step_scores
 
     reward = np.array([1.0, 0.0, np.nan, 0.5])
     scores = np.array([[1, 0, np.nan], [np.nan] * 3, [1, 1, 1], [0, 1, np.nan]], float)
-    out = dense_rewards(reward, scores, 0.5)
+    np.testing.assert_array_equal(mean_step_scores(scores), [0.5, 0.0, 1.0, 0.5])
+    out = dense_rewards(reward, mean_step_scores(scores), 0.5)
     np.testing.assert_array_equal(out[[0, 1, 3]], [0.75, 0.0, 0.5])
     assert np.isnan(out[2]) and out.dtype == np.float32
-    np.testing.assert_array_equal(dense_rewards(reward[[0, 1, 3]], scores[[0, 1, 3]], 0.0), [1.0, 0.0, 0.5])
+    kept = [0, 1, 3]
+    np.testing.assert_array_equal(dense_rewards(reward[kept], mean_step_scores(scores[kept]), 0.0), [1.0, 0.0, 0.5])
 
 
 def test_equal_groups_by_hand():

@@ -26,7 +26,7 @@ from esroll.data import Example
 from esroll.es import estimators, shaping
 from esroll.es.diagnostics import rank_diagnostics, step_diagnostics
 from esroll.models import abstract_params
-from esroll.rollout import PAD, Sampling, prompt_means, rollout, training_rewards
+from esroll.rollout import Sampling, prompt_means, rollout, training_rewards
 from esroll.task import Method, StepOutput, Task
 
 
@@ -151,14 +151,18 @@ def strategy_config(es_cfg: ESConfig) -> ESConfig:
     return dataclasses.replace(es_cfg, samples=1, sample_reduce="mean", prompt_shaping="raw", step_weight=0.0)
 
 
-def dense_rewards(reward_B: np.ndarray, step_scores_BxS: np.ndarray, weight: float) -> np.ndarray:
-    """[B] the dense step fitness of `es.step_weight`: (1 − w)·reward + w·(the row's mean step score over its steps,
-    NaN past them; 0 for a row with no steps). A non-finite reward stays non-finite (the member is dropped)."""
+def mean_step_scores(step_scores_BxS: np.ndarray) -> np.ndarray:
+    """[B] each row's mean step score over its steps (NaN past them); 0 for a row with no steps."""
     scores = np.asarray(step_scores_BxS, np.float64)
     counted = np.isfinite(scores)
     n_B = counted.sum(axis=1)
-    mean_B = np.where(n_B > 0, np.where(counted, scores, 0.0).sum(axis=1) / np.maximum(n_B, 1), 0.0)
-    return ((1.0 - weight) * np.asarray(reward_B, np.float64) + weight * mean_B).astype(np.float32)
+    return np.where(n_B > 0, np.where(counted, scores, 0.0).sum(axis=1) / np.maximum(n_B, 1), 0.0)
+
+
+def dense_rewards(reward_B: np.ndarray, step_mean_B: np.ndarray, weight: float) -> np.ndarray:
+    """[B] the dense step fitness of `es.step_weight`: (1 − w)·reward + w·(the row's mean step score,
+    `mean_step_scores`). A non-finite reward stays non-finite (the member is dropped)."""
+    return ((1.0 - weight) * np.asarray(reward_B, np.float64) + weight * step_mean_B).astype(np.float32)
 
 
 def member_fitness(es_settings, reward_B: np.ndarray, M: int, X: int, gold_B: np.ndarray | None = None) -> np.ndarray:
@@ -236,10 +240,10 @@ def make_es_method(
         reward_B, extra = training_rewards(out, label_free)
         outcome_B = reward_B
         if step_weight:
+            step_mean_B = mean_step_scores(out.step_scores_BxS)
             extra["outcome_mean"] = _finite_mean(outcome_B)  # before mixing; reward_mean below is the mixed reward
-            real_B = out.example_B != PAD
-            extra["step_score_mean"] = _finite_mean(dense_rewards(outcome_B, out.step_scores_BxS, 1.0)[real_B])
-            reward_B = dense_rewards(reward_B, out.step_scores_BxS, step_weight)
+            extra["step_score_mean"] = float(step_mean_B.mean())
+            reward_B = dense_rewards(outcome_B, step_mean_B, step_weight)
         fitness_M = member_fitness(cfg.es, reward_B, M, X, gold_B=out.reward_B if label_free else None)
         fitness = parallel.put_replicated(mesh, fitness_M)
         extra["s_scoring"] = out.seconds["score"] + time.perf_counter() - start
@@ -260,9 +264,10 @@ def make_es_method(
             s_rollout=out.seconds["generate"], flops_generate=float(generate_flops), flops_update=float(update_flops)
         )
         # The prompts whose rows' outcomes are all equal, and those of them the fitness still tells apart.
-        by_prompt = np.asarray(outcome_B).reshape(M, X, K).transpose(1, 0, 2).reshape(X, M * K)
-        mixed = np.asarray(reward_B, np.float64).reshape(M, X, K).transpose(1, 0, 2).reshape(X, M * K)
-        extra.update(baselines.equal_groups(by_prompt, (mixed - mixed[:, :1]).ravel()))
+        by_prompt = [
+            np.asarray(v, np.float64).reshape(M, X, K).swapaxes(0, 1).reshape(X, M * K) for v in (outcome_B, reward_B)
+        ]
+        extra.update(baselines.equal_groups(by_prompt[0], (by_prompt[1] - by_prompt[1][:, :1]).ravel()))
         prompt_reward = prompt_means(example_B, outcome_B, X)  # each prompt's success, as the curriculum reads it
         flops = generate_flops + update_flops
         return StepOutput(params, state, {**metrics, **extra}, int(out.length_B.sum()), prompt_reward, flops)
