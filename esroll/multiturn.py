@@ -59,8 +59,8 @@ class Episodes:
     after the prompt; prompt_BxP / prompt_mask_BxP: the left-padded prompts. Turn t of row b: its action is
     tokens[b, action_start[b, t] : action_end[b, t]], its answer follows up to the next action's start;
     reward_BxT, valid_BxT (the action parsed, `esroll.envs.parse_action`), turns_B (turns played); done_B (ended
-    by the environment or its turn limit, not cut by `max_turns`); observations: each row's observation texts, the
-    first one and one per turn; actions: the action texts as the environment read them. return_B: the sum of the
+    by the environment or its turn limit, not cut by `max_turns`); solved_B (the environment's `solved` at the
+    end); observations: each row's observation texts, the first one and one per turn; actions: the action texts as the environment read them. return_B: the sum of the
     rewards."""
 
     prompt_BxP: np.ndarray
@@ -75,6 +75,7 @@ class Episodes:
     valid_BxT: np.ndarray
     turns_B: np.ndarray
     done_B: np.ndarray
+    solved_B: np.ndarray
     observations: list[list[str]]
     actions: list[list[str]]
 
@@ -177,7 +178,8 @@ def play(
             input_rows[b] = ids[-1:] + answer if n == A else answer
         if not live_B.any():
             break
-    return _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxT, valid_BxT, turns_B, ~live_B, pad_id,
+    solved_B = np.array([bool(env.solved) for env in envs])
+    return _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxT, valid_BxT, turns_B, ~live_B, solved_B, pad_id,
                      observations, acted)  # fmt: skip
 
 
@@ -189,7 +191,8 @@ def _left_pad(rows: list[list[int]], width: int, pad_id: int, live_B: np.ndarray
     return tokens, mask
 
 
-def _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxT, valid_BxT, turns_B, done_B, pad_id, observations, acted):
+def _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxT, valid_BxT, turns_B, done_B, solved_B, pad_id, observations,
+              acted):  # fmt: skip
     B, T = reward_BxT.shape
     L = max([sum(len(p[0]) for p in row) for row in pieces] + [1])
     tokens = np.full((B, L), pad_id, np.int32)
@@ -207,7 +210,7 @@ def _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxT, valid_BxT, turns_
             at += len(ids)
         length[b] = at
     return Episodes(prompt_BxP, prompt_mask_BxP, tokens, loss, logp, length, start, end, reward_BxT, valid_BxT,
-                    turns_B, done_B, observations, acted)  # fmt: skip
+                    turns_B, done_B, solved_B, observations, acted)  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "slots"))

@@ -36,8 +36,8 @@ from experiments.pretrain_tiny import EOS, build_tokenizer, init_params, model_c
 
 HELD_OUT = 1_000_000  # the first held-out seed
 ENVS = {"frozenlake": (FrozenLake, FrozenLakeOptions()), "sokoban": (Sokoban, SokobanOptions())}
-MAX_ACTION_TOKENS = 4
-MAX_OBSERVATION_TOKENS = 48
+MAX_ACTION_TOKENS = 4  # an action word and the end token, with room to spare (configs/agents.py uses the same)
+MAX_OBSERVATION_TOKENS = 24  # the builder refuses a tokenizer that writes a longer answer (configs/agents.py's room)
 
 
 def planner_episode(name: str, seed: int, rng: np.random.Generator, random_moves: float) -> list[tuple[str, bool]]:
@@ -81,8 +81,7 @@ def success_rates(cfg, params, tokenizer, episodes: int) -> dict[str, float]:
             max_observation_tokens=MAX_OBSERVATION_TOKENS, temperature=0.0, eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id,
         )  # fmt: skip
-        solved = [env.solved if name == "sokoban" else ep.return_B[b] > 0 for b, env in enumerate(envs)]
-        out[f"{name}_success"] = float(np.mean(solved))
+        out[f"{name}_success"] = float(ep.solved_B.mean())
         out[f"{name}_turns"] = float(ep.turns_B.mean())
         out[f"{name}_tokens"] = float((ep.length_B + ep.prompt_mask_BxP.sum(1)).mean())
         out[f"{name}_valid_actions"] = float(ep.valid_BxT[ep.action_end_BxT > 0].mean())
@@ -102,7 +101,7 @@ def main(argv=None) -> dict:
     add("--eval_every", type=int, default=100, help="steps between held-out evaluations")
     add("--eval_episodes", type=int, default=64, help="held-out episodes per environment per evaluation")
     add("--stop_at", type=float, default=0.4, help="stop at the first evaluation with this FrozenLake success rate")
-    add("--vocab", type=int, default=160, help="BPE vocabulary size of the tokenizer")
+    add("--vocab", type=int, default=512, help="BPE vocabulary size of the tokenizer (256 bytes, then merges)")
     add("--hidden", type=int, default=128, help="hidden size (4 heads of 32, 2 kv heads)")
     add("--layers", type=int, default=4, help="decoder layers")
     args = parser.parse_args(argv)
@@ -114,8 +113,12 @@ def main(argv=None) -> dict:
     episodes = [planner_episode(n, s, rng, args.random_moves) for s in range(args.episodes) for n in ENVS]
     tokenizer = build_tokenizer(["".join(t for t, _ in ep) for ep in episodes[:4000]], args.vocab)
     encoded = [encode(tokenizer, ep) for ep in episodes]
+    answers = [t for ep in episodes for t, is_action in ep[1:] if not is_action]
+    longest_answer = max(len(tokenizer.encode(a, add_special_tokens=False)) for a in answers)
+    if longest_answer > MAX_OBSERVATION_TOKENS:
+        parser.error(f"--vocab: an answer takes {longest_answer} tokens, above the {MAX_OBSERVATION_TOKENS} room")
     # The longest episode either environment can give: its prompt and every turn's action and answer at their caps.
-    longest_prompt = max(len(ids) - sum(loss) for ids, loss in encoded)
+    longest_prompt = max(len(tokenizer.encode(ep[0][0], add_special_tokens=False)) for ep in episodes)
     max_turns = max(options.max_turns for _, options in ENVS.values())
     positions = 64 * -(-(longest_prompt + max_turns * (MAX_ACTION_TOKENS + MAX_OBSERVATION_TOKENS + 1)) // 64)
     cfg = dataclasses.replace(
@@ -125,11 +128,17 @@ def main(argv=None) -> dict:
         num_layers=args.layers,
         max_position_embeddings=positions,
     )
-    length = max(len(ids) for ids, _ in encoded)
-    tokens = np.full((len(encoded), length), tokenizer.eos_token_id, np.int32)
-    mask, target = np.zeros_like(tokens, bool), np.zeros_like(tokens, bool)
-    for i, (ids, loss) in enumerate(encoded):
-        tokens[i, : len(ids)], mask[i, : len(ids)], target[i, : len(ids)] = ids, True, loss
+    # One array per environment, padded to its longest episode: a batch is drawn from one environment at a time
+    # (alternating), so a short FrozenLake episode is not padded to a Sokoban one's length.
+    data = []
+    for e in range(len(ENVS)):
+        rows = encoded[e :: len(ENVS)]  # episodes alternate environments
+        length = max(len(ids) for ids, _ in rows)
+        tokens = np.full((len(rows), length), tokenizer.eos_token_id, np.int32)
+        mask, target = np.zeros_like(tokens, bool), np.zeros_like(tokens, bool)
+        for i, (ids, loss) in enumerate(rows):
+            tokens[i, : len(ids)], mask[i, : len(ids)], target[i, : len(ids)] = ids, True, loss
+        data.append((tokens, mask, target))
 
     params = init_params(cfg, jax.random.key(args.seed))
     warmup = min(100, args.max_steps // 2)
@@ -140,6 +149,7 @@ def main(argv=None) -> dict:
 
     history = []
     for i in range(1, args.max_steps + 1):
+        tokens, mask, target = data[i % len(data)]
         idx = rng.integers(0, len(tokens), args.batch)
         params, opt_state, loss = step(params, opt_state, tokens[idx], mask[idx], target[idx])
         if i % args.eval_every == 0:
@@ -158,6 +168,9 @@ def main(argv=None) -> dict:
         **(history[-1] if history else {}),
         "parameters": int(sum(x.size for x in jax.tree.leaves(params))),
         "max_position_embeddings": positions,
+        "vocab": len(tokenizer),
+        "longest_answer_tokens": longest_answer,
+        "episode_tokens": {name: int(d[0].shape[1]) for name, d in zip(ENVS, data)},
         "train_episodes_per_env": args.episodes,
         "held_out_episodes_per_env": args.eval_episodes,
         "eos": EOS,

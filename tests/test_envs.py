@@ -81,7 +81,7 @@ def test_frozenlake_scripted_episode(seed):
         pos = (pos[0] + MOVES[action][0], pos[1] + MOVES[action][1])
         last = i == len(path) - 1
         assert turn.valid and turn.done == last and turn.reward == (1.0 if last else 0.0)
-        assert find(turn.observation, "P") == [pos]
+        assert find(turn.observation, "P") == [pos] and env.solved == last
     with pytest.raises(RuntimeError, match="ended"):
         env.step("up")
 
@@ -102,7 +102,7 @@ def test_frozenlake_hole_edge_and_turn_limit():
     for action in walk[:-1]:
         assert not env.step(action).done
     turn = env.step(walk[-1])
-    assert turn.done and turn.reward == 0.0 and find(turn.observation, "P") == [hole]
+    assert turn.done and turn.reward == 0.0 and find(turn.observation, "P") == [hole] and not env.solved
     # Eight turns at most.
     env.reset(seeds[0])
     turns = [env.step("left") for _ in range(8)]

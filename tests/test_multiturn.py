@@ -98,6 +98,7 @@ def test_a_scripted_episode_equals_the_environment_stepped_by_hand(model):
         assert list(ep.action_start_BxT[b, :turns]) == starts
     assert ep.return_B[0] == 1.0 and ep.return_B[1] == pytest.approx(0.9) and ep.return_B[2] == 0.0
     assert ep.turns_B[2] == 8  # the turn limit
+    assert list(ep.solved_B) == [True, True, False]
     check_logprobs_by_full_forward(model, ep)
 
 

@@ -36,10 +36,14 @@ class Turn:
 class TextEnv(Protocol):
     """A text environment: `actions` are the words an action may be; `instructions` one line that states the task
     (what an agent's prompt starts with); `reset(seed)` starts the seed's episode and returns its first
-    observation; `step(action)` plays one turn. Implementations hold one episode's state."""
+    observation; `step(action)` plays one turn; `solved` says whether the current episode's task is done (what
+    held-out success counts). Implementations hold one episode's state."""
 
     actions: tuple[str, ...]
     instructions: str
+
+    @property
+    def solved(self) -> bool: ...
 
     def reset(self, seed: int) -> str: ...
 

@@ -71,6 +71,12 @@ class FrozenLake:
         self.turns, self.done = 0, False
         return self.render()
 
+    @property
+    def solved(self) -> bool:
+        """Whether the player stands on G."""
+        size = self.options.size
+        return self.map[self.state // size][self.state % size] == "G"
+
     def render(self) -> str:
         """The grid with the player's tile as P."""
         size = self.options.size

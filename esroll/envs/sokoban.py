@@ -190,6 +190,7 @@ class Sokoban:
 
     @property
     def solved(self) -> bool:
+        """Whether every box is on a target."""
         return self.boxes == set(self.level.targets)
 
     def plan(self) -> tuple[str, ...] | None:
