@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from esroll import curriculum, grpo, methods, rewards, verify
+from esroll import agents, curriculum, grpo, methods, rewards, verify
 from esroll.grpo import advantages, variants as grpo_variants
 from esroll.config import (
     ConfigError,
@@ -29,6 +29,7 @@ from esroll.config import (
 )
 from esroll.data import TASKS, TEMPLATES
 from esroll.data.tasks import TASK_KNOBS
+from esroll.envs import ENVIRONMENTS
 from esroll.es import shaping, strategy
 
 
@@ -38,6 +39,7 @@ OPTION_SECTIONS = (
     (("grpo", "variant_options"), grpo_variants.VARIANTS),
     (("es", "shaping_options"), shaping.SHAPINGS),
     (("data", "options"), TASKS),
+    (("env", "options"), ENVIRONMENTS),
 )
 
 
@@ -91,6 +93,7 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
             f"'gold' or a registered reward for data.task={cfg.data.task!r} (label-free rewards vote on parsed "
             "answers, and this task parses none)",
         ),
+        ("env.name", not cfg.env.name or cfg.env.name in ENVIRONMENTS, f"'' (off) or {ENVIRONMENTS.expected()}"),
         ("steps.verifier", cfg.steps.verifier in verify.STEP_VERIFIERS, verify.STEP_VERIFIERS.expected()),
         (
             "curriculum.prefix_source",
@@ -105,6 +108,7 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
         except ConfigError as e:
             raise e.under(prefix) from None
     methods.lookup(cfg).check(cfg)  # what the method needs of the other sections
+    agents.check_config(cfg)  # what episodes need of them (env.name set)
     return cfg
 
 
@@ -117,11 +121,23 @@ def unread_keys(cfg: ExperimentConfig) -> dict[str, str]:
     the registries (a user's task or estimator that declares nothing) count as read."""
     # a key, or a section ending in ".", -> why the run does not read it; first the method's own (`MethodSpec.unread`)
     rules: dict[str, str] = dict(methods.lookup(cfg).unread(cfg))
+    for name in ENVIRONMENTS:
+        if name != cfg.env.name:
+            rules[f"env.options.{name}."] = f"only env.name {name!r} reads it, and this run's is {cfg.env.name!r}"
+    if not cfg.env.name:
+        for key in ("env.max_action_tokens", "env.max_observation_tokens"):
+            rules[key] = "only agent runs read it, and env.name is '' (off)"
+    else:
+        for field in dataclasses.fields(cfg.data):
+            if field.name not in agents.DATA_KEYS:
+                rules[f"data.{field.name}" + ("." if field.name == "options" else "")] = (
+                    f"env.name {cfg.env.name!r} trains on episodes, not on data.task's questions"
+                )
     for name in TASKS:
         if name != cfg.data.task:
             rules[f"data.options.{name}."] = f"only data.task {name!r} reads it, and this run's is {cfg.data.task!r}"
     task = TASKS.get(cfg.data.task)
-    if task is not None and task.reads is not None:
+    if task is not None and task.reads is not None and not cfg.env.name:
         for knob in TASK_KNOBS:
             if knob not in task.reads:
                 rules[f"data.{knob}"] = f"data.task {cfg.data.task!r} does not read it"

@@ -10,6 +10,12 @@ A row whose example is `PAD` is a padding row: it has no prompt, generates nothi
 in chunks of `Sampling.rows_per_device` rows per device (all at once by default), split over the mesh's data axis;
 each process scores the rows its devices decoded, and one all-gather after the last chunk gives every process every
 row's outcome.
+
+With an agent task (`Task.env`, `esroll.agents`), a row is a multi-turn episode (`esroll.multiturn.play`) instead:
+its prompt the episode's first text, its completion the rest of the episode (actions and the environment's answers),
+its reward the return, and `loss_mask_BxN` True on the model's tokens only. Every process plays every row (the
+environments run on the host, and play is deterministic given the same arguments); rows are not yet split over the
+mesh's data axis.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from esroll.config import StepsConfig
 from esroll.rewards import majority_rewards
 from esroll.data import Example, eval_score_names
 from esroll.models import Perturbation
+from esroll.multiturn import play
 from esroll.sampling import generate, pad_prompts
 from esroll.steps import Steps, segment
 from esroll.verify import STEP_VERIFIERS
@@ -74,6 +81,8 @@ class Rollout(NamedTuple):
     prefix_B: np.ndarray | None = None  # [B] int32 (with prefixes): tokens of each completion given, not generated
     steps: Steps | None = None  # (with steps): each completion's reasoning steps (`esroll.steps.segment`)
     step_scores_BxS: np.ndarray | None = None  # [B, S] (with step_scores): each step's verifier score, NaN past them
+    loss_mask_BxN: np.ndarray | None = None  # [B, N] bool (episodes): the model's own tokens; None: every generated one
+    metrics: dict[str, float] | None = None  # what the rollout itself logs (episodes: solved, turns, valid actions)
 
     @property
     def generated_B(self) -> np.ndarray:
@@ -114,8 +123,12 @@ def rollout(
     (`esroll.verify`). Both are computed once, on the host, from the exchanged tokens (`completions` is implied).
 
     Every process must pass the same arguments. The sampling noise of row b is a function of (key, b, step), so the
-    result does not depend on the mesh.
+    result does not depend on the mesh. With an agent task (`task.env`), the rows are episodes (`episodes`).
     """
+    if getattr(task, "env", None) is not None:
+        if answers or prefixes is not None or steps is not None or step_scores:
+            raise ValueError("rollout: episodes have no parsed answers, prefixes or reasoning steps")
+        return episodes(task, params, examples, example_B, key, sampling, mesh, deltas, member_B, scores)
     example_B = np.asarray(example_B)
     B = len(example_B)
     completions = completions or steps is not None
@@ -218,6 +231,103 @@ def rollout(
     if steps is not None:
         out = _with_steps(out, task, examples, steps, step_scores)
     return out
+
+
+EPISODE_SCORES = ("accuracy", "return", "turns")  # held-out scores of episodes: solved, the return, turns played
+
+
+def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, deltas=None, member_B=None,
+             scores: bool = False) -> Rollout:  # fmt: skip
+    """`rollout` of an agent task: row b plays the episode of `examples[example_B[b]]` (its `meta["seed"]`) with
+    `esroll.multiturn.play`, member `member_B[b]`'s perturbation when `deltas` are given, in chunks of
+    `sampling.rows_per_device` × the data axis rows (each row's sampling noise keyed by its index in the whole
+    rollout, so chunking does not change it). The completion is the episode after its prompt, padded to
+    `sampling.max_new_tokens` (a longer one is refused: `train.max_new_tokens` must hold the longest episode); the
+    log-probabilities are those of the action tokens; the reward is the return; `scores` gives the held-out scores
+    `EPISODE_SCORES` (the first, "accuracy", whether the environment was solved). A padding row plays the first
+    example's episode and its outcome is dropped (reward 0, nothing generated)."""
+    env = task.env
+    example_B = np.asarray(example_B)
+    B, N = len(example_B), sampling.max_new_tokens
+    data = parallel.data_size(mesh)
+    chunk = data * (sampling.rows_per_device or -(-B // data))
+    rows = B + (-B % chunk)
+    example_B = np.concatenate([example_B, np.full(rows - B, PAD)])
+    real_B = example_B != PAD
+    if deltas is not None:
+        member_B = np.concatenate([np.asarray(member_B), np.zeros(rows - B, np.int32)])
+    seeds = [examples[max(int(e), 0)].meta["seed"] for e in example_B]
+    start_s = time.perf_counter()
+    parts = []
+    for start in range(0, rows, chunk):
+        c = slice(start, start + chunk)
+        if not real_B[c].any():
+            continue
+        perturb = None if deltas is None else Perturbation(deltas, member_B[c])
+        played = play(
+            task.cfg,
+            params,
+            task.tokenizer,
+            [env.make() for _ in range(chunk)],
+            seeds[c],
+            key,
+            max_turns=env.max_turns,
+            max_action_tokens=env.max_action_tokens,
+            max_observation_tokens=env.max_observation_tokens,
+            temperature=sampling.temperature,
+            eos_id=task.tokenizer.eos_token_id,
+            pad_id=task.pad_id,
+            perturb=perturb,
+            row_offset=start,
+            prompt_multiple=task.prompt_multiple,
+        )
+        if played.tokens_BxL.shape[1] > N:
+            raise ValueError(
+                f"an episode of {played.tokens_BxL.shape[1]} tokens after its prompt does not fit "
+                f"train.max_new_tokens = {N}"
+            )
+        parts.append((c, played))
+    P = max([p.prompt_BxP.shape[1] for _, p in parts] + [task.prompt_multiple])
+    prompt_BxP = np.full((rows, P), task.pad_id, np.int32)
+    prompt_mask_BxP = np.zeros((rows, P), bool)
+    tokens_BxN = np.full((rows, N), task.pad_id, np.int32)
+    logprobs_BxN, loss_BxN = np.zeros((rows, N), np.float32), np.zeros((rows, N), bool)
+    length_B, reward_B, turns_B = np.zeros(rows, np.int32), np.zeros(rows, np.float32), np.zeros(rows, np.float32)
+    solved_B, valid, acted = np.zeros(rows, np.float32), 0, 0
+    for c, p in parts:
+        keep = real_B[c]
+        width, L = p.prompt_BxP.shape[1], p.tokens_BxL.shape[1]
+        prompt_BxP[c, P - width :], prompt_mask_BxP[c, P - width :] = p.prompt_BxP, p.prompt_mask_BxP & keep[:, None]
+        tokens_BxN[c, :L] = np.where(keep[:, None], p.tokens_BxL, task.pad_id)
+        logprobs_BxN[c, :L] = np.where(keep[:, None], p.logprobs_BxL, 0.0)
+        loss_BxN[c, :L] = p.loss_mask_BxL & keep[:, None]
+        length_B[c] = np.where(keep, p.length_B, 0)
+        reward_B[c] = np.where(keep, p.return_B, 0.0)
+        turns_B[c], solved_B[c] = np.where(keep, p.turns_B, 0), np.where(keep, p.solved_B, 0.0)
+        played_BxT = np.arange(p.reward_BxT.shape[1])[None] < p.turns_B[:, None]
+        valid += int((p.valid_BxT & played_BxT)[keep].sum())
+        acted += int(played_BxT[keep].sum())
+    generated_s = time.perf_counter()
+    n = max(int(real_B.sum()), 1)
+    metrics = {
+        "episode_solved": float(solved_B.sum() / n),
+        "episode_turns": float(turns_B.sum() / n),
+        "valid_actions": valid / max(acted, 1),
+    }
+    table = {"accuracy": solved_B, "return": reward_B, "turns": turns_B}
+    return Rollout(
+        example_B=example_B[:B],
+        prompt_BxP=prompt_BxP[:B],
+        prompt_mask_BxP=prompt_mask_BxP[:B],
+        reward_B=reward_B[:B],
+        length_B=length_B[:B],
+        tokens_BxN=tokens_BxN[:B],
+        logprobs_BxN=logprobs_BxN[:B],
+        scores={name: table[name][:B] for name in EPISODE_SCORES} if scores else None,
+        seconds={"generate": generated_s - start_s, "score": 0.0},
+        loss_mask_BxN=loss_BxN[:B],
+        metrics=metrics,
+    )
 
 
 def _with_prefixes(prefixes, prefix_R, idx, cont_RxM, cont_len_R, cont_logp_RxM, N: int, task):

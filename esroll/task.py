@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from esroll import sharding
+from esroll import agents, sharding
 from esroll.config import ExperimentConfig
 from esroll.data import Example, eval_scores, format_prompt, parse_answer, score, task_spec
 from esroll.models import abstract_params, load_hf
@@ -19,7 +19,9 @@ from esroll.rewards import answer_id, get_reward
 
 class Task(NamedTuple):
     """Everything a method needs to turn prompts into rewards. `reward_fn` is the training reward (`data.reward`'s
-    function, `esroll.rewards.register_reward`); held-out evaluation scores the task's own (`eval_scores`)."""
+    function, `esroll.rewards.register_reward`); held-out evaluation scores the task's own (`eval_scores`). With
+    `env` (an `esroll.agents.EnvTask`), a row is a multi-turn episode of that environment and its reward the
+    episode's return (`esroll.rollout.rollout` plays it; `reward_fn` is not read)."""
 
     cfg: Any  # ModelConfig
     tokenizer: Any
@@ -28,6 +30,7 @@ class Task(NamedTuple):
     pad_id: int
     prompt_multiple: int
     reward_fn: Callable[[Example, str], float] = score
+    env: Any = None  # esroll.agents.EnvTask: rows are episodes
 
     def rewards(self, examples: list[Example], tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Training reward of each generated row; row j answers examples[j] (an example's prefix and the completion
@@ -92,6 +95,14 @@ def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Exampl
             shardings=lambda model_cfg: sharding.master_shardings(mesh, abstract_params(model_cfg)),
         )
     tokenizer = AutoTokenizer.from_pretrained(str(path))
+    eos = {tokenizer.eos_token_id, *_config_eos(model_cfg)}
+    eos_ids = tuple(sorted(e for e in eos if e is not None))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if cfg.env.name:  # episodes of a text environment (`esroll.agents`)
+        env = agents.env_task(cfg)
+        prompt_ids = agents.prompt_reader(env, tokenizer)
+        multiple = agents.prompt_multiple(prompt_ids, train, held_out)
+        return Task(model_cfg, tokenizer, prompt_ids, eos_ids, pad, multiple, env=env), params
     system = cfg.data.system or None
     cache: dict[str, list[int]] = {}
 
@@ -106,16 +117,13 @@ def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Exampl
             out.append(cache[question] + prefix)  # a prefix is the forced start of the answer (AdaPrefix)
         return out
 
-    eos = {tokenizer.eos_token_id, *_config_eos(model_cfg)}
     longest = max(len(p) for p in prompt_ids(train[:2000] + held_out))
     if cfg.curriculum.prefix:  # AdaPrefix appends up to a whole solution to a training prompt: one bucket still
         source = (lambda e: e.solution) if cfg.curriculum.prefix_source == "solution" else (lambda e: e.target_text)
         longest += max(len(tokenizer.encode(source(e), add_special_tokens=False)) for e in train)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     multiple = 8 * -(-longest // 8)  # one bucket for the whole dataset: a training run compiles generate once
     # The label-free mode computes its rewards from votes; its rows still carry the gold ones (logged as diagnostics).
     reward_fn = get_reward("gold" if cfg.data.label_free else cfg.data.reward)
-    eos_ids = tuple(sorted(e for e in eos if e is not None))
     return Task(model_cfg, tokenizer, prompt_ids, eos_ids, pad, multiple, reward_fn), params
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from etils import epath
 from tqdm.auto import tqdm
 
-from esroll import memory, methods, parallel, sharding
+from esroll import agents, memory, methods, parallel, sharding
 from esroll.checkpoint import Checkpointer, check_workdir, claim_workdir, extension, saved_config, workdir_path
 from esroll.config import ExperimentConfig, dotted, make_schedule
 from esroll.curriculum import Curriculum
@@ -101,7 +101,7 @@ def train_and_evaluate(
 
     # ---- data and model
     with reading():
-        train, held_out = make_splits(cfg.data)
+        train, held_out = agents.splits(cfg) if cfg.env.name else make_splits(cfg.data)
         task, params = load_task(cfg, train, held_out, mesh)  # master weights, in their shards
     to_compute = sharding.caster(mesh, cfg.model.dtype)
 

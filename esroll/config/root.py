@@ -9,6 +9,7 @@ from esroll.config.methods import ESConfig, ESSettings, GRPOConfig
 from esroll.config.sections import (
     CurriculumConfig,
     DataConfig,
+    EnvConfig,
     ModelSpec,
     OptimConfig,
     ParallelConfig,
@@ -33,12 +34,14 @@ class ExperimentConfig:
         (`esroll.curriculum`: adaptive data scheduling, AdaPrefix), for every method. parallel: the device layout (mesh
         model axis, rollout chunks). distributed: start `jax.distributed` (multi-host; one process per host, see the
         README). steps: how completions are cut into reasoning steps and scored step by step, for the methods that read
-    steps. `validate` checks structure and ranges; `esroll.experiment.check_names` the registered names."""
+    steps. env: train on multi-turn episodes of a text environment instead of `data`'s prompts (off by default).
+    `validate` checks structure and ranges; `esroll.experiment.check_names` the registered names."""
 
     method: str = "looroll"
     seed: int = 0
     model: ModelSpec = ModelSpec()
     data: DataConfig = DataConfig()
+    env: EnvConfig = EnvConfig()
     es: ESSettings = ESSettings()
     grpo: GRPOConfig = GRPOConfig()
     steps: StepsConfig = StepsConfig()

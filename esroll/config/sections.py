@@ -1,5 +1,5 @@
-"""The sections of an experiment config that every method shares: model, device layout, data, steps, optimizer,
-training loop and curriculum."""
+"""The sections of an experiment config that every method shares: model, device layout, data, environment, steps,
+optimizer, training loop and curriculum."""
 
 from __future__ import annotations
 
@@ -95,6 +95,34 @@ class DataConfig:
     def batch_seed(self) -> int:
         """The seed of the training batches' order."""
         return self.seed if self.order_seed < 0 else self.order_seed
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    """A config file's `env` section: train on multi-turn episodes of a text environment instead of single-turn
+    prompts (`esroll.agents`, docs/agents.md).
+
+    name: "" (off: prompts from `data`) or an environment of `esroll.envs.ENVIRONMENTS` (frozenlake, sokoban, or one
+    registered with `register_env`); options: the environments' options by name (`env.options.frozenlake.max_turns`),
+    each environment reading its own. An episode's prompt is the environment's instructions and first observation;
+    each turn the model writes an action of at most `max_action_tokens` tokens (its end token included) and the
+    environment answers with at most `max_observation_tokens` (a longer answer is refused naming this key). The
+    reward of a row is its episode's return; held-out "accuracy" is the share of episodes solved. With `name` set,
+    `data.n_examples` is the number of training episodes (seeds 0, 1, ...), `data.eval_size` the held-out ones
+    (seeds from 1,000,000, never trained on), split by `data.validation_size` / `data.eval_split` as questions are,
+    and `data.order_seed` (or `data.seed`) orders the training batches; the other data keys are not read."""
+
+    name: str = ""
+    options: Options = Options()
+    max_action_tokens: int = 4
+    max_observation_tokens: int = 48
+
+    def __post_init__(self):
+        checks = [
+            ("max_action_tokens", self.max_action_tokens >= 2, ">= 2 (a word and the end token)"),
+            ("max_observation_tokens", self.max_observation_tokens >= 1, ">= 1"),
+        ]
+        check_fields(self, checks, "EnvConfig")
 
 
 @dataclasses.dataclass(frozen=True)

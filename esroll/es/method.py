@@ -259,6 +259,7 @@ def make_es_method(
         jax.block_until_ready(params)
         extra["s_update"] = time.perf_counter() - start
         extra["reward_mean"] = _finite_mean(reward_B)  # before shaping
+        extra.update(out.metrics or {})  # what the rollout logs of itself (episodes: solved, turns, valid actions)
         generate_flops = ledger.rollout_flops(task.cfg, out.prompt_BxP.shape[1], out.length_B, perturb_rank=es_cfg.rank)
         extra.update(
             s_rollout=out.seconds["generate"], flops_generate=float(generate_flops), flops_update=float(update_flops)

@@ -60,12 +60,15 @@ def make_batches(
     """A step's B sampled rows as `minibatches` `Rollouts` on `mesh`, each split into `microbatches` of b rows (b
     padded to a multiple of the data axis with masked rows). Minibatch m is rows [m·B/n_mini, (m+1)·B/n_mini), whole
     prompt groups when n_mini divides X; its token weights (`token_weights`, times `factor_BxN`) are computed over
-    its real rows, before the padding."""
-    B = mask_BxN.shape[0]
+    its real rows, before the padding. `mask_BxN` is the tokens that get loss (`_loss_mask`); the forward attends to
+    every completion token (an episode's environment answers too), which the rows carry apart only where they differ
+    (`out.loss_mask_BxN`, episodes)."""
+    B, N = mask_BxN.shape
     b = B // (minibatches * microbatches)  # rows per microbatch
     data = parallel.data_size(mesh)
     b_padded = -(-b // data) * data
     micro_rows = NamedSharding(mesh, PartitionSpec(None, parallel.AXIS))
+    attend_BxN = np.arange(N)[None, :] < out.length_B[:, None]
     batches = []
     for m in range(minibatches):
         rows = slice(m * microbatches * b, (m + 1) * microbatches * b)
@@ -76,11 +79,11 @@ def make_batches(
             out.prompt_BxP[rows],
             out.prompt_mask_BxP[rows],
             out.tokens_BxN[rows],
-            mask_BxN[rows],
+            attend_BxN[rows],
             out.logprobs_BxN[rows],
             advantage_BxN[rows],
             weight.astype(np.float32),
-        )
+        ) + (() if out.loss_mask_BxN is None else (mask_BxN[rows],))
         split = (pad_rows(x.reshape(microbatches, b, *x.shape[1:]), b_padded) for x in fields)
         batches.append(Rollouts(*(parallel.put(micro_rows, x) for x in split)))
     return batches
@@ -116,8 +119,11 @@ def _mean_abs(advantage: np.ndarray, mask_BxN: np.ndarray) -> float:
     return float(per_row.mean())
 
 
-def _completion_mask(out) -> np.ndarray:
-    return np.arange(out.tokens_BxN.shape[1])[None, :] < out.length_B[:, None]
+def _loss_mask(out) -> np.ndarray:
+    """[B, N] bool: the sampled tokens that get loss: every completion token up to and including its end, or, in a
+    multi-turn episode, the model's actions only (`Rollout.loss_mask_BxN`)."""
+    mask_BxN = np.arange(out.tokens_BxN.shape[1])[None, :] < out.length_B[:, None]
+    return mask_BxN if out.loss_mask_BxN is None else mask_BxN & out.loss_mask_BxN
 
 
 def estimator_group(
@@ -297,7 +303,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
                 branch_flops = float(ledger.rollout_flops(task.cfg, branched.prompt_BxP.shape[1], branched.generated_B))
                 metrics.update(branch_rows=len(origin), s_branch=sum(branched.seconds.values()))
         rewards_XxM = reward_B.reshape(X, M)
-        mask_BxN = _completion_mask(out)
+        mask_BxN = _loss_mask(out)
 
         # ---- advantages, then the variants' token weights
         own, variant_state = split_host(g, state.host)
@@ -358,6 +364,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             flops_generate=float(generate_flops),
             flops_update=float(update_flops),
             **(estimate.metrics or {}),
+            **(out.metrics or {}),
         )
         if M > 1:  # a group of one is trivially all-equal
             metrics.update(
@@ -402,7 +409,7 @@ def make_policy_gradient(cfg: ExperimentConfig, task: Task, mesh: Mesh):
         )
         reward_B, _ = training_rewards(out, label_free)
         advantage_B = advantages.estimate("grpo", advantages.Group(reward_B.reshape(X, G))).advantage
-        mask_BxN = _completion_mask(out)
+        mask_BxN = _loss_mask(out)
         advantage_BxN = np.broadcast_to(advantage_B.reshape(-1, 1), mask_BxN.shape).astype(np.float32)
         (batch,) = make_batches(out, mask_BxN, advantage_BxN, np.float32(1.0), g.aggregation, 1, 1, mesh)
         grads, _ = gradient(params, None, batch, jnp.asarray(True))

@@ -126,12 +126,20 @@ class Rollouts(NamedTuple):
     prompt: Array  # [U, b, P] int32, left-padded
     prompt_mask: Array  # [U, b, P] bool
     completion: Array  # [U, b, N] int32
-    completion_mask: Array  # [U, b, N] bool: up to and including EOS
+    completion_mask: Array  # [U, b, N] bool: up to and including EOS (what the forward attends to)
     logp_old: Array  # [U, b, N] float32: π_old from generate
     advantage: (
         Array  # [U, b, N] float32: each token's advantage (the trainer broadcasts a sequence-level one); or [U, b]
     )
     weight: Array  # [U, b, N] float32: token_weights over the whole minibatch, times the variants' factors
+    # [U, b, N] bool: the tokens that get loss, where they are not every completion token: a multi-turn episode's
+    # actions, its environment's answers attended to but never trained on (`esroll.agents`); None: completion_mask.
+    loss_mask: Array | None = None
+
+    @property
+    def trained(self) -> Array:
+        """[U, b, N] bool: the tokens that get loss."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     @classmethod
     def abstract(cls, microbatches: int, rows: int, prompt_len: int, new_tokens: int, sharding) -> Rollouts:
@@ -187,9 +195,7 @@ def _minibatch_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: 
         logp_ref = None if ref_params is None else jax.lax.stop_gradient(logprobs(ref_params, micro)[0])
         logp_old = jnp.where(on_policy, jax.lax.stop_gradient(logp), micro.logp_old)
         advantage = micro.advantage[:, None] if micro.advantage.ndim == 1 else micro.advantage  # [b, 1] or [b, N]
-        terms = LossTerms(
-            logp, logp_old, logp_ref, micro.completion_mask, advantage, grpo.epsilon_low, grpo.epsilon_high
-        )
+        terms = LossTerms(logp, logp_old, logp_ref, micro.trained, advantage, grpo.epsilon_low, grpo.epsilon_high)
         extra = [v.loss_metrics(grpo, terms) for v in variants]
         for v in variants:
             terms = v.loss_terms(grpo, terms)
@@ -204,8 +210,8 @@ def _minibatch_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: 
             weights_BxN=micro.weight,
         )
         # Sums, so that the minibatch's entropy is a mean over its tokens whatever the microbatches hold (padding).
-        metrics["entropy_sum"] = jnp.where(micro.completion_mask, jax.lax.stop_gradient(entropy), 0.0).sum()
-        metrics["tokens"] = jnp.asarray(micro.completion_mask, jnp.float32).sum()
+        metrics["entropy_sum"] = jnp.where(micro.trained, jax.lax.stop_gradient(entropy), 0.0).sum()
+        metrics["tokens"] = jnp.asarray(micro.trained, jnp.float32).sum()
         return loss, (metrics, extra)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)

@@ -1,0 +1,80 @@
+"""Multi-turn agents: ES and GRPO on FrozenLake and Sokoban episodes, from the shipped agent model
+(`assets/tiny-qwen3-agent`, docs/agents.md).
+
+    python -m experiments.train --config configs/agents.py:frozenlake --workdir runs/agents_frozenlake
+    python -m experiments.train --config configs/agents.py:sokoban,grpo --workdir runs/agents_sokoban_grpo
+    python -m experiments.train --config configs/agents.py:quick --workdir runs/agents_quick
+
+The variant is comma-separated, each part at most once: an environment, a method and modifiers.
+    frozenlake  FrozenLake 4 × 4, at most 8 turns (the default)
+    sokoban     Sokoban 6 × 6 with one box, at most 10 turns
+    looroll     LOO-ROLL (the default): population 32 on 8 shared episodes, greedy, σ = 0.005, raw fitness, Adam
+    eggroll     antithetic EGGROLL, otherwise as looroll
+    grpo        GRPO: 8 episodes × 8 sampled at temperature 1, AdamW clipped at norm 1
+    quick       a seconds-long smoke run (tests)
+A row is one episode: its reward is the episode's return (ES: a member's fitness is the mean return of its episodes;
+GRPO: the return's group advantage on every action token, none on the environment's). Held-out "accuracy" is the
+share of 128 held-out episodes solved, played greedily. Hardware: 2 CPU cores; a full run trains for 10 minutes of
+wall time (`train.time_budget_s`), evaluation excluded. Every other key starts at its default
+(`esroll.experiment.default_config`).
+"""
+
+from esroll.experiment import default_config
+
+ENVS = {"frozenlake": "FrozenLake 4 × 4, 8 turns", "sokoban": "Sokoban 6 × 6, one box, 10 turns"}
+METHODS = {"looroll": "LOO-ROLL", "eggroll": "antithetic EGGROLL", "grpo": "GRPO on the episode return"}
+MODIFIERS = {"quick": "a seconds-long smoke run (tests)"}
+# The room an episode takes in the model's context: per turn an action of at most 4 tokens (the end token included)
+# and an answer of at most 24, the room the agent model was built with (`experiments.pretrain_agent`: its tokenizer
+# writes each answer of its 8,000 training episodes in at most 16 tokens; a longer one is refused, naming the key).
+ACTION_TOKENS, OBSERVATION_TOKENS = 4, 24
+
+
+def get_config(arg: str | None = None):
+    parts = [p.strip() for p in (arg or "frozenlake").split(",") if p.strip()]
+    unknown = [p for p in parts if p not in ENVS and p not in METHODS and p not in MODIFIERS]
+    envs, methods = [p for p in parts if p in ENVS], [p for p in parts if p in METHODS]
+    if unknown or len(envs) > 1 or len(methods) > 1 or len(set(parts)) != len(parts):
+        raise ValueError(
+            f"configs/agents.py: variant {arg!r} must name at most one environment ({', '.join(ENVS)}), at most one "
+            f"method ({', '.join(METHODS)}) and modifiers ({', '.join(MODIFIERS)}), comma-separated, each once"
+        )
+    env = envs[0] if envs else "frozenlake"
+    method = methods[0] if methods else "looroll"
+    c = default_config()
+    c.model.path = "assets/tiny-qwen3-agent"
+    c.env.name = env
+    c.env.max_action_tokens = ACTION_TOKENS
+    c.env.max_observation_tokens = OBSERVATION_TOKENS
+    turns = c.env.options[env].max_turns
+    c.train.max_new_tokens = turns * (ACTION_TOKENS + OBSERVATION_TOKENS)
+    c.data.n_examples = 100_000  # training episodes: seeds 0 .. 99,999
+    c.data.eval_size = 128  # held-out episodes: seeds from 1,000,000
+    c.train.prompts_per_step = 8
+    c.train.time_budget_s = 600.0
+    c.train.steps = 10_000  # the time budget ends the run
+    c.train.eval_every = 10
+    c.train.checkpoint_every = 10
+    c.method = method
+    if method == "grpo":
+        c.grpo.group_size = 8
+        c.grpo.temperature = 1.0
+        c.optimizer.name = "adamw"
+        c.optimizer.lr = 1e-4
+        c.optimizer.max_grad_norm = 1.0
+    else:
+        c.es.population = 32
+        c.es.sigma = 0.005
+        c.es.shaping = "raw"
+        c.optimizer.lr = 3e-4
+    if "quick" in parts:
+        c.data.n_examples = 200
+        c.data.eval_size = 8
+        c.train.time_budget_s = 0.0
+        c.train.steps = 2
+        c.train.prompts_per_step = 2
+        c.train.eval_every = 2
+        c.train.checkpoint_every = 2
+        c.es.population = 4
+        c.grpo.group_size = 4
+    return c
