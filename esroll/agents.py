@@ -63,15 +63,18 @@ def env_task(cfg: ExperimentConfig) -> EnvTask:
 def check_config(cfg: ExperimentConfig) -> None:
     """Raise the one-line ConfigError of the first setting an agent run (`env.name` set) cannot work with: a
     completion too short for an episode, or a method part that reads single-turn answers (label-free votes, reasoning
-    steps, the curriculum's prefixes and clusters)."""
+    steps, the curriculum's prefixes and clusters); and, without `env.name`, a turn-level estimator."""
+    from esroll.grpo import advantages  # the estimators' needs
+
+    needs = advantages.ESTIMATORS[cfg.grpo.advantage].needs if cfg.grpo.advantage in advantages.ESTIMATORS else ()
     if not cfg.env.name:
+        if cfg.method == "grpo" and "turns" in needs:
+            expected = f"an estimator of single-turn completions without env.name ({cfg.grpo.advantage} reads turns)"
+            raise ConfigError("grpo.advantage", cfg.grpo.advantage, expected)
         return
     ENVIRONMENTS.check(cfg.env.name)
     need = env_task(cfg).max_episode_tokens
-    step_needs = ("steps", "step_scores", "branches", "states")
-    from esroll.grpo import advantages  # the estimators' needs: imported here, where a run names one
-
-    needs = advantages.ESTIMATORS[cfg.grpo.advantage].needs if cfg.grpo.advantage in advantages.ESTIMATORS else ()
+    step_needs = advantages.STEP_NEEDS
     checks = [
         (
             "train.max_new_tokens",

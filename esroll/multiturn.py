@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,18 @@ def format_prompt(instructions: str, observation: str) -> str:
 def format_observation(observation: str) -> str:
     """The environment's answer to an action, as the episode's text continues after the action's end token."""
     return f"{observation}\n"
+
+
+class Turns(NamedTuple):
+    """Each episode's turns, B rows and T turn slots, as turn-level credit reads them (`esroll.grpo.estimators.turns`):
+    the span of turn t's action in the episode after its prompt (start_BxT, end_BxT), its reward, the turns played
+    (count_B), and the observation each action answered (states[b][t], the text the environment showed before it)."""
+
+    start_BxT: np.ndarray
+    end_BxT: np.ndarray
+    reward_BxT: np.ndarray
+    count_B: np.ndarray
+    states: list[list[str]]
 
 
 @dataclasses.dataclass
@@ -82,6 +95,12 @@ class Episodes:
     @property
     def return_B(self) -> np.ndarray:
         return self.reward_BxT.sum(axis=1)
+
+    @property
+    def turns(self) -> Turns:
+        """The turns as turn-level credit reads them (the observation before each action as its state)."""
+        states = [obs[: int(n)] for obs, n in zip(self.observations, self.turns_B)]
+        return Turns(self.action_start_BxT, self.action_end_BxT, self.reward_BxT, self.turns_B, states)
 
 
 def play(

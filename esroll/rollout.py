@@ -32,7 +32,7 @@ from esroll.config import StepsConfig
 from esroll.rewards import majority_rewards
 from esroll.data import Example, eval_score_names
 from esroll.models import Perturbation
-from esroll.multiturn import play
+from esroll.multiturn import Turns, play
 from esroll.sampling import generate, pad_prompts
 from esroll.steps import Steps, segment
 from esroll.verify import STEP_VERIFIERS
@@ -83,6 +83,7 @@ class Rollout(NamedTuple):
     step_scores_BxS: np.ndarray | None = None  # [B, S] (with step_scores): each step's verifier score, NaN past them
     loss_mask_BxN: np.ndarray | None = None  # [B, N] bool (episodes): the model's own tokens; None: every generated one
     metrics: dict[str, float] | None = None  # what the rollout itself logs (episodes: solved, turns, valid actions)
+    turns: Turns | None = None  # (episodes): each episode's turns: action spans, rewards, the state each answered
 
     @property
     def generated_B(self) -> np.ndarray:
@@ -294,6 +295,9 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
     logprobs_BxN, loss_BxN = np.zeros((rows, N), np.float32), np.zeros((rows, N), bool)
     length_B, reward_B, turns_B = np.zeros(rows, np.int32), np.zeros(rows, np.float32), np.zeros(rows, np.float32)
     solved_B, valid, acted = np.zeros(rows, np.float32), 0, 0
+    T = env.max_turns
+    start_BxT, end_BxT = np.zeros((rows, T), np.int32), np.zeros((rows, T), np.int32)
+    turn_reward_BxT, states = np.zeros((rows, T), np.float32), [[] for _ in range(rows)]
     for c, p in parts:
         keep = real_B[c]
         width, L = p.prompt_BxP.shape[1], p.tokens_BxL.shape[1]
@@ -307,6 +311,13 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
         played_BxT = np.arange(p.reward_BxT.shape[1])[None] < p.turns_B[:, None]
         valid += int((p.valid_BxT & played_BxT)[keep].sum())
         acted += int(played_BxT[keep].sum())
+        turned = p.turns
+        kept = keep[:, None]
+        t = turned.start_BxT.shape[1]
+        start_BxT[c, :t], end_BxT[c, :t] = turned.start_BxT * kept, turned.end_BxT * kept
+        turn_reward_BxT[c, :t] = np.where(kept, turned.reward_BxT, 0.0)
+        for i, b in enumerate(range(c.start, c.stop)):
+            states[b] = turned.states[i] if keep[i] else []
     generated_s = time.perf_counter()
     n = max(int(real_B.sum()), 1)
     metrics = {
@@ -327,6 +338,7 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
         seconds={"generate": generated_s - start_s, "score": 0.0},
         loss_mask_BxN=loss_BxN[:B],
         metrics=metrics,
+        turns=Turns(start_BxT[:B], end_BxT[:B], turn_reward_BxT[:B], turns_B[:B].astype(np.int32), states[:B]),
     )
 
 

@@ -292,8 +292,8 @@ def test_ddrl_needs_answers():
 
 def sequence_level() -> list[str]:
     """The estimators that credit whole completions (those that read steps, as mc_steps, are tested with a model
-    that writes steps: tests/test_branching.py)."""
-    return [name for name, spec in A.ESTIMATORS.items() if not set(spec.needs) & set(A.STEP_NEEDS)]
+    that writes steps: tests/test_branching.py; those that read episodes' turns: tests/test_turn_credit.py)."""
+    return [name for name, spec in A.ESTIMATORS.items() if not set(spec.needs) & {*A.STEP_NEEDS, "turns"}]
 
 
 def test_every_estimator_gives_float32_of_the_rewards_shape():

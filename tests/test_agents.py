@@ -94,6 +94,35 @@ def test_an_agent_rollout_is_the_episodes_played(setup):
     assert whole.metrics["episode_solved"] == pytest.approx(ep.solved_B.mean())
 
 
+def test_turns_of_a_rollout_are_the_episodes_turns_and_gigpo_credits_only_actions(setup):
+    """The rollout's turns are play's (action spans, rewards, the observation each action answered) and their spans
+    cover exactly the loss mask; GiGPO on a sampled group (`estimator_group`, as the GRPO step builds it) puts every
+    nonzero advantage on an action token."""
+    from esroll.grpo.advantages import estimate
+    from esroll.grpo.method import estimator_group
+    from esroll.grpo.estimators.turns import GigpoOptions
+
+    cfg, mesh, task, params, held_out = setup
+    example_B = np.repeat(np.arange(2), 4)
+    key = jax.random.key(7)
+    out = rollout(task, mesh, params, held_out, example_B, key, Sampling(cfg.train.max_new_tokens, 1.0))
+    ep = play_directly(task, params, [held_out[e].meta["seed"] for e in example_B], key, 1.0)
+    T = ep.turns_B.max()
+    np.testing.assert_array_equal(out.turns.count_B, ep.turns_B)
+    np.testing.assert_array_equal(out.turns.start_BxT[:, :T], ep.action_start_BxT[:, :T])
+    np.testing.assert_array_equal(out.turns.reward_BxT[:, :T], ep.reward_BxT[:, :T])
+    assert out.turns.states == [obs[:n] for obs, n in zip(ep.observations, ep.turns_B)]
+    covered = np.zeros_like(out.loss_mask_BxN)
+    for b in range(8):
+        for t in range(out.turns.count_B[b]):
+            covered[b, out.turns.start_BxT[b, t] : out.turns.end_BxT[b, t]] = True
+    np.testing.assert_array_equal(covered, out.loss_mask_BxN)
+    mask = _loss_mask(out)
+    group = estimator_group(out, out.reward_B.reshape(2, 4), mask, held_out, 0, 0, ("turns",))
+    advantage = estimate("gigpo", group, GigpoOptions()).advantage.reshape(8, -1)
+    assert not advantage[~mask].any()
+
+
 def test_members_play_the_same_episodes_with_their_own_weights(setup):
     """An ES rollout's rows (member-major over two seeds) equal each member's episodes played alone with its own
     perturbation: the reward of a row is the return its member got."""
@@ -221,6 +250,10 @@ def test_agent_configs_refuse_what_episodes_cannot_have():
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=r"grpo\.advantage"):
         agent_config("grpo,quick", **{"grpo.advantage": "verigate"})
+    # Turn-level estimators read episodes' turns: accepted with env.name, refused without it.
+    assert agent_config("grpo,quick", **{"grpo.advantage": "gigpo"}).grpo.advantage == "gigpo"
+    with pytest.raises(ConfigError, match=r"grpo\.advantage.*reads turns"):
+        check_names(from_config_dict({"method": "grpo", "grpo": {"advantage": "gigpo"}}))
     from configs.agents import get_config
 
     cd = get_config("quick")
@@ -260,3 +293,32 @@ def test_agent_configs_fit_the_agent_model(env):
         "max_position_embeddings"
     ]
     assert longest + cfg.train.max_new_tokens <= positions
+
+
+def test_agent_comparison_quick_pairs_every_arm_with_grpo(tmp_path):
+    """configs/agents_compare.py:quick through the tuned protocol: GiGPO starts from GRPO's chosen setting and trains
+    with the turn-level advantage (its steps log the anchor groups), LOO-ROLL trains on the same episodes, and the
+    report pairs each arm with GRPO. Both full variants build with their 4 arms."""
+    import csv
+    import json
+
+    from configs import agents_compare
+    from esroll.compare import comparison_from_dict, run_comparison
+    from esroll.metrics import read_metrics
+    from esroll.report import write_report
+
+    for variant in ("frozenlake", "sokoban"):
+        comp = comparison_from_dict(agents_compare.get_config(variant).to_dict())
+        assert list(comp.configs) == list(agents_compare.ARMS) and comp.reference == "grpo"
+        assert comp.configs["gigpo"].grpo.advantage == "gigpo" and comp.configs["looroll"].env.name == variant
+    cd = agents_compare.get_config("quick")
+    cd.experiment.model.path = AGENT_MODEL
+    comp = comparison_from_dict(cd.to_dict())
+    run_comparison(comp, tmp_path, mesh_devices=1, progress=False)
+    gigpo = json.loads((tmp_path / "gigpo" / "seed1" / "config.json").read_text())
+    assert gigpo["grpo"]["advantage"] == "gigpo" and gigpo["data"]["eval_split"] == "test"
+    steps = [r for r in read_metrics(tmp_path / "gigpo" / "seed0" / "metrics.jsonl") if "fitness_mean" in r]
+    assert steps and all("gigpo_anchor_share" in r and "episode_solved" in r for r in steps)
+    with open(write_report(tmp_path)["results_csv"]) as f:
+        results = {r["method"]: r for r in csv.DictReader(f)}
+    assert set(results) == {"grpo", "gigpo", "looroll"} and int(results["gigpo"]["n_pairs"]) == 2

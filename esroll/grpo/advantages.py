@@ -36,7 +36,7 @@ from esroll.steps import Steps
 
 Estimator = Callable[..., "Estimate"]  # fn(group: Group, options, state: dict | None) -> Estimate
 STEP_NEEDS = ("steps", "step_scores", "branches", "states")  # what reads the `steps` config section
-NEEDS = ("logprobs", "answers", "examples", *STEP_NEEDS)  # what an estimator may read beyond the rewards
+NEEDS = ("logprobs", "answers", "examples", *STEP_NEEDS, "turns")  # what an estimator may read beyond the rewards
 
 
 class EstimatorSpec(NamedTuple):
@@ -81,7 +81,8 @@ def register_advantage(
     only), "examples" (the prompts), "steps" (`Group.steps`, each completion cut into reasoning steps by the `steps`
     config section), "step_scores" (`Group.step_scores`, each step's score by `steps.verifier`), "branches"
     (`Group.branch_rewards`, the rewards of `steps.branches` continuations sampled from the end of each step),
-    "states" (`Group.states`, the state each step reaches by the task's `step_state`); the step fills only these
+    "states" (`Group.states`, the state each step reaches by the task's `step_state`), "turns" (`Group.turns`, the
+    turns of multi-turn episodes, with the token mask: agent runs only, `esroll.agents`); the step fills only these
     fields of its `Group` (and the steps, token log-probabilities and mask with any step need).
     single_rollout: it works with one completion per prompt (grpo.group_size 1 is then allowed); label_free_only:
     it needs data.reward = "majority".
@@ -142,6 +143,7 @@ class Group(NamedTuple):
     states: np.ndarray | None = None  # [X, M, S] int, S the most steps of any completion: the state after each step
     # (`esroll.data.step_states`), ids equal within a prompt's group exactly where the states are; -1 past a
     # completion's steps (`state_ids`)
+    turns: Any = None  # the X·M episodes' turns (`esroll.multiturn.Turns`, rows prompt-major): agent runs
 
 
 def state_ids(keys_per_row: list[list], X: int, M: int, S: int) -> np.ndarray:

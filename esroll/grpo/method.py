@@ -138,7 +138,7 @@ def estimator_group(
     if "logprobs" in needs:
         seq_logp = np.where(mask_BxN, out.logprobs_BxN, 0.0).sum(1) / np.maximum(out.length_B, 1)
         fields["seq_logp"] = seq_logp.reshape(X, M)
-    if "logprobs" in needs or step_needs:
+    if "logprobs" in needs or step_needs or "turns" in needs:
         fields.update(token_logp=out.logprobs_BxN.reshape(X, M, N), token_mask=mask_BxN.reshape(X, M, N))
     if "answers" in needs and out.answer_B is not None:
         fields["answers"] = out.answer_B.reshape(X, M)
@@ -148,6 +148,8 @@ def estimator_group(
         fields["steps"] = out.steps
     if "step_scores" in needs:
         fields["step_scores"] = out.step_scores_BxS.reshape(X, M, -1)
+    if "turns" in needs:
+        fields["turns"] = out.turns
     if "states" in needs:
         keys = [step_states(examples[b // M], out.steps.text[b]) for b in range(X * M)]
         fields["states"] = advantages.state_ids(keys, X, M, max(int(out.steps.count_B.max(initial=0)), 1))

@@ -17,6 +17,8 @@ step-level ones and GuAE: docs/step_level.md):
     ibpo      IBPO: each step against its counterfactual siblings (same state, other step), policy-weighted
     graft     GRAFT: step credit V(target) − V(source) on the group's graph of states; graft_gae: Graph GAE on it
     progpo    ProGPO: exact-prefix step comparison plus transition credit from depth-fused state potentials
+    discounted  multi-turn episodes: discounted per-turn returns normalised over the group (docs/agents.md)
+    gigpo     GiGPO: the episode's group advantage plus the turn's return against turns from the same state
 """
 
 from esroll.grpo.estimators import (  # noqa: F401 — registers them
@@ -33,5 +35,6 @@ from esroll.grpo.estimators import (  # noqa: F401 — registers them
     ntf,
     progpo,
     sas,
+    turns,
     verigate,
 )

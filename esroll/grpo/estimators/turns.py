@@ -1,0 +1,135 @@
+"""Turn-level credit for multi-turn episodes (`esroll.agents`): discounted per-turn returns normalised over the
+group (`discounted`), and GiGPO's two-level groups (`gigpo`): the episode's group advantage plus, for each turn, the
+turn's discounted return against the turns of the group's episodes that acted from the same state.
+
+Both read `Group.turns` (`esroll.multiturn.Turns`: each episode's per-turn rewards, action spans and the observation
+each action answered) and give each action token its turn's advantage; the environment's tokens get none (the
+rollout's loss mask). Turns are grouped by their state, never by turn index alone: when the policy decides how long
+an episode runs, the t-th turns of different episodes are not comparable (docs/agents.md). What each computes, and
+what its source leaves open: docs/agents.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from esroll.config import check_fields
+from esroll.grpo.advantages import Estimate, Group, register_advantage, valid_rewards
+
+EPS = 1e-4  # as GRPO's group std (TRL)
+
+
+def discounted_returns(reward_BxT: np.ndarray, count_B: np.ndarray, gamma: float) -> np.ndarray:
+    """[B, T] each turn's discounted return, G_t = r_t + γ·G_{t+1} over the episode's `count` turns; 0 past them."""
+    B, T = reward_BxT.shape
+    inside = np.arange(T)[None, :] < np.asarray(count_B)[:, None]
+    rewards = np.where(inside, np.asarray(reward_BxT, np.float64), 0.0)
+    returns, later = np.zeros((B, T)), np.zeros(B)
+    for t in range(T - 1, -1, -1):
+        later = rewards[:, t] + gamma * later
+        returns[:, t] = later
+    return np.where(inside, returns, 0.0)
+
+
+def normalise(values: np.ndarray, std: bool) -> np.ndarray:
+    """values − their mean, divided by (their sample std + 1e-4) when `std`; 0 for fewer than 2 values."""
+    values = np.asarray(values, np.float64)
+    if values.size < 2:
+        return np.zeros_like(values)
+    centred = values - values.mean()
+    return centred / (values.std(ddof=1) + EPS) if std else centred
+
+
+def turn_tokens(g: Group, value_BxT: np.ndarray, plus_B: np.ndarray | float = 0.0) -> np.ndarray:
+    """[X, M, N] float32: the action tokens of turn t of row b get value[b, t] + plus[b]; every other token 0."""
+    X, M = g.rewards.shape
+    N = g.token_mask.shape[2]
+    turns = g.turns
+    out = np.zeros((X * M, N))
+    plus = np.broadcast_to(np.asarray(plus_B, np.float64), (X * M,))
+    for b in range(X * M):
+        for t in range(int(turns.count_B[b])):
+            out[b, turns.start_BxT[b, t] : turns.end_BxT[b, t]] = value_BxT[b, t] + plus[b]
+    return out.reshape(X, M, N).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiscountedOptions:
+    """`grpo.adv.discounted.*`. gamma: the discount of the per-turn returns; std: divide by the group's std."""
+
+    gamma: float = 0.95
+    std: bool = True
+
+    def __post_init__(self):
+        check_fields(self, [("gamma", 0 <= self.gamma <= 1, "in [0, 1]")], "DiscountedOptions")
+
+
+def discounted(g: Group, o: DiscountedOptions, state=None) -> Estimate:
+    """Per-token advantages: each turn's discounted return (`discounted_returns`), normalised over every turn of the
+    group's valid episodes ((G − mean) / (sample std + 1e-4), or G − mean without `std`), on the turn's action
+    tokens. An invalid episode gets 0."""
+    _, valid = valid_rewards(g)
+    X, M = valid.shape
+    turns = g.turns
+    returns = discounted_returns(turns.reward_BxT, turns.count_B, o.gamma)
+    played = (np.arange(returns.shape[1])[None, :] < np.asarray(turns.count_B)[:, None]) & valid.reshape(-1, 1)
+    value = np.zeros_like(returns)
+    for x in range(X):
+        rows = slice(x * M, (x + 1) * M)
+        value[rows][played[rows]] = normalise(returns[rows][played[rows]], o.std)
+    return Estimate(turn_tokens(g, value))
+
+
+@dataclasses.dataclass(frozen=True)
+class GigpoOptions:
+    """`grpo.adv.gigpo.*`. gamma: the discount of the per-turn returns; omega: the weight of the turn advantage
+    beside the episode's; std: divide by the group's std at both levels (GiGPO's mean-std mode; False: mean only)."""
+
+    gamma: float = 0.95
+    omega: float = 1.0
+    std: bool = True
+
+    def __post_init__(self):
+        checks = [("gamma", 0 <= self.gamma <= 1, "in [0, 1]"), ("omega", self.omega >= 0, ">= 0")]
+        check_fields(self, checks, "GigpoOptions")
+
+
+def gigpo(g: Group, o: GigpoOptions, state=None) -> Estimate:
+    """Per-token advantages A_E + ω·A_S. A_E, the episode advantage: the return normalised over the group's valid
+    episodes. A_S, the turn advantage: the group's turns (over its valid episodes) are grouped by their anchor state,
+    the exact observation text each action answered; a turn's discounted return (`discounted_returns`) is
+    normalised over its anchor group, and a turn whose state no other turn of the group shares gets 0. Logs
+    `gigpo_anchor_share` (the share of turns in an anchor group of two or more) and `gigpo_anchor_size` (their mean
+    group size)."""
+    r, valid = valid_rewards(g)
+    X, M = r.shape
+    turns = g.turns
+    returns = discounted_returns(turns.reward_BxT, turns.count_B, o.gamma)
+    episode = np.zeros((X, M))
+    step = np.zeros_like(returns)
+    shared, sizes, total = 0, [], 0
+    for x in range(X):
+        rows = np.flatnonzero(valid[x])
+        episode[x, rows] = normalise(r[x, rows], o.std)
+        anchors: dict[str, list[tuple[int, int]]] = {}
+        for j in rows:
+            b = x * M + j
+            for t in range(int(turns.count_B[b])):
+                anchors.setdefault(turns.states[b][t], []).append((b, t))
+        for members in anchors.values():
+            total += len(members)
+            if len(members) >= 2:
+                shared += len(members)
+                sizes.append(len(members))
+                values = normalise(np.array([returns[b, t] for b, t in members]), o.std)
+                for (b, t), v in zip(members, values):
+                    step[b, t] = v
+    metrics = {"gigpo_anchor_share": shared / max(total, 1), "gigpo_anchor_size": float(np.mean(sizes or [0]))}
+    episode_B = np.where(valid, episode, 0.0).reshape(-1)
+    return Estimate(turn_tokens(g, o.omega * step, episode_B), metrics=metrics)
+
+
+register_advantage("discounted", discounted, options=DiscountedOptions, needs=("turns",))
+register_advantage("gigpo", gigpo, options=GigpoOptions, needs=("turns",))
