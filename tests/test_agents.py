@@ -1,8 +1,9 @@
 """Agent runs (`esroll.agents`, `env.name`): a rollout of an agent task is `esroll.multiturn.play`'s episodes (reward
 the return, loss on the actions only, chunking and members as in single-turn rollouts); GRPO's gradient on episodes
 equals a policy gradient written here from a cache-free forward over each whole episode with the action tokens
-picked out by hand (so the environment's tokens are attended to and get no loss); `configs/agents.py:quick` trains ES
-and GRPO end to end and resumes exactly; a config agents cannot run with is refused with one line naming its key."""
+picked out by hand (so the environment's tokens are attended to and get no loss); `configs/agents.py:quick` trains
+from the command line and resumes exactly, and `configs/agents_compare.py:quick` trains GRPO, GiGPO and LOO-ROLL end to end; a config
+agents cannot run with is refused with one line naming its key."""
 
 from __future__ import annotations
 
@@ -227,10 +228,10 @@ def test_quick_agent_run_trains(tmp_path):
     assert [r["step"] for r in evals] == [0, 2] and all({"eval_return", "eval_turns"} <= set(r) for r in evals)
 
 
-def test_grpo_on_episodes_resumes_exactly(tmp_path):
-    """`configs/agents.py:grpo,quick` killed after 2 of 4 steps and restarted ends bit-identical to an uninterrupted
-    run (episodes sampled at temperature 1, keyed by step and row)."""
-    steps = check_exact_resume(agent_config("grpo,quick", **{"train.steps": 4}), tmp_path)
+def test_es_on_episodes_resumes_exactly(tmp_path):
+    """`configs/agents.py:quick` (LOO-ROLL) killed after 2 of 4 steps and restarted ends bit-identical to an
+    uninterrupted run: every member's episodes depend only on the run's seed and the step."""
+    steps = check_exact_resume(agent_config("quick", **{"train.steps": 4}), tmp_path)
     assert all(0 <= r["episode_solved"] <= 1 for r in steps)
 
 
