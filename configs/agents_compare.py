@@ -66,18 +66,8 @@ def get_config(arg: str | None = None) -> ConfigDict:
         if not quick:
             cd.data.eval_size = 192
             cd.data.validation_size = 64
-    c = compare._comparison(experiments)
-    del c.overrides["looroll_r8"]
-    c.methods = ",".join(ARMS)
-    c.reference = "grpo"
-    c.seeds = (0, 1, 2, 3, 4)
-    c.time_budget_s = 240.0
-    c.tuning.seeds = (100,)
-    c.tuning.runs = 2
-    c.tuning.search = "grid"
-    c.tuning.time_budget_s = 120.0
-    c.tuning.space = OWN_OPTION
-    c.tuning.inherit = {arm: "grpo" for arm in GRPO_ARMS if arm != "grpo"}
+    inherit = {arm: "grpo" for arm in GRPO_ARMS if arm != "grpo"}
+    c = compare.own_option_protocol(experiments, ARMS, OWN_OPTION, inherit, time_budget_s=240.0, tuning_budget_s=120.0)
     if quick:
         c.experiment.data.eval_size = 8
         c.experiment.data.validation_size = 4
@@ -85,9 +75,5 @@ def get_config(arg: str | None = None) -> ConfigDict:
         c.tuning.runs = 1
         c.tuning.space = {m: OWN_OPTION[m] for m in c.methods.split(",")}
         c.tuning.inherit = {"gigpo": "grpo"}
-        c.seeds = (0, 1)
-        c.time_budget_s = 1.0
-        c.max_steps = 2
-        c.tuning.time_budget_s = 1.0
-        c.warmup = False  # no throwaway compilation runs
+        compare.quick_protocol(c)
     return c

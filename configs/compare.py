@@ -99,6 +99,35 @@ def _comparison(experiments: dict[str, ConfigDict]) -> ConfigDict:
     return c
 
 
+def own_option_protocol(experiments, arms, space, inherit, time_budget_s: float, tuning_budget_s: float) -> ConfigDict:
+    """The comparison of `experiments` against plain GRPO with each arm tuned on its own main option: `arms` in that
+    order, 5 evaluation seeds of `time_budget_s`; one tuning seed, a grid of 2 settings per arm (its own and the one
+    other `space` gives it) of `tuning_budget_s`; each arm of `inherit` starts from its named arm's chosen setting."""
+    c = _comparison(experiments)
+    del c.overrides["looroll_r8"]
+    c.methods = ",".join(arms)
+    c.reference = "grpo"
+    c.seeds = (0, 1, 2, 3, 4)
+    c.time_budget_s = time_budget_s
+    c.tuning.seeds = (100,)
+    c.tuning.runs = 2
+    c.tuning.search = "grid"
+    c.tuning.time_budget_s = tuning_budget_s
+    c.tuning.space = space
+    c.tuning.inherit = inherit
+    return c
+
+
+def quick_protocol(c: ConfigDict) -> ConfigDict:
+    """`c` cut to seconds for the test suite: 2 evaluation seeds, runs of 2 steps, no warm-up compilation runs."""
+    c.seeds = (0, 1)
+    c.time_budget_s = 1.0
+    c.max_steps = 2
+    c.tuning.time_budget_s = 1.0
+    c.warmup = False  # no throwaway compilation runs
+    return c
+
+
 # The search spaces of the tuned variants: what a fair comparison tunes for each method (declared ranges, the same
 # number of draws for every method). The schedules' horizons are in steps (resume stays exact): about 0.85 of the
 # steps each method takes in the 120-s evaluation budget on 2 cores (docs/results/tuned.md): LOO-ROLL and EGGROLL

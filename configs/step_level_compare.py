@@ -85,27 +85,19 @@ def get_config(arg: str | None = None) -> ConfigDict:
         cd.data.validation_size = 128
         if arg != "quick":
             cd.train.eval_every = 5  # 0.3 s per evaluation of 256 questions: a point every ~4 s of training
-    c = compare._comparison(experiments)
-    del c.overrides["looroll_r8"]
-    c.methods = ",".join(ARMS)
-    c.reference = "grpo"
-    c.seeds = (0, 1, 2, 3, 4)
-    c.time_budget_s = 75.0
-    c.tuning.seeds = (100,)
-    c.tuning.runs = 2
-    c.tuning.search = "grid"
-    c.tuning.time_budget_s = 40.0
-    c.tuning.space = {**OWN_OPTION, "looroll": ES_LR, "looroll_dense": ES_LR}
-    c.tuning.inherit = {arm: "grpo" for arm in GRPO_ARMS if arm != "grpo"}
+    c = compare.own_option_protocol(
+        experiments,
+        ARMS,
+        {**OWN_OPTION, "looroll": ES_LR, "looroll_dense": ES_LR},
+        {arm: "grpo" for arm in GRPO_ARMS if arm != "grpo"},
+        time_budget_s=75.0,
+        tuning_budget_s=40.0,
+    )
     if arg == "quick":
         c.experiment.data.eval_size = 32
         c.experiment.data.validation_size = 16
         c.methods = "grpo,verigate,looroll_dense"
         c.tuning.space = {m: c.tuning.space[m] for m in c.methods.split(",")}
         c.tuning.inherit = {"verigate": "grpo"}
-        c.seeds = (0, 1)
-        c.time_budget_s = 1.0
-        c.max_steps = 2
-        c.tuning.time_budget_s = 1.0
-        c.warmup = False  # no throwaway compilation runs
+        compare.quick_protocol(c)
     return c

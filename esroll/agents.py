@@ -64,7 +64,7 @@ def check_config(cfg: ExperimentConfig) -> None:
     """Raise the one-line ConfigError of the first setting an agent run (`env.name` set) cannot work with: a
     completion too short for an episode, or a method part that reads single-turn answers (label-free votes, reasoning
     steps, the curriculum's prefixes and clusters); and, without `env.name`, a turn-level estimator."""
-    from esroll.grpo import advantages  # the estimators' needs
+    from esroll.grpo import advantages  # here: esroll.grpo imports esroll.task, which imports this module
 
     needs = advantages.ESTIMATORS[cfg.grpo.advantage].needs if cfg.grpo.advantage in advantages.ESTIMATORS else ()
     if not cfg.env.name:

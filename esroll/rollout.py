@@ -311,11 +311,9 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
         played_BxT = np.arange(p.reward_BxT.shape[1])[None] < p.turns_B[:, None]
         valid += int((p.valid_BxT & played_BxT)[keep].sum())
         acted += int(played_BxT[keep].sum())
-        turned = p.turns
-        kept = keep[:, None]
-        t = turned.start_BxT.shape[1]
-        start_BxT[c, :t], end_BxT[c, :t] = turned.start_BxT * kept, turned.end_BxT * kept
-        turn_reward_BxT[c, :t] = np.where(kept, turned.reward_BxT, 0.0)
+        turned, kept = p.turns, keep[:, None]  # play's turn slots are env.max_turns
+        start_BxT[c], end_BxT[c] = turned.start_BxT * kept, turned.end_BxT * kept
+        turn_reward_BxT[c] = np.where(kept, turned.reward_BxT, 0.0)
         for i, b in enumerate(range(c.start, c.stop)):
             states[b] = turned.states[i] if keep[i] else []
     generated_s = time.perf_counter()
