@@ -59,8 +59,9 @@ def quick_config(variant: str = "quick", *, grpo: dict | None = None, **train_ov
     return from_config_dict(cd.to_dict())
 
 
-def check_exact_resume(cfg, tmp_path) -> list[dict]:
-    """Run 4 steps straight, and 2 + a resumed 2; the parameters must be bit-identical. Returns the step records."""
+def check_exact_resume(cfg, tmp_path) -> tuple[list[dict], dict]:
+    """Run 4 steps straight, and 2 + a resumed 2; the parameters must be bit-identical. Returns the step records and
+    the final parameters."""
     from esroll.metrics import read_metrics
     from esroll.train import train_and_evaluate
 
@@ -73,7 +74,7 @@ def check_exact_resume(cfg, tmp_path) -> list[dict]:
     records = read_metrics(tmp_path / "split" / "metrics.jsonl")
     steps = [r for r in records if r["step"] > 0 and "fitness_mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    return steps
+    return steps, jax.device_get(resumed["params"])
 
 
 def tiny_hf_config(family: str, **overrides):

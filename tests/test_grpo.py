@@ -248,7 +248,7 @@ def test_resume_is_exact(tmp_path):
     )
     cfg = strict_quick({**EIGHT, "advantage": "bv_blend", **stare}, 2, steps=4, checkpoint_every=2, eval_every=2)
     cur = CurriculumConfig(ads=True, prefix=True, prefix_source="target", prefix_init=0.5, prefix_horizon=6)
-    steps = check_exact_resume(dataclasses.replace(cfg, curriculum=cur), tmp_path)
+    steps, _ = check_exact_resume(dataclasses.replace(cfg, curriculum=cur), tmp_path)
     assert steps[0]["prefix_tokens"] > 0 and steps[0]["prefix_assistance"] == 1.0
     assert any(key.startswith("ads_weight[difficulty=") for key in steps[-1])
     assert steps[0]["bv_blend_weight"] == 0 and steps[-1]["bv_blend_weight"] > 0  # history builds up and is used

@@ -69,7 +69,7 @@ def test_resume_is_exact(tmp_path):
         es=dataclasses.replace(cfg.es, sigma_schedule="linear", sigma_final=cfg.es.sigma / 2, sigma_horizon=3),
         curriculum=CurriculumConfig(ads=True, prefix=True, prefix_source="target", prefix_init=0.5, prefix_horizon=6),
     )
-    steps = check_exact_resume(cfg, tmp_path)
+    steps, _ = check_exact_resume(cfg, tmp_path)
     assert steps[0]["prefix_tokens"] > 0 and steps[0]["prefix_assistance"] == 1.0
     assert any(key.startswith("ads_weight[difficulty=") for key in steps[-1])
     lr = cfg.optimizer.lr
