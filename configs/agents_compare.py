@@ -10,15 +10,15 @@ Arms (each configs/agents.py's setting; docs/agents.md):
     grpo        GRPO on the episode return, 8 episodes × 8 sampled at temperature 1, AdamW lr 1e-4
     discounted  GRPO with discounted per-turn returns normalised over the group (`grpo.advantage = "discounted"`)
     gigpo       GRPO with GiGPO's episode plus anchor-state turn advantages (`grpo.advantage = "gigpo"`)
-    looroll     LOO-ROLL, population 32 on 8 shared episodes played greedily, σ 0.005, Adam lr 3e-4
+    looroll     LOO-ROLL, population 32 on 8 shared episodes played greedily, σ 0.02, Adam lr 1e-3
 
 Tuning (one tuning seed, 2 settings each, the arm's own and one other, scored by validation AUC): plain GRPO tunes
 its learning rate (1e-4 or 3e-4); discounted and GiGPO start from GRPO's chosen setting (`tuning.inherit`) and tune
-their own main option (discounted: γ 0.95 or 0.8; GiGPO: ω 1 or 0.5); LOO-ROLL tunes its learning rate (3e-4 or
-1e-3). Then 5 evaluation seeds per arm on the test episodes. Held-out: 192 episodes, validation 64, test 128.
+their own main option (discounted: γ 0.95 or 0.8; GiGPO: ω 1 or 0.5); LOO-ROLL tunes its learning rate (1e-3 or
+3e-3). Then 5 evaluation seeds per arm on the test episodes. Held-out: 192 episodes, validation 64, test 128.
 
 Variants:
-  frozenlake  FrozenLake 4 × 4 (the model solves 44% of held-out episodes greedily); 120 s per tuning run, 240 s
+  frozenlake  FrozenLake 4 × 4 (the model solves 44% of held-out episodes greedily); 90 s per tuning run, 180 s
               per evaluation run.
   sokoban     Sokoban 6 × 6, one box (the model solves 3%); the same budgets.
   quick       seconds per run, for the test suite: GRPO, GiGPO (inheriting GRPO's setting) and LOO-ROLL on
@@ -32,7 +32,7 @@ from configs import agents, compare
 GRPO_ARMS = ("grpo", "discounted", "gigpo")
 ARMS = GRPO_ARMS + ("looroll",)
 VARIANTS = {
-    "frozenlake": "4 arms on FrozenLake: tuned on validation (120 s runs), then 5 seeds × 240 s on test",
+    "frozenlake": "4 arms on FrozenLake: tuned on validation (90 s runs), then 5 seeds × 180 s on test",
     "sokoban": "the same on Sokoban",
     "quick": "seconds per run, for the test suite",
 }
@@ -40,7 +40,7 @@ OWN_OPTION = {  # each arm's second tuning value (the first is the arm's own set
     "grpo": {"optimizer": {"lr": [3e-4]}},
     "discounted": {"grpo": {"adv": {"discounted": {"gamma": [0.8]}}}},
     "gigpo": {"grpo": {"adv": {"gigpo": {"omega": [0.5]}}}},
-    "looroll": {"optimizer": {"lr": [1e-3]}},
+    "looroll": {"optimizer": {"lr": [3e-3]}},
 }
 
 
@@ -67,7 +67,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
             cd.data.eval_size = 192
             cd.data.validation_size = 64
     inherit = {arm: "grpo" for arm in GRPO_ARMS if arm != "grpo"}
-    c = compare.own_option_protocol(experiments, ARMS, OWN_OPTION, inherit, time_budget_s=240.0, tuning_budget_s=120.0)
+    c = compare.own_option_protocol(experiments, ARMS, OWN_OPTION, inherit, time_budget_s=180.0, tuning_budget_s=90.0)
     if quick:
         c.experiment.data.eval_size = 8
         c.experiment.data.validation_size = 4
