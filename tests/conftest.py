@@ -70,11 +70,12 @@ def check_exact_resume(cfg, tmp_path) -> tuple[list[dict], dict]:
     assert first["stopped_at"] == 2
     resumed = train_and_evaluate(cfg, tmp_path / "split", progress=False)
     assert resumed["resumed_from"] == 2
-    chex.assert_trees_all_equal(jax.device_get(full["params"]), jax.device_get(resumed["params"]))
+    final = jax.device_get(resumed["params"])
+    chex.assert_trees_all_equal(jax.device_get(full["params"]), final)
     records = read_metrics(tmp_path / "split" / "metrics.jsonl")
     steps = [r for r in records if r["step"] > 0 and "fitness_mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
-    return steps, jax.device_get(resumed["params"])
+    return steps, final
 
 
 def tiny_hf_config(family: str, **overrides):
