@@ -10,12 +10,12 @@ Arms (each configs/agents.py's setting; docs/agents.md):
     grpo        GRPO on the episode return, 8 episodes × 8 sampled at temperature 1, AdamW lr 1e-4
     discounted  GRPO with discounted per-turn returns normalised over the group (`grpo.advantage = "discounted"`)
     gigpo       GRPO with GiGPO's episode plus anchor-state turn advantages (`grpo.advantage = "gigpo"`)
-    looroll     LOO-ROLL, population 32 on 8 shared episodes played greedily, σ 0.02, Adam lr 1e-3
+    looroll     LOO-ROLL, population 32 on 8 shared episodes played greedily, σ 0.01, Adam lr 3e-3
 
 Tuning (one tuning seed, 2 settings each, the arm's own and one other, scored by validation AUC): plain GRPO tunes
 its learning rate (1e-4 or 3e-4); discounted and GiGPO start from GRPO's chosen setting (`tuning.inherit`) and tune
-their own main option (discounted: γ 0.95 or 0.8; GiGPO: ω 1 or 0.5); LOO-ROLL tunes its learning rate (1e-3 or
-3e-3). Then 5 evaluation seeds per arm on the test episodes. Held-out: 192 episodes, validation 64, test 128.
+their own main option (discounted: γ 0.95 or 0.8; GiGPO: ω 1 or 0.5); LOO-ROLL tunes its learning rate (3e-3 or
+1e-3). Then 5 evaluation seeds per arm on the test episodes. Held-out: 192 episodes, validation 64, test 128.
 
 Variants:
   frozenlake  FrozenLake 4 × 4 (the model solves 44% of held-out episodes greedily); 90 s per tuning run, 180 s
@@ -36,11 +36,13 @@ VARIANTS = {
     "sokoban": "the same on Sokoban",
     "quick": "seconds per run, for the test suite",
 }
-OWN_OPTION = {  # each arm's second tuning value (the first is the arm's own setting)
-    "grpo": {"optimizer": {"lr": [3e-4]}},
-    "discounted": {"grpo": {"adv": {"discounted": {"gamma": [0.8]}}}},
-    "gigpo": {"grpo": {"adv": {"gigpo": {"omega": [0.5]}}}},
-    "looroll": {"optimizer": {"lr": [3e-3]}},
+# Each arm's second tuning value (the first is the arm's own setting); tuples, so that the command line can override
+# them (`--config.tuning.space.looroll.optimizer.lr='(0.003,)'`).
+OWN_OPTION = {
+    "grpo": {"optimizer": {"lr": (3e-4,)}},
+    "discounted": {"grpo": {"adv": {"discounted": {"gamma": (0.8,)}}}},
+    "gigpo": {"grpo": {"adv": {"gigpo": {"omega": (0.5,)}}}},
+    "looroll": {"optimizer": {"lr": (1e-3,)}},
 }
 
 
