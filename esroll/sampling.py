@@ -305,7 +305,7 @@ def _phase_ends(n: int, phases: int = 4, shortest: int = 16) -> list[int]:
 
 
 def _grow(cache: KVCache, slots: int) -> KVCache:
-    """The cache with room for `slots` slots (new ones empty): axis 2 of the keys and values [L, B, S, K, H]."""
+    """The cache with room for `slots` slots (new ones empty): axis 3 of the keys and values [L, B, K, S, H]."""
     extra = slots - cache.valid_BxS.shape[1]
 
     def pad(x, axis):
@@ -313,7 +313,7 @@ def _grow(cache: KVCache, slots: int) -> KVCache:
         widths[axis] = (0, extra)
         return jnp.pad(x, widths)
 
-    return KVCache(pad(cache.k, 2), pad(cache.v, 2), valid_BxS=pad(cache.valid_BxS, 1), index=cache.index)
+    return KVCache(pad(cache.k, 3), pad(cache.v, 3), valid_BxS=pad(cache.valid_BxS, 1), index=cache.index)
 
 
 def draw(

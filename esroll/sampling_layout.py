@@ -12,8 +12,8 @@ are, kv heads over "model".
 
 Nothing here computes a value of the generation, only how its program is compiled and where its buffers live.
 
-Shape letters (see `esroll`): B rows, P padded prompt length; the cache is [L, B, S, K, H] (layers, rows, slots, kv
-heads, head dim).
+Shape letters (see `esroll`): B rows, P padded prompt length; the cache is [L, B, K, S, H] (layers, rows, kv heads,
+slots, head dim).
 """
 
 from __future__ import annotations
@@ -127,5 +127,5 @@ def _constrain_cache(cache: KVCache, *, cfg, mesh, rows) -> KVCache:
     split = cfg.num_kv_heads % mesh.shape[MODEL_AXIS] == 0 and MODEL_AXIS not in row_names
     heads = MODEL_AXIS if split else None
     at = functools.partial(_constrain, mesh=mesh)
-    spec = (None, rows, None, heads, None)  # [L, B, S, K, H]
+    spec = (None, rows, heads, None, None)  # [L, B, K, S, H]
     return KVCache(at(cache.k, *spec), at(cache.v, *spec), valid_BxS=at(cache.valid_BxS, rows, None), index=cache.index)

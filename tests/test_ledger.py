@@ -130,7 +130,7 @@ def test_perturbed_forward_and_decode_step_match_xla():
     check(c, ledger.forward_flops(cfg, B, T, causal=False, perturb_rank=rank), "perturbed forward")
 
     S = 24
-    shape = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim)
     cache = KVCache(
         jax.ShapeDtypeStruct(shape, jnp.float32),
         jax.ShapeDtypeStruct(shape, jnp.float32),
@@ -139,7 +139,12 @@ def test_perturbed_forward_and_decode_step_match_xla():
     )
     step = lambda p, x, kv: forward(cfg, p, x, cache=kv, unroll=cfg.num_layers)[0]
     c = compiled(step, params, jax.ShapeDtypeStruct((B, 1), jnp.int32), cache)
-    expected = B * ledger.layer_flops_per_token(cfg) + ledger.attention_flops(cfg, B, 1, S - 1, causal=False)
+    # The step's query reads the cache's S slots (the one it writes among them, masked) and its own new key; the
+    # value sum over that one new key contracts a length-1 axis, which XLA rewrites as a product, not a dot.
+    new_value_sum = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * B
+    expected = (
+        B * ledger.layer_flops_per_token(cfg) + ledger.attention_flops(cfg, B, 1, S, causal=False) - new_value_sum
+    )
     check(c, expected + ledger.head_flops(cfg, B, 1), "decode step")
 
 

@@ -117,6 +117,32 @@ def test_kv_cache_incremental_matches_full(tiny_model):
     assert np.abs(inc - np.asarray(full))[mask].max() < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_attend_equals_jax_attention_with_repeated_kv_heads(dtype):
+    """`attend` (grouped queries against [B, K, S, H] keys and values, in one block or two) against
+    `jax.nn.dot_product_attention` on
+    [B, S, Q, H] keys and values whose kv heads are repeated Q / K times (head j reads kv head j // (Q / K), as
+    Hugging Face's `repeat_kv`), with a row that sees no key at all: a uniform average of the values, not NaN."""
+    from esroll.models.transformer import attend
+
+    B, T, S, Q, K, H = 3, 2, 5, 6, 2, 8
+    kq, kk, kv, km = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(kq, (B, T, Q, H), dtype)
+    k = jax.random.normal(kk, (B, K, S, H), dtype)
+    v = jax.random.normal(kv, (B, K, S, H), dtype)
+    visible = jax.random.bernoulli(km, 0.6, (B, T, S)).at[0, 1].set(False).at[1, 0].set(True)
+    repeat = lambda x: jnp.repeat(x.transpose(0, 2, 1, 3), Q // K, axis=2)  # [B, S, Q, H]
+    ref = jax.nn.dot_product_attention(q, repeat(k), repeat(v), mask=visible[:, None], scale=1 / np.sqrt(H))
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    uniform = np.repeat(v.astype(jnp.float32).mean(2)[0], Q // K, 0)  # [Q, H]: row 0's query 1 sees nothing
+    one = attend(q, (k, v, visible))
+    two = attend(q, (k[:, :, :3], v[:, :, :3], visible[..., :3]), (k[:, :, 3:], v[:, :, 3:], visible[..., 3:]))
+    for ours in (one, two):  # the keys in one block, and split in two blocks under one softmax
+        assert ours.shape == (B, T, Q, H) and ours.dtype == dtype
+        np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
+        np.testing.assert_allclose(np.asarray(ours[0, 1], np.float32), uniform, atol=tol, rtol=tol)
+
+
 def test_bfloat16_close_to_float32(tiny_model):
     _, folder, _ = tiny_model
     cfg, p32 = load_hf(folder)

@@ -283,7 +283,7 @@ def test_cached_forward_equals_cache_free(qwen3):
         lambda params, tokens, mask, cache: forward(cfg, params, tokens, mask_BxT=mask, cache=cache, perturb=perturb)
     )
     cache = init_cache(cfg, batch=4, max_len=tokens.shape[1] + 2)
-    assert cache.k.shape == (cfg.num_layers, 4, tokens.shape[1] + 2, cfg.num_kv_heads, cfg.head_dim)
+    assert cache.k.shape == (cfg.num_layers, 4, cfg.num_kv_heads, tokens.shape[1] + 2, cfg.head_dim)
     logits, cache = step(params, tokens, mask, cache)
     steps, seq, seq_mask = [logits[:, -1]], tokens, mask
     for _ in range(2):
@@ -434,6 +434,6 @@ def test_low_precision_weights_decode_in_their_dtype(qwen3):
     assert not np.array_equal(np.asarray(ours.logprobs), np.asarray(ref.logprobs))
     text = lower_generate(cfg, bf16, tokens, jax.random.key(1), **kw).as_text()
     cache = re.findall(
-        rf"tensor<{cfg.num_layers}x4x\d+x{cfg.num_kv_heads}x{cfg.head_dim}x(\w+)>", text
-    )  # [L, B, S, K, H]
+        rf"tensor<{cfg.num_layers}x4x{cfg.num_kv_heads}x\d+x{cfg.head_dim}x(\w+)>", text
+    )  # [L, B, K, S, H]
     assert cache and set(cache) == {"bf16"}

@@ -68,3 +68,25 @@ def test_layer_figures_resolve_the_scan_by_depth(quick):
             assert math.isclose(a + b * d1 + c, p["counted"][d1][f], rel_tol=1e-9), (name, f)
             assert math.isclose(a + b * d2 + c, p["counted"][d2][f], rel_tol=1e-9), (name, f)
             assert math.isclose(p[f], a + (b + c) * 2, rel_tol=1e-9), (name, f)
+
+
+@pytest.mark.parametrize("perturbed", [False, True])
+def test_decode_layer_body_reads_each_layers_cache_where_it_lies(perturbed):
+    """Qwen3-0.6B's decode step on v5e:2x2 (8 rows per chip, 4 layers), instruction by instruction (`breakdown`): no
+    instruction of the layer body copies a layer's keys or values out of the stacked cache before the products (a
+    dynamic-slice of one layer's cache), while the products read them (some instruction reads at least that many
+    bytes)."""
+    import dataclasses
+
+    t = tpu_cost._Target(dataclasses.replace(tpu_cost.CASES["0.6b"], rows_per_device=8))
+    rows = tpu_cost.breakdown(t.lower_decode(4, perturbed).compile().as_text())
+    layer_kv = t.cache_bytes(t.slots) // (2 * t.model_cfg.num_layers)  # one layer's keys (or values), per chip
+
+    def cache_slice(shape: str) -> bool:  # one layer's keys or values: an array [.., S, .., H] of layer_kv bytes
+        found = tpu_cost._SHAPE.search(shape)
+        dims = [int(d) for d in found.group(2).split(",") if d] if found else []
+        return {t.slots, t.model_cfg.head_dim} <= set(dims) and tpu_cost._shapes_bytes(found.group(0)) == layer_kv
+
+    assert max(r["bytes"] for r in rows) >= layer_kv
+    copies = [r["name"] for r in rows if "dynamic-slice" in r["ops"] + [r["opcode"]] and cache_slice(r["shape"])]
+    assert not copies, copies

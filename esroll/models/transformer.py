@@ -15,6 +15,7 @@ stored [I, O] (the transpose of torch's Linear).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -52,21 +53,22 @@ class KVCache(NamedTuple):
     """Keys and values of every slot written so far, one layer-stacked buffer each. All rows share the write index
     (prompts are left-padded).
 
-    Both are [L, B, S, K, H]: layer i's keys and values are the [B, S, K, H] operands `jax.nn.dot_product_attention`
-    takes (the layout of JAX's and cuDNN's attention), read as they are stored. A step writes its T new slots of
-    layer i in place. `forward` runs its layers under `lax.scan` with the whole cache in the scan's carry (one copy,
-    updated in place), so the program holds one copy of the layer whatever the depth.
+    Both are [L, B, K, S, H], kv heads before slots: layer i's [B, K, S, H] is the operand both of `attend`'s
+    products take as it lies (batched over B and K), and the slots are the long axis of each head's [S, H] matrix
+    (a few kv heads as the second-minor axis would be padded to the tile's height on a TPU). `forward` hands the
+    stacked buffers to its layer scan as read-only inputs, so layer i reads its slice where it lies (as it reads its
+    weights), and writes the T new slots of every layer once, after the scan, in place.
     """
 
-    k: Array  # [L, B, S, K, H]
-    v: Array  # [L, B, S, K, H]
+    k: Array  # [L, B, K, S, H]
+    v: Array  # [L, B, K, S, H]
     valid_BxS: Array  # bool: slot holds a real (non-pad) token
     index: Array  # int32 scalar: next slot to write
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     """An empty cache of `max_len` slots (see `KVCache`)."""
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return KVCache(
         k=jnp.zeros(shape, dtype),
         v=jnp.zeros(shape, dtype),
@@ -93,9 +95,11 @@ def forward(
 
     One form for every use (training, scoring, prefill, decode) and every platform: the layers run under
     `lax.scan` over the layer-stacked weights, `unroll` layers per iteration (the scan's `unroll`: the program
-    grows with it, the values do not change). With a cache the scan carries it: layer i writes its T new slots
-    into the stacked buffers in place and attends over its own keys and values, the new slots included. The cache
-    is deliberately not scanned over as xs / ys, which would hold the input and the output cache side by side.
+    grows with it, the values do not change). With a cache the scan reads it as an input: layer i attends over its
+    own cached slots (read where they lie, as its weights are) and its T new keys and values, and returns those
+    (the scan's outputs: [L, B, K, T, H], a decode step's are small); after the scan they are written into the
+    cache once, in place. Nothing is written into a buffer the scan is still reading, so no layer's slice of the
+    cache has to be copied before its products.
 
     A member-level perturbation (`perturb.member_B` set) is gathered into per-row factors once here
     (`Perturbation.per_row`), before the scan; `esroll.sampling.generate` gathers once per call, before its decode
@@ -127,43 +131,34 @@ def forward(
         positions_BxT = jnp.maximum(seen_B[:, None] + jnp.cumsum(mask_BxT, -1) - 1, 0)
         num_positions = T if cache is None else cache.valid_BxS.shape[1]
 
-    if cache is None:
-        key_valid_BxS = mask_BxT
-        q_slot_T = jnp.arange(T)
-        k_slot_S = jnp.arange(T)
-    else:
-        key_valid_BxS = jax.lax.dynamic_update_slice(cache.valid_BxS, mask_BxT, (0, cache.index))
-        q_slot_T = cache.index + jnp.arange(T)
-        k_slot_S = jnp.arange(cache.valid_BxS.shape[1])
-    visible_BxTxS = key_valid_BxS[:, None, :] & (k_slot_S[None, None, :] <= q_slot_T[None, :, None])
+    # The T new tokens see the real ones among themselves up to their own position; with a cache, also every valid
+    # earlier slot (a slot at or past the write index is not valid yet). A cache of exactly T slots is being filled
+    # from its start (the T slots must fit past the index), so it has no earlier slot to read.
+    visible_BxTxT = mask_BxT[:, None, :] & jnp.tril(jnp.ones((T, T), bool))[None]
+    reads_cache = cache is not None and cache.valid_BxS.shape[1] != T
+    visible_BxTxS = cache.valid_BxS[:, None, :] if reads_cache else None
 
     perturb = None if perturb is None else perturb.per_row()
     deltas = {} if perturb is None else perturb.deltas
     x_BxTxD = params["embed"][tokens_BxT]
     cos_sin = rope_tables(positions_BxT, cfg.inv_freq(), num_positions, x_BxTxD.dtype)
-    index = None if cache is None else cache.index
     gather = layer_params or (lambda p: p)  # e.g. FSDP: gather this layer's weights only, as it runs
 
-    def layer(carry, xs):
-        x_BxTxD, kv = carry
-        i, p, d = xs
+    def layer(x_BxTxD, xs):
+        p, d, old = xs
         p = gather(p)
         h_BxTxD = rms_norm(x_BxTxD, row_vector(p["attn_norm"], d.get("attn_norm")), cfg.rms_norm_eps)
-        h_BxTxD, kv = _attention(cfg, p, d, h_BxTxD, cos_sin, visible_BxTxS, kv, index, i)
+        h_BxTxD, new = _attention(cfg, p, d, h_BxTxD, cos_sin, visible_BxTxT, old, visible_BxTxS)
         x_BxTxD = x_BxTxD + h_BxTxD
         h_BxTxD = rms_norm(x_BxTxD, row_vector(p["mlp_norm"], d.get("mlp_norm")), cfg.rms_norm_eps)
         gate_BxTxF = linear(h_BxTxD, p["gate"], d.get("gate"))
         up_BxTxF = linear(h_BxTxD, p["up"], d.get("up"))
         x_BxTxD = x_BxTxD + linear(jax.nn.silu(gate_BxTxF) * up_BxTxF, p["down"], d.get("down"))
-        return (x_BxTxD, kv), None
+        return x_BxTxD, new if cache is not None else None
 
-    layer_L = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    kv = None if cache is None else (cache.k, cache.v)
-    (x_BxTxD, kv), _ = jax.lax.scan(
-        _remat(layer, remat, unroll),
-        (x_BxTxD, kv),
-        (layer_L, params[STACKED], deltas.get(STACKED) or {}),
-        unroll=unroll,
+    old = (cache.k, cache.v) if reads_cache else None
+    x_BxTxD, new = jax.lax.scan(
+        _remat(layer, remat, unroll), x_BxTxD, (params[STACKED], deltas.get(STACKED) or {}, old), unroll=unroll
     )
     x_BxTxD = rms_norm(x_BxTxD, row_vector(params["final_norm"], deltas.get("final_norm")), cfg.rms_norm_eps)
     if return_hidden:
@@ -171,7 +166,13 @@ def forward(
     logits_BxTxV = head(cfg, params, x_BxTxD, perturb)
     if cache is None:
         return logits_BxTxV, None
-    return logits_BxTxV, KVCache(*kv, valid_BxS=key_valid_BxS, index=cache.index + T)
+    if reads_cache:  # every layer's T new slots, [L, B, K, T, H], written in place at the index
+        at = (0, 0, 0, cache.index, 0)
+        k, v = (jax.lax.dynamic_update_slice(c, n.astype(c.dtype), at) for c, n in zip((cache.k, cache.v), new))
+    else:
+        k, v = (n.astype(c.dtype) for c, n in zip((cache.k, cache.v), new))
+    valid_BxS = jax.lax.dynamic_update_slice(cache.valid_BxS, mask_BxT, (0, cache.index))
+    return logits_BxTxV, KVCache(k, v, valid_BxS=valid_BxS, index=cache.index + T)
 
 
 def head(cfg: ModelConfig, params: dict, x_BxTxD: Array, perturb: Perturbation | None = None) -> Array:
@@ -186,13 +187,12 @@ def head(cfg: ModelConfig, params: dict, x_BxTxD: Array, perturb: Perturbation |
     return logits_BxTxV.astype(jnp.float32)
 
 
-def _attention(cfg, p, d, h_BxTxD, cos_sin, visible_BxTxS, kv, index, layer):
-    """Grouped-query attention of layer `layer`; `kv` is None (attend to these T tokens: S = T) or the layer-stacked
-    cache buffers (k, v), whose slots [index, index + T) of this layer get the new keys and values.
+def _attention(cfg, p, d, h_BxTxD, cos_sin, visible_BxTxT, old, visible_BxTxS):
+    """Grouped-query attention of one layer over its T new tokens (`visible_BxTxT`) and, when `old` holds the
+    layer's cached keys and values ([B, K, S, H] each), over those slots too (`visible_BxTxS`).
 
-    Returns [B, T, D] and the updated cache buffers (None without a cache). The products and the softmax are
-    `jax.nn.dot_product_attention` over full sequences and over the cache alike (float32 scores and softmax; JAX
-    picks the implementation for the platform; a row with no visible key gets a uniform average, not NaN).
+    Returns [B, T, D] and the new tokens' keys and values ([B, K, T, H] each), which a cache stores. Without cached
+    slots the attention is `jax.nn.dot_product_attention`'s, with them `attend`'s (the same arithmetic).
     """
     B, T, _ = h_BxTxD.shape
     H, Q, K = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -210,20 +210,53 @@ def _attention(cfg, p, d, h_BxTxD, cos_sin, visible_BxTxS, kv, index, layer):
     q_BxTxQxH = rope(q_BxTxQxH, cos_sin)
     k_BxTxKxH = rope(k_BxTxKxH, cos_sin)
 
-    if kv is None:
-        k_BxSxKxH, v_BxSxKxH = k_BxTxKxH, v_BxTxKxH
+    k_BxKxTxH, v_BxKxTxH = k_BxTxKxH.transpose(0, 2, 1, 3), v_BxTxKxH.transpose(0, 2, 1, 3)  # the cache's order
+    if old is None:  # the T tokens among themselves (training, scoring, a prefill that fills a fresh cache)
+        out_BxTxQxH = jax.nn.dot_product_attention(
+            q_BxTxQxH, k_BxTxKxH, v_BxTxKxH, mask=visible_BxTxT[:, None], scale=1.0 / np.sqrt(H)
+        )
     else:
-        cache_k, cache_v = kv  # [L, B, S, K, H] each
-        at = (layer, 0, index, 0, 0)
-        cache_k = jax.lax.dynamic_update_slice(cache_k, k_BxTxKxH[None].astype(cache_k.dtype), at)
-        cache_v = jax.lax.dynamic_update_slice(cache_v, v_BxTxKxH[None].astype(cache_v.dtype), at)
-        kv = (cache_k, cache_v)
-        k_BxSxKxH = jax.lax.dynamic_index_in_dim(cache_k, layer, 0, keepdims=False).astype(q_BxTxQxH.dtype)
-        v_BxSxKxH = jax.lax.dynamic_index_in_dim(cache_v, layer, 0, keepdims=False).astype(q_BxTxQxH.dtype)
-    out_BxTxQxH = jax.nn.dot_product_attention(
-        q_BxTxQxH, k_BxSxKxH, v_BxSxKxH, mask=visible_BxTxS[:, None], scale=1.0 / np.sqrt(H)
-    )
+        k_BxKxSxH, v_BxKxSxH = (x.astype(q_BxTxQxH.dtype) for x in old)
+        out_BxTxQxH = attend(q_BxTxQxH, (k_BxKxSxH, v_BxKxSxH, visible_BxTxS), (k_BxKxTxH, v_BxKxTxH, visible_BxTxT))
     out_BxTxD = linear(out_BxTxQxH.reshape(B, T, Q * H), p["o"], d.get("o"))
     if "o_bias" in p:
         out_BxTxD = out_BxTxD + row_vector(p["o_bias"], d.get("o_bias"))
-    return out_BxTxD, kv
+    return out_BxTxD, (k_BxKxTxH, v_BxKxTxH)
+
+
+# Scores of masked (query, key) pairs: finite, so that a row with no visible key gets a uniform average, not NaN.
+_MASKED = -0.7 * float(np.finfo(np.float32).max)
+
+
+def attend(q_BxTxQxH: Array, *blocks: tuple[Array, Array, Array]) -> Array:
+    """Grouped-query attention [B, T, Q, H] over one or more blocks of keys and values, each (k [B, K, S, H],
+    v [B, K, S, H], visible [B, T, S]), under one softmax: query head j reads kv head j // (Q / K) (the grouping of
+    Hugging Face's `repeat_kv`), scores q·k/√H and their softmax in float32, masked pairs (visible False) left out;
+    a row that sees no key at all gets the uniform average of every block's values, not NaN.
+
+    A step over a cache attends to two blocks, the layer's cached slots and its new ones, without joining them
+    into one buffer (which would copy the layer's cache). The queries are grouped to [B, K, Q/K, T, H] (a step's
+    are small), so both products are batched over (B, K) with keys and values read as they lie in the cache and no
+    kv head repeated. The arithmetic is that of `jax.nn.dot_product_attention`'s XLA implementation on the blocks
+    joined along S (float32 scores scaled after the product, softmax in float32, probabilities cast to the values'
+    dtype before the second product), which `forward` uses for the cache-free case.
+    """
+    B, T, Q, H = q_BxTxQxH.shape
+    K = blocks[0][0].shape[1]
+    q_BxKxGxTxH = q_BxTxQxH.reshape(B, T, K, Q // K, H).transpose(0, 2, 3, 1, 4)
+    scores = []
+    for k_BxKxSxH, _, visible_BxTxS in blocks:
+        s_BxKxGxTxS = jnp.einsum("bkgth,bksh->bkgts", q_BxKxGxTxH, k_BxKxSxH, preferred_element_type=jnp.float32)
+        s_BxKxGxTxS = s_BxKxGxTxS * np.float32(1.0 / np.sqrt(H))
+        scores.append(jnp.where(visible_BxTxS[:, None, None], s_BxKxGxTxS, _MASKED))
+    max_BxKxGxTx1 = functools.reduce(jnp.maximum, [s.max(-1, keepdims=True) for s in scores])
+    exps = [jnp.exp(s - max_BxKxGxTx1) for s in scores]
+    total_BxKxGxTx1 = functools.reduce(jnp.add, [e.sum(-1, keepdims=True) for e in exps])
+    out_BxKxGxTxH = functools.reduce(
+        jnp.add,
+        [
+            jnp.einsum("bkgts,bksh->bkgth", (e / total_BxKxGxTx1).astype(v_BxKxSxH.dtype), v_BxKxSxH)
+            for e, (_, v_BxKxSxH, _) in zip(exps, blocks)
+        ],
+    )
+    return out_BxKxGxTxH.transpose(0, 3, 1, 2, 4).reshape(B, T, Q, H)

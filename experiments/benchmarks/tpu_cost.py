@@ -1,6 +1,8 @@
 """Per-chip cost of a training step's accelerator programs, from the TPU compiler's cost model, without a TPU.
 
-    python -m experiments.benchmarks.tpu_cost [--quick] [--cases 0.6b,8b] [--json PATH]
+    python -m experiments.benchmarks.tpu_cost [--quick] [--cases 0.6b,8b] [--programs decode_plain,...]
+                                              [--rows-per-device N] [--json PATH]
+    python -m experiments.benchmarks.tpu_cost --cases 0.6b --breakdown decode_plain [--hlo-out DIR]
 
 Each program is compiled ahead of time for a deviceless TPU topology (`jax.experimental.topologies`, as
 `esroll.plan.topology_mesh` does; needs libtpu) and its `compiled.cost_analysis()` is read: `flops`, `bytes accessed`
@@ -62,6 +64,12 @@ Per decode step also `bytes_over_weights_kv` = bytes accessed / (weights + KV ca
 `perturbed_over_plain` = plain optimal_seconds / perturbed optimal_seconds (the goal: >= 0.95; EGGROLL's anchor is
 0.91 of inference on an H100). `BENCHMARKS` for `experiments.bench`: the headline `tpu_cost` is the smallest
 perturbed_over_plain over the cases run.
+
+`--breakdown PROGRAM` says where a program's layer body spends its bytes: the instructions of the layer scan's body
+(compiled at the model's depth), each with the bytes it reads and writes by the convention of XLA's cost analysis
+(a slice of a layer-stacked operand counts as the slice; an in-place update as its update), largest first, beside
+the cost model's own layer-body figure. A copy of a layer's keys and values or weights before a product shows as a
+`dynamic-slice` fusion of that size.
 """
 
 from __future__ import annotations
@@ -94,6 +102,7 @@ HBM_BYTES_PER_S = 819e9  # TPU v5e
 PEAK_FLOPS = 197e12  # TPU v5e, bfloat16
 PROMPT = 256  # prompt tokens, as the plans use (new tokens: the config's train.max_new_tokens)
 FIELDS = ("flops", "bytes_accessed", "optimal_seconds")
+PROGRAMS = ("decode_plain", "decode_perturbed", "prefill", "tell", "update")
 DATA, MODEL = parallel.DATA, parallel.MODEL
 
 
@@ -277,12 +286,6 @@ def _roofline(program: dict, must_move: int, **parts) -> dict:
     }
 
 
-def _cache_config(model_cfg):
-    """The config a cache is built for: a model of 0 layers gets a cache of 1 (left untouched), since the layer
-    scan's body is traced even when it runs no iteration."""
-    return dataclasses.replace(model_cfg, num_layers=max(1, model_cfg.num_layers))
-
-
 class _Target:
     """One case's mesh, configs, row counts and shapes."""
 
@@ -343,14 +346,14 @@ class _Target:
     # ---- the cache and the two ways `generate` partitions a step
 
     def cache_specs(self):
-        """Keys and values [L, B, S, K, H]: rows over data, kv heads over model (where they divide)."""
+        """Keys and values [L, B, K, S, H]: rows over data, kv heads over model (where they divide)."""
         heads = MODEL if self.tensor_parallel and self.model_cfg.num_kv_heads % self.model == 0 else None
-        kv = PartitionSpec(None, DATA, None, heads, None)
+        kv = PartitionSpec(None, DATA, heads, None, None)
         return KVCache(kv, kv, PartitionSpec(DATA, None), PartitionSpec())
 
     def abstract_cache(self, model_cfg, slots):
-        c = _cache_config(model_cfg)
-        kv = (c.num_layers, self.rows, slots, c.num_kv_heads, c.head_dim)
+        c = model_cfg
+        kv = (c.num_layers, self.rows, c.num_kv_heads, slots, c.head_dim)
         specs = self.cache_specs()
         return KVCache(
             _sds(kv, self.dtype, self.mesh, *specs.k),
@@ -440,7 +443,7 @@ class _Target:
 
         def prefill(params, prompt_BxP, mask_BxP, perturb):
             B, P = prompt_BxP.shape
-            cache = self.constrain_cache(init_cache(_cache_config(cfg), B, P - 1, self.dtype))
+            cache = self.constrain_cache(init_cache(cfg, B, P - 1, self.dtype))
             _, cache = forward(
                 cfg,
                 params,
@@ -548,7 +551,8 @@ def _update_program(t: _Target, layers: int, log) -> dict:
     return program
 
 
-def run_case(case: Case, log=print) -> dict:
+def run_case(case: Case, log=print, programs_wanted=None) -> dict:
+    """The figures of `case`'s programs (`programs_wanted`: the names to compile, None: all of PROGRAMS)."""
     t = _Target(case)
     c = t.model_cfg
     L = c.num_layers
@@ -562,21 +566,25 @@ def run_case(case: Case, log=print) -> dict:
     kv, factors = t.cache_bytes(t.slots), t.factor_bytes()
     programs = {}
 
+    wanted = set(programs_wanted or PROGRAMS)
+
     def record(name, program, must_move, **parts):
-        programs[name] = _roofline(program, must_move, **parts)
+        if name not in wanted:
+            return
+        programs[name] = _roofline(program(), must_move, **parts)
         p = programs[name]
         log(f"  {name}: {p['optimal_seconds'] * 1e3:.3f} ms, compiled in {p['compile_s']:.0f} s", flush=True)
 
     record(
         "decode_plain",
-        _through_layers(lambda d: t.lower_decode(d, perturbed=False), L),
+        lambda: _through_layers(lambda d: t.lower_decode(d, perturbed=False), L),
         weights + kv,
         weights=weights,
         kv_cache=kv,
     )
     record(
         "decode_perturbed",
-        _through_layers(lambda d: t.lower_decode(d, perturbed=True), L),
+        lambda: _through_layers(lambda d: t.lower_decode(d, perturbed=True), L),
         weights + kv + factors,
         weights=weights,
         kv_cache=kv,
@@ -585,25 +593,34 @@ def run_case(case: Case, log=print) -> dict:
     written = t.cache_bytes(case.prompt - 1)
     record(
         "prefill",
-        _through_layers(t.lower_prefill, L),
+        lambda: _through_layers(t.lower_prefill, L),
         layers + written + factors,
         weights=layers,
         kv_cache_written=written,
         factors=factors,
     )
-    lowered, masters, state = t.lower_tell()
-    trained = _device_bytes(es.trainable(t.cfg.es_config, masters))
-    moments = _device_bytes(state.opt_state)
-    record("tell", _once(lowered), 2 * (trained + moments), masters=2 * trained, moments=2 * moments)
-    program = _update_program(t, L, log)
-    masters, state = t.grpo_state(t.model_cfg)
-    m, s = _device_bytes(masters), _device_bytes(state.opt_state)
-    record("update", program, 2 * m + 2 * s + 2 * m, masters=2 * m, moments=2 * s, gradients=2 * m)
+    if "tell" in wanted:
+        lowered, masters, state = t.lower_tell()
+        trained = _device_bytes(es.trainable(t.cfg.es_config, masters))
+        moments = _device_bytes(state.opt_state)
+        record("tell", lambda: _once(lowered), 2 * (trained + moments), masters=2 * trained, moments=2 * moments)
+    if "update" in wanted:
+        masters, state = t.grpo_state(t.model_cfg)
+        m, s = _device_bytes(masters), _device_bytes(state.opt_state)
+        record(
+            "update", lambda: _update_program(t, L, log), 2 * m + 2 * s + 2 * m, masters=2 * m, moments=2 * s,
+            gradients=2 * m,
+        )  # fmt: skip
     for name in ("decode_plain", "decode_perturbed"):
-        programs[name]["bytes_over_weights_kv"] = programs[name]["bytes_accessed"] / (weights + kv)
-    # What the perturbed step receives per device (every row's factors), beside the distinct members' it must read.
-    programs["decode_perturbed"]["factor_argument_bytes"] = _device_bytes(t.per_row(t.perturbation(c, t.compute(c))))
-    ratio = programs["decode_plain"]["optimal_seconds"] / programs["decode_perturbed"]["optimal_seconds"]
+        if name in programs:
+            programs[name]["bytes_over_weights_kv"] = programs[name]["bytes_accessed"] / (weights + kv)
+    if "decode_perturbed" in programs:
+        # What the perturbed step receives per device (every row's factors), beside the distinct members' it must read.
+        factor_arguments = _device_bytes(t.per_row(t.perturbation(c, t.compute(c))))
+        programs["decode_perturbed"]["factor_argument_bytes"] = factor_arguments
+    ratio = None
+    if "decode_plain" in programs and "decode_perturbed" in programs:
+        ratio = programs["decode_plain"]["optimal_seconds"] / programs["decode_perturbed"]["optimal_seconds"]
     return {
         "topology": case.topology,
         "device_kind": getattr(t.mesh.devices.flat[0], "device_kind", ""),
@@ -639,6 +656,184 @@ def run_case(case: Case, log=print) -> dict:
     }
 
 
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4}
+_ITEMSIZE.update({"s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16})
+_SHAPE = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([\d,]*)\](\{[^}]*\})?")
+_SKIP = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id", "replica-id"}
+
+
+def _shapes_bytes(text: str) -> int:
+    """Bytes of every array shape written in `text` (unpadded: dims × itemsize)."""
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE[t] for t, dims, _ in _SHAPE.findall(text))
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    """An optimized HLO module's computations by name, each its instruction lines."""
+    out, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$", line)
+        if head:
+            name = head.group(1)
+            out[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name and " = " in line:
+            out[name].append(line.strip())
+    return out
+
+
+def _split_instruction(line: str):
+    """(name, output shape text, opcode, operand text, attributes) of one HLO instruction line."""
+    line = line.removeprefix("ROOT ")
+    name, rest = line.split(" = ", 1)
+    if rest.startswith("("):  # a tuple shape: up to its matching parenthesis
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                break
+        shape, rest = rest[: i + 1], rest[i + 2 :]
+    else:
+        shape, rest = rest.split(" ", 1)
+    opcode, rest = rest.split("(", 1)
+    depth = 1
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            break
+    return name.lstrip("%"), shape, opcode, rest[:i], rest[i + 1 :]
+
+
+def _operands(text: str) -> list[str]:
+    """The operand texts of an instruction (split at top-level commas)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1, "{": 1, "}": -1, "[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    if text[start:].strip():
+        parts.append(text[start:].strip())
+    return parts
+
+
+def _fusion_bytes(lines: list[str], layers: int) -> tuple[int, list[str]]:
+    """Bytes a fusion moves, by the convention of XLA's HloCostAnalysis: each operand read once, except one used
+    only by dynamic-slices inside (the slices' bytes), a layer-stacked one (leading axis `layers`, read through a
+    window of a matrix product: one layer's bytes) or the buffer of an in-place dynamic-update-slice (nothing); the
+    output written, except an in-place dynamic-update-slice's (its update's bytes). Also the notable ops inside
+    (dynamic-slice, dynamic-update-slice, transpose, copy, dot, convolution, gather, reduce)."""
+    parsed = [_split_instruction(line) for line in lines]
+    by_name = {p[0]: p for p in parsed}
+    params = {}
+    for name, _, opcode, args, _ in parsed:
+        if opcode == "parameter":
+            params[name] = int(args)
+    users = {name: [] for name in by_name}
+    for name, _, opcode, args, _ in parsed:
+        for j, operand in enumerate(_operands(args)):
+            ref = operand.split()[-1].lstrip("%") if operand else ""
+            if ref in users:
+                users[ref].append((name, opcode, j))
+    root = _split_instruction(next(line for line in lines if line.startswith("ROOT ")))
+    roots = [root]
+    if root[2] == "tuple":
+        roots = [by_name[o.split()[-1].lstrip("%")] for o in _operands(root[3])]
+    in_place = {}
+    written = 0
+    for r in roots:
+        if r[2] == "dynamic-update-slice":
+            ops = _operands(r[3])
+            in_place[ops[0].split()[-1].lstrip("%")] = True
+            written += _shapes_bytes(ops[1])
+        else:
+            written += _shapes_bytes(r[1])
+    read = 0
+    for name in params:
+        uses = users[name]
+        if name in in_place:
+            continue
+        if uses and all(op == "dynamic-slice" and j == 0 for _, op, j in uses):
+            read += sum(_shapes_bytes(by_name[u][1]) for u, _, _ in uses)
+        else:
+            shape = _SHAPE.search(by_name[name][1])
+            stacked = shape and layers > 1 and shape.group(2).split(",")[0] == str(layers)
+            read += _shapes_bytes(by_name[name][1]) // (layers if stacked else 1)
+    notable = sorted(
+        {
+            p[2]
+            for p in parsed
+            if p[2] in ("dynamic-slice", "dynamic-update-slice", "transpose", "copy", "dot", "convolution", "gather")
+            or p[2].startswith("reduce")
+        }
+    )
+    return read + written, notable
+
+
+def breakdown(hlo: str) -> list[dict]:
+    """The instructions of every while loop's body of an optimized HLO module, each with the bytes it moves (XLA's
+    HloCostAnalysis convention: operands read and output written; see `_fusion_bytes`), largest first. What the
+    layer body of a decode step spends its bytes on, instruction by instruction."""
+    comps = _computations(hlo)
+    trips = dict(zip(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo), _trip_counts(hlo)))
+    rows = []
+    for body, trip in trips.items():
+        parsed = [_split_instruction(line) for line in comps.get(body, [])]
+        shapes = {p[0]: p[1] for p in parsed}  # operands are named, their shapes are their definitions'
+        for name, shape, opcode, args, attrs in parsed:
+            if opcode in _SKIP or opcode == "while":
+                continue
+            operands = [shapes.get(o.split()[-1].lstrip("%"), o) for o in _operands(args) if o]
+            inside = []
+            called = re.search(r"calls=%?([\w.\-]+)", attrs)
+            if opcode == "fusion" and called and called.group(1) in comps:
+                moved, inside = _fusion_bytes(comps[called.group(1)], trip)
+                kind = re.search(r"kind=(\w+)", attrs)
+                opcode = f"fusion:{kind.group(1) if kind else ''}"
+            elif opcode == "dynamic-update-slice":
+                moved = 2 * _shapes_bytes(operands[1])
+            elif opcode == "dynamic-slice":
+                moved = 2 * _shapes_bytes(shape)
+            else:
+                moved = sum(_shapes_bytes(o) for o in operands) + _shapes_bytes(shape)
+            rows.append({"body": body, "name": name, "opcode": opcode, "bytes": moved, "shape": shape, "ops": inside})
+    return sorted(rows, key=lambda r: -r["bytes"])
+
+
+def breakdown_table(rows: list[dict], limit: int = 40) -> str:
+    lines = [f"{'MB':>10}  {'opcode':<24}{'name':<36}output shape; ops inside"]
+    for r in rows[:limit]:
+        inside = f"; {','.join(r['ops'])}" if r["ops"] else ""
+        lines.append(f"{r['bytes'] / 1e6:>10.2f}  {r['opcode']:<24}{r['name'][:35]:<36}{r['shape'][:90]}{inside}")
+    lines.append(f"{sum(r['bytes'] for r in rows) / 1e6:>10.2f}  in all ({len(rows)} instructions)")
+    return "\n".join(lines)
+
+
+def layer_breakdown(case: Case, program: str, hlo_out: Path | None = None) -> str:
+    """`breakdown_table` of `program`'s layer body at the model's depth, with the cost model's layer-body bytes (c in
+    the module docstring's model, from the three depths) to check the attribution against."""
+    t = _Target(case)
+    lower = {
+        "decode_plain": lambda d: t.lower_decode(d, perturbed=False),
+        "decode_perturbed": lambda d: t.lower_decode(d, perturbed=True),
+        "prefill": t.lower_prefill,
+    }
+    if program not in lower:
+        raise ValueError(f"--breakdown: one of {', '.join(lower)}, not {program!r}")
+    L = t.model_cfg.num_layers
+    depth = _depths(L)[2]
+    hlo = lower[program](depth).compile().as_text()
+    if hlo_out:
+        hlo_out.mkdir(parents=True, exist_ok=True)
+        (hlo_out / f"{case.name}_{program}_depth{depth}.hlo.txt").write_text(hlo)
+    body = _through_layers(lower[program], L)["bytes_accessed_layer_body"]
+    head = (
+        f"{case.name} {program}, depth {depth}, {t.rows_per_device} rows per chip: the layer body's instructions "
+        f"(cost model's layer body: {body / 1e6:.2f} MB)"
+    )
+    return head + "\n" + breakdown_table(breakdown(hlo))
+
+
 def table(results: dict) -> str:
     """One row per (case, program)."""
     head = (
@@ -654,16 +849,22 @@ def table(results: dict) -> str:
                 f"{p['roofline_ratio']:>7.2f}{p['flops'] / 1e9:>10.1f}{p['bytes_accessed'] / 1e9:>12.3f}"
                 f"{p['must_move_bytes'] / 1e9:>13.3f}{extra}"
             )
-        lines.append(f"{name:<6}perturbed/plain decode (plain s / perturbed s): {r['perturbed_over_plain']:.3f}")
+        if r["perturbed_over_plain"] is not None:
+            lines.append(f"{name:<6}perturbed/plain decode (plain s / perturbed s): {r['perturbed_over_plain']:.3f}")
     return "\n".join(lines)
 
 
-def measure(quick: bool, cases=None, log=print) -> dict:
+def measure(quick: bool, cases=None, log=print, programs=None, rows_per_device: int = 0) -> dict:
+    """Every chosen case's figures (`programs`: the program names to compile, None: all; `rows_per_device`: rows
+    per chip in place of the plan's, 0: the plan's)."""
     chosen = [QUICK] if quick else [CASES[n] for n in (cases or list(CASES))]
-    results = {case.name: run_case(case, log) for case in chosen}
+    if rows_per_device:
+        chosen = [dataclasses.replace(c, rows_per_device=rows_per_device) for c in chosen]
+    results = {case.name: run_case(case, log, programs) for case in chosen}
     log(table(results), flush=True)
+    ratios = [r["perturbed_over_plain"] for r in results.values() if r["perturbed_over_plain"] is not None]
     return {
-        "tpu_cost": min(r["perturbed_over_plain"] for r in results.values()),
+        "tpu_cost": min(ratios) if ratios else None,
         "jax_version": jax.__version__,
         "hbm_bytes_per_s": HBM_BYTES_PER_S,
         "peak_flops": PEAK_FLOPS,
@@ -683,8 +884,29 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="2 layers at Qwen3-0.6B's widths, a few rows")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated, of {', '.join(PROGRAMS)}")
+    parser.add_argument("--rows-per-device", type=int, default=0, help="rows per chip (default: the plan's)")
+    parser.add_argument(
+        "--breakdown",
+        metavar="PROGRAM",
+        help="print the bytes of each instruction of PROGRAM's layer body (decode_plain, decode_perturbed, prefill) "
+        "at the model's depth for each case, beside the cost model's layer-body bytes, instead of the figures",
+    )
+    parser.add_argument("--hlo-out", type=Path, help="with --breakdown: write each compiled HLO text here")
     args = parser.parse_args(argv)
-    results = measure(args.quick, [c for c in args.cases.split(",") if c])
+    cases = [c for c in args.cases.split(",") if c]
+    programs = [p for p in args.programs.split(",") if p]
+    unknown = sorted(set(programs) - set(PROGRAMS)) + sorted(set(cases) - set(CASES))
+    if unknown:
+        parser.error(f"unknown program or case: {', '.join(unknown)}")
+    if args.breakdown:
+        chosen = [QUICK] if args.quick else [CASES[n] for n in cases]
+        for case in chosen:
+            if args.rows_per_device:
+                case = dataclasses.replace(case, rows_per_device=args.rows_per_device)
+            print(layer_breakdown(case, args.breakdown, args.hlo_out), flush=True)
+        return {}
+    results = measure(args.quick, cases, programs=programs, rows_per_device=args.rows_per_device)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2, default=str))
