@@ -67,7 +67,8 @@ def get_config(arg: str | None = None):
         # On FrozenLake (docs/agents.md): at σ 0.005 (the default experiment's) all 32 members played the same greedy
         # episodes on every step (fitness std 0, no update); at 0.05 most actions failed to parse; at 0.02 the members
         # differ but 10 minutes gain nothing; at 0.01 with lr 3e-3 they are 10 points up within 10 minutes on 3 of 3
-        # seeds, LOO-ROLL and EGGROLL alike. On Sokoban, which the model almost never solves, the members still play alike at 0.01.
+        # seeds, LOO-ROLL and EGGROLL alike. On Sokoban, which the model almost never solves, the members still play
+        # alike at 0.01.
         c.es.sigma = 0.01
         c.es.shaping = "raw"
         c.optimizer.lr = 3e-3

@@ -18,7 +18,8 @@ Attention pairs. `causal=True` counts each query against the keys it can see, it
 pairs for a full sequence of T tokens, P + t for decode step t after a prompt of P. That is the work a
 causal-aware kernel does, and what `generate_flops` counts (attention over the growing cache). `causal=False`
 counts every (query, slot) pair of the buffer, T² for a full sequence: what a dense kernel computes before masking,
-as `esroll.models.forward`'s attention (`esroll.models.transformer.attend`) does.
+as `esroll.models.forward`'s attention does (`jax.nn.dot_product_attention`'s XLA implementation without a
+cache; `esroll.models.transformer.attend` over every cached slot and the new ones with one).
 
 Padding is counted as tokens: every row runs all its positions (left-padded prompts included), since the
 programs' shapes are fixed.

@@ -120,9 +120,9 @@ def test_kv_cache_incremental_matches_full(tiny_model):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_attend_equals_jax_attention_with_repeated_kv_heads(dtype):
     """`attend` (grouped queries against [B, K, S, H] keys and values, in one block or two) against
-    `jax.nn.dot_product_attention` on
-    [B, S, Q, H] keys and values whose kv heads are repeated Q / K times (head j reads kv head j // (Q / K), as
-    Hugging Face's `repeat_kv`), with a row that sees no key at all: a uniform average of the values, not NaN."""
+    `jax.nn.dot_product_attention` on [B, S, Q, H] keys and values whose kv heads are repeated Q / K times (head j
+    reads kv head j // (Q / K), as Hugging Face's `repeat_kv`), with a row that sees no key at all: a uniform average
+    of the values, not NaN."""
     from esroll.models.transformer import attend
 
     B, T, S, Q, K, H = 3, 2, 5, 6, 2, 8

@@ -194,15 +194,36 @@ def _abstract(model_cfg, dtype, shardings_of):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings_of(shapes))
 
 
+def _computations(hlo: str) -> dict[str, list[str]]:
+    """An optimized HLO module's computations by name, each its instruction lines."""
+    out, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$", line)
+        if head:
+            name = head.group(1)
+            out[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name and " = " in line:
+            out[name].append(line.strip())
+    return out
+
+
+def _loops(hlo: str) -> list[tuple[str, int]]:
+    """(body computation, trip count) of every while loop of an optimized HLO module (trip count -1 where its
+    condition is not `i < constant`)."""
+    computations = _computations(hlo)
+    loops = []
+    for condition, body in re.findall(r"\bwhile\(.*?condition=%?([\w.\-]+), body=%?([\w.\-]+)", hlo):
+        text = "\n".join(computations.get(condition, []))
+        found = re.search(r"constant\((\d+)\)", text)
+        loops.append((body, int(found.group(1)) if found and "direction=LT" in text else -1))
+    return loops
+
+
 def _trip_counts(hlo: str) -> list[int]:
     """The trip count of every while loop of an optimized HLO module (-1 where its condition is not `i < constant`)."""
-    computations = dict(re.findall(r"^%?(\S+) \(.*?\{\n(.*?)^\}", hlo, re.MULTILINE | re.DOTALL))
-    counts = []
-    for condition in re.findall(r"\bwhile\(.*?condition=%?([\w.\-]+)", hlo):
-        body = computations.get(condition, "")
-        found = re.search(r"constant\((\d+)\)", body)
-        counts.append(int(found.group(1)) if found and "direction=LT" in body else -1)
-    return counts
+    return [trip for _, trip in _loops(hlo)]
 
 
 def _uncosted(hlo: str) -> int:
@@ -667,21 +688,6 @@ def _shapes_bytes(text: str) -> int:
     return sum(math.prod(int(d) for d in dims.split(",") if d) * _ITEMSIZE[t] for t, dims, _ in _SHAPE.findall(text))
 
 
-def _computations(hlo: str) -> dict[str, list[str]]:
-    """An optimized HLO module's computations by name, each its instruction lines."""
-    out, name = {}, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$", line)
-        if head:
-            name = head.group(1)
-            out[name] = []
-        elif line.startswith("}"):
-            name = None
-        elif name and " = " in line:
-            out[name].append(line.strip())
-    return out
-
-
 def _split_instruction(line: str):
     """(name, output shape text, opcode, operand text, attributes) of one HLO instruction line."""
     line = line.removeprefix("ROOT ")
@@ -725,10 +731,7 @@ def _fusion_bytes(lines: list[str], layers: int) -> tuple[int, list[str]]:
     (dynamic-slice, dynamic-update-slice, transpose, copy, dot, convolution, gather, reduce)."""
     parsed = [_split_instruction(line) for line in lines]
     by_name = {p[0]: p for p in parsed}
-    params = {}
-    for name, _, opcode, args, _ in parsed:
-        if opcode == "parameter":
-            params[name] = int(args)
+    params = [name for name, _, opcode, _, _ in parsed if opcode == "parameter"]
     users = {name: [] for name in by_name}
     for name, _, opcode, args, _ in parsed:
         for j, operand in enumerate(_operands(args)):
@@ -739,12 +742,12 @@ def _fusion_bytes(lines: list[str], layers: int) -> tuple[int, list[str]]:
     roots = [root]
     if root[2] == "tuple":
         roots = [by_name[o.split()[-1].lstrip("%")] for o in _operands(root[3])]
-    in_place = {}
+    in_place = set()
     written = 0
     for r in roots:
         if r[2] == "dynamic-update-slice":
             ops = _operands(r[3])
-            in_place[ops[0].split()[-1].lstrip("%")] = True
+            in_place.add(ops[0].split()[-1].lstrip("%"))
             written += _shapes_bytes(ops[1])
         else:
             written += _shapes_bytes(r[1])
@@ -775,9 +778,8 @@ def breakdown(hlo: str) -> list[dict]:
     HloCostAnalysis convention: operands read and output written; see `_fusion_bytes`), largest first. What the
     layer body of a decode step spends its bytes on, instruction by instruction."""
     comps = _computations(hlo)
-    trips = dict(zip(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo), _trip_counts(hlo)))
     rows = []
-    for body, trip in trips.items():
+    for body, trip in _loops(hlo):
         parsed = [_split_instruction(line) for line in comps.get(body, [])]
         shapes = {p[0]: p[1] for p in parsed}  # operands are named, their shapes are their definitions'
         for name, shape, opcode, args, attrs in parsed:
@@ -854,13 +856,16 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _chosen(quick: bool, cases=None, rows_per_device: int = 0) -> list[Case]:
+    """The cases named (QUICK for `quick`, all by default), at `rows_per_device` rows per chip when given."""
+    chosen = [QUICK] if quick else [CASES[n] for n in (cases or list(CASES))]
+    return [dataclasses.replace(c, rows_per_device=rows_per_device) if rows_per_device else c for c in chosen]
+
+
 def measure(quick: bool, cases=None, log=print, programs=None, rows_per_device: int = 0) -> dict:
     """Every chosen case's figures (`programs`: the program names to compile, None: all; `rows_per_device`: rows
     per chip in place of the plan's, 0: the plan's)."""
-    chosen = [QUICK] if quick else [CASES[n] for n in (cases or list(CASES))]
-    if rows_per_device:
-        chosen = [dataclasses.replace(c, rows_per_device=rows_per_device) for c in chosen]
-    results = {case.name: run_case(case, log, programs) for case in chosen}
+    results = {case.name: run_case(case, log, programs) for case in _chosen(quick, cases, rows_per_device)}
     log(table(results), flush=True)
     ratios = [r["perturbed_over_plain"] for r in results.values() if r["perturbed_over_plain"] is not None]
     return {
@@ -900,10 +905,7 @@ def main(argv=None) -> dict:
     if unknown:
         parser.error(f"unknown program or case: {', '.join(unknown)}")
     if args.breakdown:
-        chosen = [QUICK] if args.quick else [CASES[n] for n in cases]
-        for case in chosen:
-            if args.rows_per_device:
-                case = dataclasses.replace(case, rows_per_device=args.rows_per_device)
+        for case in _chosen(args.quick, cases, args.rows_per_device):
             print(layer_breakdown(case, args.breakdown, args.hlo_out), flush=True)
         return {}
     results = measure(args.quick, cases, programs=programs, rows_per_device=args.rows_per_device)
