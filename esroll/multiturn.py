@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from esroll.envs.base import TextEnv
-from esroll.models import ModelConfig, Perturbation, forward, init_cache
+from esroll.models import ModelConfig, Perturbation, forward, init_cache, most_members
+from esroll.models import member_slots as table_size
 from esroll.sampling import draw, pad_prompts
 
 Array = jax.Array
@@ -121,6 +122,7 @@ def play(
     row_offset: int = 0,
     actions: Callable[[int, list[str]], list[str]] | None = None,
     prompt_multiple: int = 16,
+    member_slots: int | None = None,
 ) -> Episodes:
     """Play `envs[b]` from `seeds[b]` for every row b, at most `max_turns` turns, in one KV cache per row.
 
@@ -128,7 +130,11 @@ def play(
     current observation of every row — returns each row's action text (a scripted policy); without it the model
     samples at `temperature` (0: greedy); a given text is cut to `max_action_tokens` − 1 tokens before its end token.
     An observation longer than `max_observation_tokens` tokens is refused (a ValueError naming the option): the
-    cache's size is fixed before the first turn."""
+    cache's size is fixed before the first turn.
+
+    A member-level `perturb` becomes member tables once, before the first turn (`Perturbation.tables`, of
+    `member_slots` entries: by default the rows' distinct members; a caller that plays chunks passes the bound of all
+    of them, so that they share one compilation)."""
     B, T, A, O = len(envs), max_turns, max_action_tokens, max_observation_tokens
     first = [env.reset(int(seed)) for env, seed in zip(envs, seeds)]
     prompts = [
@@ -137,6 +143,12 @@ def play(
     prompt_BxP, prompt_mask_BxP = pad_prompts(prompts, multiple=prompt_multiple, pad_id=pad_id)
     P = prompt_BxP.shape[1]
     slots = P - 1 + T * (O + A)  # the prompt but its last token; per turn O of the input's O + 1, then A decoded
+    if perturb is not None and perturb.member_B is not None:  # the factors gathered once for every turn
+        rows_members = np.asarray(perturb.member_B)
+        entries = table_size(rows_members) if member_slots is None else member_slots
+        if entries and most_members(rows_members, B) > entries:
+            raise ValueError(f"play: member_slots = {entries} is fewer than the rows' distinct members")
+        perturb = _factors(perturb, entries if entries < B else 0)
     cache = _start(cfg, params, jnp.asarray(prompt_BxP), jnp.asarray(prompt_mask_BxP), perturb, slots=slots)
     observations = [[o] for o in first]
     acted: list[list[str]] = [[] for _ in range(B)]
@@ -232,6 +244,12 @@ def _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxT, valid_BxT, turns_
                     turns_B, done_B, solved_B, observations, acted)  # fmt: skip
 
 
+@functools.partial(jax.jit, static_argnames="slots")
+def _factors(perturb: Perturbation, slots: int) -> Perturbation:
+    """A member-level perturbation as member tables of `slots` entries (`Perturbation.tables`), or per row (0)."""
+    return perturb.tables(slots) if slots else perturb.per_row()
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "slots"))
 def _start(cfg, params, prompt_BxP, mask_BxP, perturb, *, slots):
     """A cache of `slots` slots holding every prompt token but the last (the first turn's input)."""
@@ -248,8 +266,6 @@ def _turn(cfg, params, cache, inputs_BxI, mask_BxI, key, perturb, row_offset, li
     (a live row's last input column is real), at most `max_action_tokens` tokens or through `eos_id`; with
     `forced`, the tokens are the given ones instead of samples. Returns the cache and (tokens, logprobs, lengths)."""
     B, A = inputs_BxI.shape[0], max_action_tokens
-    if perturb is not None:
-        perturb = perturb.per_row()
     run = functools.partial(forward, cfg, params, perturb=perturb)
     _, cache = run(inputs_BxI[:, :-1], mask_BxT=mask_BxI[:, :-1], cache=cache)
     rows_B = jnp.arange(B, dtype=jnp.int32) + row_offset

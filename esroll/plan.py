@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from esroll import grpo, memory, parallel, sharding
 from esroll.es import method as es_method
 from esroll.config import ExperimentConfig, make_optimizer
-from esroll.models import ModelConfig, Perturbation, abstract_params
+from esroll.models import ModelConfig, Perturbation, abstract_params, member_slots
 from esroll.sampling import lower_generate
 
 GiB = memory.GiB
@@ -166,14 +166,16 @@ class _Target:
         """The trainer's first guess for a rollout of `rows` rows (`esroll.memory.rows_per_device`)."""
         return memory.rows_per_device(self.cfg, self.model_cfg, self.prompt_len, self.mesh, resident, rows)
 
-    def lower_chunk(self, per_device: int, temperature: float, deltas=None):
-        """`generate` on one chunk of `per_device` rows per device (perturbed with `deltas` when given)."""
+    def lower_chunk(self, per_device: int, temperature: float, deltas=None, member_B=None):
+        """`generate` on one chunk of `per_device` rows per device (perturbed with `deltas` when given, the step's
+        rows those of members `member_B`: the member tables are as large as the trainer's, `member_slots`)."""
         chunk, rows = self.data * per_device, parallel.rows(self.mesh)
         prompt = jax.ShapeDtypeStruct((chunk, self.prompt_len), jnp.int32, sharding=rows)
         mask = jax.ShapeDtypeStruct((chunk, self.prompt_len), bool, sharding=rows)
-        perturb = None
+        perturb, slots = None, None
         if deltas is not None:
             perturb = Perturbation(deltas, jax.ShapeDtypeStruct((chunk,), jnp.int32, sharding=rows))
+            slots = member_slots(member_B, self.data, chunk)
         return lower_generate(
             self.model_cfg,
             self.compute,
@@ -186,14 +188,15 @@ class _Target:
             perturb=perturb,
             phases=self.cfg.parallel.decode_phases,
             unroll=self.cfg.parallel.scan_unroll,
+            member_slots=slots,
         )
 
-    def fit_rows(self, name: str, per_device: int, temperature: float, beside: int, deltas=None):
+    def fit_rows(self, name: str, per_device: int, temperature: float, beside: int, deltas=None, member_B=None):
         """Compile a chunk of `per_device` rows per device (its arguments hold the decoding copy; `beside` bytes
         live next to it); halve an automatic row count while the step does not fit. Returns (program, rows)."""
         auto = not self.cfg.parallel.rows_per_device
         while True:
-            program, _ = _compile(name, self.lower_chunk(per_device, temperature, deltas), beside)
+            program, _ = _compile(name, self.lower_chunk(per_device, temperature, deltas, member_B), beside)
             if (
                 not (self.shrink and auto and self.limit is not None and per_device > 1)
                 or program.peak_bytes <= self.limit
@@ -253,7 +256,12 @@ def plan_es(
     ]
     rows = es_method.rows_per_step(cfg)
     gen, per_device = t.fit_rows(
-        "generate", t.auto_rows(rows, resident), cfg.train.temperature, masters_and_state, deltas
+        "generate",
+        t.auto_rows(rows, resident),
+        cfg.train.temperature,
+        masters_and_state,
+        deltas,
+        es_method.member_rows(cfg),
     )
     evaluation, eval_per_device = t.fit_rows(
         "evaluate", t.auto_rows(min(256, cfg.data.eval_size), resident), 0.0, masters_and_state

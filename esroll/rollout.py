@@ -31,7 +31,7 @@ from esroll import parallel
 from esroll.config import StepsConfig
 from esroll.rewards import majority_rewards
 from esroll.data import Example, eval_score_names
-from esroll.models import Perturbation
+from esroll.models import Perturbation, member_slots
 from esroll.multiturn import Turns, play
 from esroll.sampling import generate, pad_prompts
 from esroll.steps import Steps, segment
@@ -157,8 +157,11 @@ def rollout(
     # (compilations of `generate`) serve every batch of branches.
     new_tokens = N - int(prefix_B[real_B].min(initial=0)) // 8 * 8
     place = (lambda x: parallel.put_rows(mesh, x)) if mesh.size > 1 else np.asarray
-    if deltas is not None:
-        member_B = np.concatenate([member_B, np.zeros(rows - B, member_B.dtype)])
+    slots = None
+    if deltas is not None:  # padding rows take the last row's member: no chunk gets a member more for them
+        member_B = np.asarray(member_B)
+        member_B = np.concatenate([member_B, np.full(rows - B, member_B[-1], member_B.dtype)])
+        slots = member_slots(member_B, data, chunk)  # one table size for every chunk: one compilation
     # Chunk by chunk: the KV cache and every other per-row buffer is sized to one chunk. A row's sampling noise is
     # keyed by its index in the whole rollout (`row_offset`), so chunking does not change any row's tokens.
     parts = []  # (row indices, tokens, lengths, log-probabilities) of this process's rows
@@ -184,6 +187,7 @@ def rollout(
             row_offset=start,
             unroll=sampling.unroll,
             phases=sampling.phases,
+            member_slots=slots,
         )
         idx, tokens = parallel.local_rows(gen.tokens)
         parts.append((idx + start, tokens, parallel.local_rows(gen.lengths)[1], parallel.local_rows(gen.logprobs)[1]))
@@ -255,8 +259,11 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
     rows = B + (-B % chunk)
     example_B = np.concatenate([example_B, np.full(rows - B, PAD)])
     real_B = example_B != PAD
-    if deltas is not None:
-        member_B = np.concatenate([np.asarray(member_B), np.zeros(rows - B, np.int32)])
+    slots = None
+    if deltas is not None:  # padding rows take the last row's member, as in `rollout`
+        member_B = np.asarray(member_B)
+        member_B = np.concatenate([member_B, np.full(rows - B, member_B[-1], member_B.dtype)])
+        slots = member_slots(member_B, 1, chunk)
     seeds = [examples[max(int(e), 0)].meta["seed"] for e in example_B]
     start_s = time.perf_counter()
     parts = []
@@ -281,6 +288,7 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
             perturb=perturb,
             row_offset=start,
             prompt_multiple=task.prompt_multiple,
+            member_slots=slots,
         )
         if played.tokens_BxL.shape[1] > N:
             raise ValueError(

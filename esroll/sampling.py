@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from esroll.models import KVCache, ModelConfig, Perturbation, forward, init_cache
-from esroll.sampling_layout import _arguments, _constrain, _constrain_cache
+from esroll.sampling_layout import _arguments, _constrain, _constrain_cache, _shards
 
 __all__ = ["Generation", "draw", "generate", "lower_generate", "pad_prompts"]
 
@@ -91,6 +91,7 @@ def generate(
     phases: int = 4,
     row_offset: int | Array = 0,
     unroll: int = 1,
+    member_slots: int | None = None,
 ) -> Generation:
     """Sample up to `max_new_tokens` per row after left-padded prompts (`prompt_mask` False on pads).
 
@@ -100,8 +101,16 @@ def generate(
 
     `phases` is the number of decode phases the cache grows in (see `_phase_ends`); `unroll` the layers per iteration
     of the model's layer scan (`esroll.models.forward`: a speed knob; the values do not depend on it beyond float
-    rounding). Every platform runs the same program: one layer-stacked cache, the layers under `lax.scan`, each row's
-    low-rank factors gathered once per call (`Perturbation.per_row`), the weights as stored.
+    rounding). Every platform runs the same program: one layer-stacked cache, the layers under `lax.scan`, the
+    perturbation's factors gathered once per call (below), the weights as stored.
+
+    A member-level `perturb` is turned, once per call, into member tables (`Perturbation.tables`): each device's rows
+    read the factors of the distinct members among them, U of them (`member_slots`), once per decode step, however
+    many rows each member has. U is computed from `perturb.member_B` when its values are at hand (the most distinct
+    members on any device, `esroll.models.member_slots`); a caller that decodes a larger batch in chunks passes the
+    bound of all its chunks, so that they share one compilation, and lowering ahead of time needs it given. A U that
+    the rows at hand exceed is refused. 0 (or a bound not below a device's rows) gathers each row's factors instead
+    (`Perturbation.per_row`).
 
     Sampling noise is drawn per (key, global row index, step), the global index of row b being `row_offset` + b: a
     caller that decodes rows [o, o + B) of a larger batch in chunks passes row_offset=o and gets exactly the tokens
@@ -133,6 +142,7 @@ def generate(
         phases=phases,
         row_offset=row_offset,
         unroll=unroll,
+        member_slots=member_slots,
     )
     return _generate(*args, **kwargs)
 
@@ -160,6 +170,7 @@ _STATIC = (
     "cache_dtype",
     "phases",
     "unroll",
+    "slots",
     "mesh",
     "axis",
     "tensor_parallel",
@@ -185,12 +196,14 @@ def _generate(
     cache_dtype,
     phases,
     unroll,
+    slots,
     mesh,
     axis,
     tensor_parallel,
 ) -> Generation:
     """`generate` proper. `mesh` and `axis`: where the rows are split (None: on one device, or replicated); with
-    `tensor_parallel`, the mesh has a "model" axis and the program is partitioned by GSPMD instead of `shard_map`."""
+    `tensor_parallel`, the mesh has a "model" axis and the program is partitioned by GSPMD instead of `shard_map`.
+    `slots`: the member tables' size (0: per-row factors)."""
     constrain = None
     if tensor_parallel:
         constrain = functools.partial(_constrain_cache, cfg=cfg, mesh=mesh, rows=axis)
@@ -206,6 +219,8 @@ def _generate(
         cache_dtype=cache_dtype,
         phases=phases,
         unroll=unroll,
+        slots=slots,
+        blocks=_shards(mesh, axis) if tensor_parallel else 1,
         axis=None if tensor_parallel else axis,
         constrain=constrain,
     )
@@ -246,19 +261,24 @@ def _decode(
     cache_dtype,
     phases,
     unroll,
+    slots,
+    blocks,
     axis,
     constrain,
 ) -> Generation:
     """Prefill and decode loop over the rows at hand: all of them, or (under `shard_map` over `axis`) one device's
-    share, which is the `axis_index`-th block of B rows. `constrain` (or None) places each new cache (GSPMD)."""
+    share, which is the `axis_index`-th block of B rows. `constrain` (or None) places each new cache (GSPMD) and
+    the member tables (`slots` entries for each of `blocks` blocks of rows: the devices the rows split over)."""
     B, P = prompt_BxP.shape
     N = max_new_tokens
     constrain = constrain or (lambda cache: cache)
     # Global row indices, which key each row's sampling noise: the split hands device i rows [i·B, (i+1)·B) of the
     # caller's, which are themselves rows [row_offset, row_offset + B·devices) of a larger batch.
     rows_B = jnp.arange(B, dtype=jnp.int32) + row_offset + (0 if axis is None else jax.lax.axis_index(axis) * B)
-    if perturb is not None:  # each row's factors gathered here once, not in every layer of every decode step
-        perturb = perturb.per_row()
+    if perturb is not None:  # the factors gathered here once, not in every layer of every decode step
+        perturb = perturb.tables(slots, blocks) if slots and perturb.member_B is not None else perturb.per_row()
+        if perturb.slot_B is not None:
+            perturb = constrain(perturb)
     run = functools.partial(forward, cfg, params, perturb=perturb, unroll=unroll)
     cache = constrain(init_cache(cfg, B, P - 1, cache_dtype))
     # Prefill all but the last prompt token; its logits go unused, so XLA drops the [B, P, V] head. The last prompt

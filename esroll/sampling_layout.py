@@ -23,9 +23,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from esroll.models import KVCache
+from esroll.models import STACKED, KVCache, Perturbation, member_slots, most_members
 
 MODEL_AXIS = "model"  # the mesh axis parameters are split over (tensor parallelism), see `esroll.parallel`
 
@@ -48,6 +49,7 @@ def _arguments(
     phases,
     row_offset,
     unroll,
+    member_slots,
 ) -> tuple[tuple, dict]:
     """`_generate`'s arguments (traced ones positional, static ones by keyword) from `generate`'s."""
     B, P = prompt_BxP.shape
@@ -80,11 +82,46 @@ def _arguments(
         "cache_dtype": jnp.dtype(cache_dtype or params["embed"].dtype),
         "phases": int(phases),
         "unroll": int(unroll),
+        "slots": _slots(perturb, member_slots, _shards(mesh, axis)),
         "mesh": mesh,
         "axis": axis,
         "tensor_parallel": model_mesh is not None,
     }
     return args, kwargs
+
+
+def _slots(perturb, given: int | None, shards: int) -> int:
+    """The member tables' size for `perturb` (see `esroll.sampling.generate`), its rows split over `shards` devices:
+    0 (per-row factors) without member-level deltas, or where the bound does not fall below a device's rows;
+    `given`, after checking it against the rows' members where their values are at hand; else computed from them."""
+    if perturb is None or perturb.member_B is None:
+        return 0
+    per_device = perturb.member_B.shape[0] // shards
+    member_B = _host_values(perturb.member_B)
+    if given is None:
+        return 0 if member_B is None else member_slots(member_B, shards)
+    if given and member_B is not None and most_members(member_B, per_device) > given:
+        raise ValueError(
+            f"generate: member_slots = {given} is fewer than the {most_members(member_B, per_device)} distinct "
+            f"members among one device's {per_device} rows"
+        )
+    return int(given) if 0 < given < per_device else 0
+
+
+def _host_values(x) -> np.ndarray | None:
+    """x's values on this host, or None where they are not known here (traced, abstract, or on other hosts)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_fully_addressable:
+        return np.asarray(x)
+    return None
+
+
+def _shards(mesh, axis) -> int:
+    """How many blocks `axis` (a mesh axis name, a tuple of them, or None) splits the rows into."""
+    if axis is None:
+        return 1
+    return math.prod(mesh.shape[n] for n in (axis if isinstance(axis, tuple) else (axis,)))
 
 
 def _traced(x, dtype):
@@ -120,12 +157,28 @@ def _constrain(x, *spec, mesh):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
-def _constrain_cache(cache: KVCache, *, cfg, mesh, rows) -> KVCache:
-    """The cache with its rows over `rows` (the prompt's row axis, or None) and its kv heads over the model axis
-    (replicated when the model axis does not divide the kv heads, or already splits the rows), for GSPMD."""
+def _constrain_cache(cache: KVCache | Perturbation, *, cfg, mesh, rows) -> KVCache | Perturbation:
+    """For GSPMD: the cache with its rows over `rows` (the prompt's row axis, or None) and its kv heads over the model
+    axis (replicated when the model axis does not divide the kv heads, or already splits the rows); or member tables
+    (`Perturbation.tables`) with their blocks over `rows`, each device holding its own rows' table (the rest of
+    each factor's layout left to the compiler, which follows the deltas')."""
+    if isinstance(cache, Perturbation):
+        return cache._replace(deltas=_constrain_tables(cache.deltas, mesh, rows))
     row_names = rows if isinstance(rows, tuple) else (rows,)
     split = cfg.num_kv_heads % mesh.shape[MODEL_AXIS] == 0 and MODEL_AXIS not in row_names
     heads = MODEL_AXIS if split else None
     at = functools.partial(_constrain, mesh=mesh)
     spec = (None, rows, heads, None, None)  # [L, B, K, S, H]
     return KVCache(at(cache.k, *spec), at(cache.v, *spec), valid_BxS=at(cache.valid_BxS, rows, None), index=cache.index)
+
+
+def _constrain_tables(deltas: dict, mesh, rows) -> dict:
+    """Tables [G, U, ...] (layer-stacked [L, G, U, ...]) with G over `rows`, the other axes unconstrained."""
+    free = PartitionSpec.UNCONSTRAINED
+
+    def at(path, x):
+        lead = (None,) if path[0].key == STACKED else ()
+        spec = lead + (rows,) + (free,) * (x.ndim - len(lead) - 1)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    return jax.tree_util.tree_map_with_path(at, deltas)

@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from esroll.models import LowRank, ModelConfig, Perturbation, forward, init_cache, linear, load_hf, save_hf
+from esroll.models.layers import row_vector
 
 from conftest import build_tiny_hf
 
@@ -170,8 +171,33 @@ def test_linear_helper_equals_explicit_weight():
         np.testing.assert_allclose(y[row], explicit, rtol=1e-5, atol=1e-5)
 
 
+def test_linear_helper_with_member_tables_equals_explicit_weight():
+    """Member tables (`Perturbation.tables`): 6 rows of members [2, 2, 0, 0, 0, 1] in 2 blocks of 3 rows, tables of 2
+    entries each ([2, 0] and [0, 1]); each row gets x·(W + a bᵀ) with its own member's factors, one token per row (the
+    rows against every entry of their table) and two (each row's entry gathered), and a vector leaf its member's
+    delta."""
+    k = jax.random.split(jax.random.key(1), 5)
+    x = jax.random.normal(k[0], (6, 2, 16))
+    w = jax.random.normal(k[1], (16, 8))
+    a = jax.random.normal(k[2], (3, 16, 2))
+    b = jax.random.normal(k[3], (3, 8, 2))
+    v = jax.random.normal(k[4], (3, 8))
+    member = jnp.array([2, 2, 0, 0, 0, 1])
+    tables = Perturbation({"w": LowRank(a, b), "v": v}, member).tables(2, blocks=2)
+    assert tables.deltas["w"].a.shape == (2, 2, 16, 2) and tables.member_B is None
+    vector = row_vector(jnp.zeros(8), tables.deltas["v"], tables.slot_B)
+    for T in (1, 2):
+        y = linear(x[:, :T], w, tables.deltas["w"], tables.slot_B)
+        for row in range(6):
+            m = int(member[row])
+            np.testing.assert_allclose(y[row], x[row, :T] @ (w + a[m] @ b[m].T), rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(vector[row, 0], v[m])
+
+
 def test_forward_perturbed_equals_explicit(tiny_model):
-    """A per-row perturbation of every matrix and vector leaf equals the forward with each member's weights built."""
+    """A per-row perturbation of every matrix and vector leaf equals the forward with each member's weights built,
+    given per member, and as member tables: one table of both members for the three rows, and three one-row blocks
+    of one entry each."""
     _, folder, _ = tiny_model
     cfg, params = load_hf(folder)
     tokens, mask = padded_batch(cfg.vocab_size)
@@ -187,9 +213,9 @@ def test_forward_perturbed_equals_explicit(tiny_model):
         else:
             deltas["layers"][name] = 0.05 * jax.random.normal(next(keys), (w.shape[0], 2, w.shape[1]))
     deltas["final_norm"] = 0.05 * jax.random.normal(next(keys), (2, cfg.hidden_size))
-    ours, _ = forward(
-        cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask), perturb=Perturbation(deltas, member)
-    )
+    perturb = Perturbation(deltas, member)
+    run = jax.jit(lambda p: forward(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask), perturb=p)[0])
+    forms = [run(perturb), run(perturb.tables(2)), run(perturb.tables(1, blocks=3))]
     for m in (0, 1):
         explicit = jax.tree.map(lambda x: x, params)
         for name, d in deltas["layers"].items():
@@ -200,8 +226,8 @@ def test_forward_perturbed_equals_explicit(tiny_model):
         explicit["final_norm"] = params["final_norm"] + deltas["final_norm"][m]
         ref, _ = forward(cfg, explicit, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
         rows = np.asarray(member) == m
-        err = np.abs(np.asarray(ours)[rows] - np.asarray(ref)[rows])[mask[rows]].max()
-        assert err < 1e-4
+        for ours in forms:
+            assert np.abs(np.asarray(ours)[rows] - np.asarray(ref)[rows])[mask[rows]].max() < 1e-4
 
 
 def test_bad_checkpoints(tmp_path):

@@ -162,8 +162,10 @@ def test_empty_rows_are_finished(qwen3):
     np.testing.assert_array_equal(np.asarray(out.tokens)[:3], np.asarray(full.tokens)[:3])
 
 
-def test_perturbed_rows_equal_explicit_weights(qwen3):
-    """Rows of three members generate exactly what each member's explicitly built weights W + a bᵀ generate."""
+@pytest.mark.parametrize("slots", [None, 0], ids=["tables", "per_row"])
+def test_perturbed_rows_equal_explicit_weights(qwen3, slots):
+    """Rows of three members generate exactly what each member's explicitly built weights W + a bᵀ generate, with
+    the factors in member tables of the three members (by default) and gathered per row (member_slots 0)."""
     cfg, params = qwen3
     tokens, mask = prompts(cfg.vocab_size, seed=4)
     member = jnp.array([2, 0, 1, 2])
@@ -178,8 +180,15 @@ def test_perturbed_rows_equal_explicit_weights(qwen3):
     matrices = {n: w.shape for n, w in params["layers"].items() if w.ndim == 3}
     deltas = {"layers": {n: rank1((L, 3), d_in, d_out) for n, (L, d_in, d_out) in matrices.items()}}
     deltas["lm_head"] = rank1((3,), cfg.hidden_size, cfg.vocab_size)
-    ours = greedy(cfg, params, tokens, mask, perturb=Perturbation(deltas, member))
+    ours = greedy(cfg, params, tokens, mask, perturb=Perturbation(deltas, member), member_slots=slots)
     assert (np.asarray(ours.tokens) != np.asarray(greedy(cfg, params, tokens, mask).tokens)).any()
+    if slots is None:
+        text = lower_generate(cfg, params, tokens, jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0,
+                              prompt_mask=mask, perturb=Perturbation(deltas, member), member_slots=3).as_text()  # fmt: skip
+        L, D = cfg.num_layers, cfg.hidden_size
+        assert f"tensor<{L}x1x3x{D}x1xf32>" in text and f"tensor<{L}x4x{D}x1xf32>" not in text  # a table, no rows'
+        with pytest.raises(ValueError, match="member_slots = 2 is fewer than the 3 distinct members"):
+            greedy(cfg, params, tokens, mask, perturb=Perturbation(deltas, member), member_slots=2)
     for m in range(3):
         explicit = {**params, "layers": dict(params["layers"])}
         for name, d in deltas["layers"].items():
@@ -378,15 +387,22 @@ def model_axis_case(qwen3):
     return tokens, mask, member, deltas, one
 
 
+@pytest.mark.parametrize("layout", ["interleaved", "member_major"])
 @pytest.mark.parametrize("model", [2, 1], ids=["tp", "model1"])
-def test_model_axis_generation_equals_one_device(qwen3, model_axis_case, model):
+def test_model_axis_generation_equals_one_device(qwen3, model_axis_case, model, layout):
     """On an (8 / model) x model ("data", "model") mesh, with heads, MLP columns and their low-rank factors split over
     "model", greedy perturbed generation gives the one-device result: one GSPMD program when the model axis has 2
-    devices, and the per-device shard_map loop when it has 1."""
+    devices, and the per-device shard_map loop when it has 1. Rows of members interleaved (0 1 2 3 0 1 2 3: each
+    device's rows need as many members as they are rows, so each row's factors are gathered) or member-major (0 0 1
+    1 2 2 3 3: member tables, one block per device along "data")."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     cfg, params = qwen3
     tokens, mask, member, deltas, one = model_axis_case
+    if layout == "member_major":  # the same rows in member order: row (m, j) is the interleaved row 4j + m
+        order = np.argsort(member, kind="stable")
+        tokens, mask, member = tokens[order], mask[order], member[order]
+        one = jax.tree.map(lambda x: np.asarray(x)[order] if np.ndim(x) else x, one)
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(8 // model, model), ("data", "model"))
     at = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))
     # (in, out) splits of each layer matrix [L, I, O]: columns of q/k/v/gate/up, rows of o/down over "model".
@@ -413,7 +429,11 @@ def test_model_axis_generation_equals_one_device(qwen3, model_axis_case, model):
     kw = {"max_new_tokens": N_NEW, "temperature": 0.0, "prompt_mask": rows(mask), "perturb": perturb}
     many = generate(*args, **kw)
     # shard_map (a manual computation) only without a model axis: with one, a single GSPMD-partitioned program.
-    assert ("manual_computation" in lower_generate(*args, **kw).as_text()) == (model == 1)
+    text = lower_generate(*args, **kw).as_text()
+    assert ("manual_computation" in text) == (model == 1)
+    # member-major over "data" 4: each device's two rows are one member's, a table of 1 entry per device
+    table = f"tensor<{cfg.num_layers}x4x1x{cfg.hidden_size}x1xf32>"
+    assert (table in text) == (layout == "member_major" and model == 2)
     assert many.tokens.sharding.spec[0] == "data"
     np.testing.assert_array_equal(np.asarray(many.tokens), np.asarray(one.tokens))
     np.testing.assert_array_equal(np.asarray(many.lengths), np.asarray(one.lengths))

@@ -126,6 +126,12 @@ def rows_per_step(cfg: ExperimentConfig) -> int:
     return cfg.es.population * cfg.train.prompts_per_step * cfg.es.samples
 
 
+def member_rows(cfg: ExperimentConfig) -> np.ndarray:
+    """[rows_per_step] int32: each row's member. Rows are member-major, then prompt, then sample: row (m·X + x)·K + k
+    is member m's k-th answer to prompt x."""
+    return np.repeat(np.arange(cfg.es.population, dtype=np.int32), cfg.train.prompts_per_step * cfg.es.samples)
+
+
 def updates_per_step(cfg: ExperimentConfig) -> int:
     """Optimizer updates one ES step takes: one `tell`."""
     return 1
@@ -202,9 +208,8 @@ def make_es_method(
     strategy = compiled_strategy(strategy_config(es_cfg), cfg.optimizer, mesh)
     to_compute = sharding.caster(mesh, cfg.model.dtype)
     M, X, K = cfg.es.population, cfg.train.prompts_per_step, cfg.es.samples
-    # Rows member-major, then prompt, then sample: row (m·X + x)·K + k is member m's k-th answer to prompt x.
-    example_B = np.tile(np.repeat(np.arange(X), K), M)
-    member_B = np.repeat(np.arange(M, dtype=np.int32), X * K)
+    example_B = np.tile(np.repeat(np.arange(X), K), M)  # prompt x, sample k of member m: as `member_rows`
+    member_B = member_rows(cfg)
     label_free = cfg.data.label_free
     sample_key = jax.random.key(cfg.seed + 1)
     chunk = rows_per_device or decode_rows(cfg, task.cfg, task.prompt_multiple, mesh)

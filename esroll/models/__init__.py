@@ -2,7 +2,7 @@
 
 from esroll.models.config import ModelConfig
 from esroll.models.hf import abstract_params, count_params, load_hf, param_shapes, save_hf
-from esroll.models.layers import LowRank, Perturbation, linear
+from esroll.models.layers import LowRank, Perturbation, linear, member_slots, most_members
 from esroll.models.presets import PRESETS, model_config, num_params, preset_config
 from esroll.models.transformer import STACKED, KVCache, forward, init_cache
 
@@ -18,6 +18,8 @@ __all__ = [
     "init_cache",
     "linear",
     "load_hf",
+    "member_slots",
+    "most_members",
     "model_config",
     "num_params",
     "count_params",

@@ -102,8 +102,8 @@ def forward(
     cache has to be copied before its products.
 
     A member-level perturbation (`perturb.member_B` set) is gathered into per-row factors once here
-    (`Perturbation.per_row`), before the scan; `esroll.sampling.generate` gathers once per call, before its decode
-    loop, and passes per-row factors.
+    (`Perturbation.per_row`), before the scan; per-row factors and member tables (`Perturbation.tables`, what
+    `esroll.sampling.generate` builds once per call, before its decode loop) are used as they are.
 
     `layer_params` (no cache only) maps each layer's weights inside the scan before the layer uses them: GRPO passes
     a sharding constraint that all-gathers one layer's FSDP shards at a time (and whose transpose reduce-scatters that
@@ -140,6 +140,8 @@ def forward(
 
     perturb = None if perturb is None else perturb.per_row()
     deltas = {} if perturb is None else perturb.deltas
+    index_B = None if perturb is None else perturb.index_B
+    vector = functools.partial(row_vector, index_B=index_B)
     x_BxTxD = params["embed"][tokens_BxT]
     cos_sin = rope_tables(positions_BxT, cfg.inv_freq(), num_positions, x_BxTxD.dtype)
     gather = layer_params or (lambda p: p)  # e.g. FSDP: gather this layer's weights only, as it runs
@@ -147,20 +149,20 @@ def forward(
     def layer(x_BxTxD, xs):
         p, d, old = xs
         p = gather(p)
-        h_BxTxD = rms_norm(x_BxTxD, row_vector(p["attn_norm"], d.get("attn_norm")), cfg.rms_norm_eps)
-        h_BxTxD, new = _attention(cfg, p, d, h_BxTxD, cos_sin, visible_BxTxT, old, visible_BxTxS)
+        h_BxTxD = rms_norm(x_BxTxD, vector(p["attn_norm"], d.get("attn_norm")), cfg.rms_norm_eps)
+        h_BxTxD, new = _attention(cfg, p, d, index_B, h_BxTxD, cos_sin, visible_BxTxT, old, visible_BxTxS)
         x_BxTxD = x_BxTxD + h_BxTxD
-        h_BxTxD = rms_norm(x_BxTxD, row_vector(p["mlp_norm"], d.get("mlp_norm")), cfg.rms_norm_eps)
-        gate_BxTxF = linear(h_BxTxD, p["gate"], d.get("gate"))
-        up_BxTxF = linear(h_BxTxD, p["up"], d.get("up"))
-        x_BxTxD = x_BxTxD + linear(jax.nn.silu(gate_BxTxF) * up_BxTxF, p["down"], d.get("down"))
+        h_BxTxD = rms_norm(x_BxTxD, vector(p["mlp_norm"], d.get("mlp_norm")), cfg.rms_norm_eps)
+        gate_BxTxF = linear(h_BxTxD, p["gate"], d.get("gate"), index_B)
+        up_BxTxF = linear(h_BxTxD, p["up"], d.get("up"), index_B)
+        x_BxTxD = x_BxTxD + linear(jax.nn.silu(gate_BxTxF) * up_BxTxF, p["down"], d.get("down"), index_B)
         return x_BxTxD, new if cache is not None else None
 
     old = (cache.k, cache.v) if reads_cache else None
     x_BxTxD, new = jax.lax.scan(
         _remat(layer, remat, unroll), x_BxTxD, (params[STACKED], deltas.get(STACKED) or {}, old), unroll=unroll
     )
-    x_BxTxD = rms_norm(x_BxTxD, row_vector(params["final_norm"], deltas.get("final_norm")), cfg.rms_norm_eps)
+    x_BxTxD = rms_norm(x_BxTxD, vector(params["final_norm"], deltas.get("final_norm")), cfg.rms_norm_eps)
     if return_hidden:
         return x_BxTxD, None
     logits_BxTxV = head(cfg, params, x_BxTxD, perturb)
@@ -182,14 +184,15 @@ def head(cfg: ModelConfig, params: dict, x_BxTxD: Array, perturb: Perturbation |
         logits_BxTxV = jnp.einsum("btd,vd->btv", x_BxTxD, params["embed"])
     else:
         deltas = {} if perturb is None else perturb.deltas
-        member_B = None if perturb is None else perturb.member_B
-        logits_BxTxV = linear(x_BxTxD, params["lm_head"], deltas.get("lm_head"), member_B)
+        index_B = None if perturb is None else perturb.index_B
+        logits_BxTxV = linear(x_BxTxD, params["lm_head"], deltas.get("lm_head"), index_B)
     return logits_BxTxV.astype(jnp.float32)
 
 
-def _attention(cfg, p, d, h_BxTxD, cos_sin, visible_BxTxT, old, visible_BxTxS):
-    """Grouped-query attention of one layer over its T new tokens (`visible_BxTxT`) and, when `old` holds the
-    layer's cached keys and values ([B, K, S, H] each), over those slots too (`visible_BxTxS`).
+def _attention(cfg, p, d, index_B, h_BxTxD, cos_sin, visible_BxTxT, old, visible_BxTxS):
+    """Grouped-query attention of one layer (weights p, deltas d indexed by `index_B`) over its T new tokens
+    (`visible_BxTxT`) and, when `old` holds the layer's cached keys and values ([B, K, S, H] each), over those slots
+    too (`visible_BxTxS`).
 
     Returns [B, T, D] and the new tokens' keys and values ([B, K, T, H] each), which a cache stores. Without cached
     slots the attention is `jax.nn.dot_product_attention`'s, with them `attend`'s (the same arithmetic).
@@ -197,16 +200,16 @@ def _attention(cfg, p, d, h_BxTxD, cos_sin, visible_BxTxT, old, visible_BxTxS):
     B, T, _ = h_BxTxD.shape
     H, Q, K = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
 
-    qkv = [linear(h_BxTxD, p[n], d.get(n)) for n in ("q", "k", "v")]  # [B, T, Q·H], [B, T, K·H], [B, T, K·H]
+    qkv = [linear(h_BxTxD, p[n], d.get(n), index_B) for n in ("q", "k", "v")]  # [B, T, Q·H], [B, T, K·H], [B, T, K·H]
     if "q_bias" in p:
-        qkv = [y + row_vector(p[f"{n}_bias"], d.get(f"{n}_bias")) for y, n in zip(qkv, "qkv")]
+        qkv = [y + row_vector(p[f"{n}_bias"], d.get(f"{n}_bias"), index_B) for y, n in zip(qkv, "qkv")]
     q_BxTxQH, k_BxTxKH, v_BxTxKH = qkv
     q_BxTxQxH = q_BxTxQH.reshape(B, T, Q, H)
     k_BxTxKxH = k_BxTxKH.reshape(B, T, K, H)
     v_BxTxKxH = v_BxTxKH.reshape(B, T, K, H)
     if cfg.qk_norm:
-        q_BxTxQxH = rms_norm(q_BxTxQxH, row_vector(p["q_norm"], d.get("q_norm"))[:, :, None], cfg.rms_norm_eps)
-        k_BxTxKxH = rms_norm(k_BxTxKxH, row_vector(p["k_norm"], d.get("k_norm"))[:, :, None], cfg.rms_norm_eps)
+        q_BxTxQxH = rms_norm(q_BxTxQxH, row_vector(p["q_norm"], d.get("q_norm"), index_B)[:, :, None], cfg.rms_norm_eps)
+        k_BxTxKxH = rms_norm(k_BxTxKxH, row_vector(p["k_norm"], d.get("k_norm"), index_B)[:, :, None], cfg.rms_norm_eps)
     q_BxTxQxH = rope(q_BxTxQxH, cos_sin)
     k_BxTxKxH = rope(k_BxTxKxH, cos_sin)
 
@@ -218,9 +221,9 @@ def _attention(cfg, p, d, h_BxTxD, cos_sin, visible_BxTxT, old, visible_BxTxS):
     else:
         k_BxKxSxH, v_BxKxSxH = (x.astype(q_BxTxQxH.dtype) for x in old)
         out_BxTxQxH = attend(q_BxTxQxH, (k_BxKxSxH, v_BxKxSxH, visible_BxTxS), (k_BxKxTxH, v_BxKxTxH, visible_BxTxT))
-    out_BxTxD = linear(out_BxTxQxH.reshape(B, T, Q * H), p["o"], d.get("o"))
+    out_BxTxD = linear(out_BxTxQxH.reshape(B, T, Q * H), p["o"], d.get("o"), index_B)
     if "o_bias" in p:
-        out_BxTxD = out_BxTxD + row_vector(p["o_bias"], d.get("o_bias"))
+        out_BxTxD = out_BxTxD + row_vector(p["o_bias"], d.get("o_bias"), index_B)
     return out_BxTxD, (k_BxKxTxH, v_BxKxTxH)
 
 

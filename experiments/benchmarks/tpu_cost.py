@@ -15,11 +15,12 @@ for `tell` and the update. Programs:
                       slots (donated, written in place), as `generate` runs it: under `shard_map` over the rows when
                       the mesh has no model axis, else partitioned by GSPMD with the cache's rows over "data" and its
                       kv heads over "model";
-    decode_perturbed  the same step with every row's low-rank factors of its ES member, gathered per row
-                      (`Perturbation.per_row`, leading axis the rows, split over "data" with them) as `generate`
-                      gathers them once per call and hands them to every step;
+    decode_perturbed  the same step with the rows' ES members' low-rank factors as member tables
+                      (`Perturbation.tables`: each device's table of the distinct members among its rows, split over
+                      "data" one block per device, and each row's entry) as `generate` builds them once per call
+                      and hands them to every step;
     prefill           the prompt's forward into a fresh cache of prompt - 1 slots, perturbed as ES rolls out: the
-                      members' factors (`strategy.ask`'s) gathered per row, then the forward;
+                      members' factors (`strategy.ask`'s) built into member tables, then the forward;
     tell              the ES strategy's `tell` (estimate and optimizer update of the donated masters and moments);
     update            GRPO's `make_update` on one microbatch of the trainer's rows, the completions scored at once
                       (microbatches 1, logprob_chunk 0: memory knobs, the same arithmetic per row), so that no loop
@@ -95,7 +96,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 from esroll import es, grpo, parallel, sharding
 from esroll.es import method as es_method
 from esroll.config import from_config_dict, make_optimizer
-from esroll.models import STACKED, KVCache, Perturbation, forward, init_cache, model_config, param_shapes
+from esroll.models import (
+    STACKED,
+    KVCache,
+    Perturbation,
+    forward,
+    init_cache,
+    member_slots,
+    model_config,
+    param_shapes,
+)
+from esroll.sampling_layout import _constrain_tables
 
 REPO = Path(__file__).resolve().parents[2]
 HBM_BYTES_PER_S = 819e9  # TPU v5e
@@ -414,25 +425,42 @@ class _Target:
     def perturbation_spec(self):
         return Perturbation(PartitionSpec(), PartitionSpec(DATA))
 
-    def per_row(self, perturb):
-        """`perturb`'s factors gathered for every row (`Perturbation.per_row`), as `generate` hands them to each
-        decode step: the member axis becomes the rows, split over data like them."""
+    @functools.cached_property
+    def member_slots(self) -> int:
+        """The member tables' size the trainer compiles `generate` with: the most distinct members in one device's
+        rows over every chunk of a step's rows (`esroll.models.member_slots`, rows member-major)."""
+        return member_slots(es_method.member_rows(self.cfg), self.data, self.rows)
 
-        def rows(path, x):
+    def tables(self, perturb):
+        """`perturb` as member tables (`Perturbation.tables`), as `generate` hands them to each decode step: [G, U,
+        ...] (layer-stacked [L, G, U, ...]), G one block per device along data (split over it), U `member_slots`;
+        and each row's entry. Where `member_slots` is 0, each row's factors instead, as `generate` then has them."""
+
+        def table(path, x):
             axis = int(path[0].key == STACKED)  # [L, M, ...] stacked, [M, ...] single
+            shape = (*x.shape[:axis], self.data, self.member_slots, *x.shape[axis + 1 :])
+            spec = list(x.sharding.spec) + [None] * (len(x.shape) - len(x.sharding.spec))
+            spec[axis : axis + 1] = [DATA, None]
+            return _sds(shape, x.dtype, self.mesh, *spec)
+
+        def row(path, x):  # no fewer members than rows: each row's factors (`Perturbation.per_row`)
+            axis = int(path[0].key == STACKED)
             shape = (*x.shape[:axis], self.rows, *x.shape[axis + 1 :])
             spec = list(x.sharding.spec) + [None] * (len(shape) - len(x.sharding.spec))
             spec[axis] = DATA
             return _sds(shape, x.dtype, self.mesh, *spec)
 
-        return Perturbation(jax.tree_util.tree_map_with_path(rows, perturb.deltas), None)
+        if not self.member_slots:
+            return Perturbation(jax.tree_util.tree_map_with_path(row, perturb.deltas), None)
+        slot_B = _sds((self.rows,), jnp.int32, self.mesh, DATA)
+        return Perturbation(jax.tree_util.tree_map_with_path(table, perturb.deltas), None, slot_B)
 
     def lower_decode(self, depth: int, perturbed: bool):
         cfg = self.at_depth(depth)
         params = self.compute(cfg)
         cache = self.abstract_cache(cfg, self.slots)
         token = _sds((self.rows,), jnp.int32, self.mesh, DATA)
-        perturb = self.per_row(self.perturbation(cfg, params)) if perturbed else None
+        perturb = self.tables(self.perturbation(cfg, params)) if perturbed else None
         unroll = self.cfg.parallel.scan_unroll
 
         def step(params, cache, token_B, perturb):
@@ -454,6 +482,16 @@ class _Target:
             out_shardings=(self.logits_sharding(), cache_formats),
         ).lower(params, cache, token, perturb)
 
+    def build_tables(self, perturb):
+        """`perturb`'s member tables built in the program, as `generate` builds them before prefilling: each
+        device's own under `shard_map`, one block per device along data under GSPMD."""
+        if not self.member_slots:
+            return perturb.per_row()
+        if not self.tensor_parallel:
+            return perturb.tables(self.member_slots)
+        tables = perturb.tables(self.member_slots, self.data)
+        return tables._replace(deltas=_constrain_tables(tables.deltas, self.mesh, DATA))
+
     def lower_prefill(self, depth: int):
         cfg = self.at_depth(depth)
         params = self.compute(cfg)
@@ -471,7 +509,7 @@ class _Target:
                 prompt_BxP[:, :-1],
                 mask_BxT=mask_BxP[:, :-1],
                 cache=cache,
-                perturb=perturb.per_row(),  # each row's factors gathered once, as `generate` does before prefilling
+                perturb=self.build_tables(perturb),  # once, as `generate` does before prefilling
                 unroll=unroll,
             )
             return self.constrain_cache(cache)
@@ -636,8 +674,9 @@ def run_case(case: Case, log=print, programs_wanted=None) -> dict:
         if name in programs:
             programs[name]["bytes_over_weights_kv"] = programs[name]["bytes_accessed"] / (weights + kv)
     if "decode_perturbed" in programs:
-        # What the perturbed step receives per device (every row's factors), beside the distinct members' it must read.
-        factor_arguments = _device_bytes(t.per_row(t.perturbation(c, t.compute(c))))
+        # What the perturbed step receives per device (its rows' member tables), beside the distinct members' it must
+        # read.
+        factor_arguments = _device_bytes(t.tables(t.perturbation(c, t.compute(c))))
         programs["decode_perturbed"]["factor_argument_bytes"] = factor_arguments
     ratio = None
     if "decode_plain" in programs and "decode_perturbed" in programs:
@@ -663,6 +702,7 @@ def run_case(case: Case, log=print, programs_wanted=None) -> dict:
             "population": t.members,
             "rows_per_member": t.rows_per_member,
             "members_per_device": t.members_per_device(),
+            "member_slots": t.member_slots,
             "rank": t.cfg.es.rank,
             "prompt": case.prompt,
             "new_tokens": t.new_tokens,
