@@ -2,8 +2,7 @@
 
 The row count is a first guess from the model's shapes (`decode_bytes_per_row`); `esroll.plan` compiles the real
 programs with it and reads their memory from the compiler, which is the figure that decides whether a step fits
-(and halves the guess until it does). The guess is optimistic: growing the KV cache between decode phases keeps the
-old buffer beside the new one for a moment, which the compiled 0.6B step showed as ~1.6x the estimate.
+(and halves the guess until it does).
 """
 
 from __future__ import annotations

@@ -255,7 +255,9 @@ def _start(cfg, params, prompt_BxP, mask_BxP, perturb, *, slots):
     """A cache of `slots` slots holding every prompt token but the last (the first turn's input)."""
     B = prompt_BxP.shape[0]
     cache = init_cache(cfg, B, slots, params["embed"].dtype)
-    _, cache = forward(cfg, params, prompt_BxP[:, :-1], mask_BxT=mask_BxP[:, :-1], cache=cache, perturb=perturb)
+    _, cache = forward(
+        cfg, params, prompt_BxP[:, :-1], mask_BxT=mask_BxP[:, :-1], cache=cache, perturb=perturb, attend_slots=0
+    )
     return cache
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from esroll.models import KVCache, ModelConfig, Perturbation, forward, init_cache
+from esroll.models import ModelConfig, Perturbation, forward, init_cache
 from esroll.sampling_layout import _arguments, _constrain, _constrain_cache, _shards
 
 __all__ = ["Generation", "draw", "generate", "lower_generate", "pad_prompts"]
@@ -99,7 +99,7 @@ def generate(
     `eos_ids`; the loop exits when all rows have. Rows whose prompt is all padding count as finished from the start.
     The KV cache is kept in `cache_dtype` (default: the embedding's dtype).
 
-    `phases` is the number of decode phases the cache grows in (see `_phase_ends`); `unroll` the layers per iteration
+    `phases` is the number of decode phases, each attending over the cache slots it can have filled (`_phase_ends`); `unroll` the layers per iteration
     of the model's layer scan (`esroll.models.forward`: a speed knob; the values do not depend on it beyond float
     rounding). Every platform runs the same program: one layer-stacked cache, the layers under `lax.scan`, the
     perturbation's factors gathered once per call (below), the weights as stored.
@@ -280,15 +280,17 @@ def _decode(
         if perturb.slot_B is not None:
             perturb = constrain(perturb)
     run = functools.partial(forward, cfg, params, perturb=perturb, unroll=unroll)
-    cache = constrain(init_cache(cfg, B, P - 1, cache_dtype))
-    # Prefill all but the last prompt token; its logits go unused, so XLA drops the [B, P, V] head. The last prompt
-    # token is the first decode step's input (left padding makes it real in every non-empty row).
-    _, cache = run(prompt_BxP[:, :-1], mask_BxT=mask_BxP[:, :-1], cache=cache)
+    # One cache of every slot the call can fill, allocated once: no phase copies it into a larger one.
+    cache = constrain(init_cache(cfg, B, P - 1 + N, cache_dtype))
+    # Prefill all but the last prompt token (reading no cached slot); its logits go unused, so XLA drops the
+    # [B, P, V] head. The last prompt token is the first decode step's input (left padding makes it real in every
+    # non-empty row).
+    _, cache = run(prompt_BxP[:, :-1], mask_BxT=mask_BxP[:, :-1], cache=cache, attend_slots=0)
     cache = constrain(cache)
 
-    def step(state):
+    def step(state, slots):
         t, cache, token_B, tokens_BxN, logprobs_BxN, length_B, done_B = state
-        logits_Bx1xV, cache = run(token_B[:, None], cache=cache)
+        logits_Bx1xV, cache = run(token_B[:, None], cache=cache, attend_slots=slots)
         cache = constrain(cache)
         new_B, logprob_B = draw(logits_Bx1xV[:, 0], jax.random.fold_in(key, t), rows_B, temperature, top_k, top_p)
         new_B = jnp.where(done_B, pad_id, new_B)
@@ -307,13 +309,12 @@ def _decode(
         jnp.zeros((B,), jnp.int32),
         ~mask_BxP.any(-1),
     )
-    # Decode in phases, the cache growing between them: a step of phase c attends over the slots phase c can have
-    # filled, not over all P - 1 + N, which cuts the keys and values read per step by about a quarter at 4 phases.
-    # Each phase is its own loop (and its own copy of the step in the compiled program).
+    # Decode in phases: a step of phase c attends over the slots phase c can have filled (the cache's first
+    # P - 1 + end), not over all P - 1 + N, which cuts the keys and values read per step by about a quarter at 4
+    # phases. Each phase is its own loop (and its own copy of the step in the compiled program).
     for end in _phase_ends(N, phases):
-        t, cache, *rest = state
-        state = (t, constrain(_grow(cache, P - 1 + end)), *rest)
-        state = jax.lax.while_loop(lambda s, end=end: (s[0] < end) & ~jnp.all(s[-1]), step, state)
+        phase = functools.partial(step, slots=P - 1 + end)
+        state = jax.lax.while_loop(lambda s, end=end: (s[0] < end) & ~jnp.all(s[-1]), phase, state)
     t, _, _, tokens_BxN, logprobs_BxN, length_B, _ = state
     return Generation(tokens_BxN, logprobs_BxN, length_B, t[None])
 
@@ -322,18 +323,6 @@ def _phase_ends(n: int, phases: int = 4, shortest: int = 16) -> list[int]:
     """Step counts at which the decode phases end: up to `phases` equal phases of at least `shortest` steps."""
     k = max(1, min(phases, n // shortest))
     return [math.ceil(n * (i + 1) / k) for i in range(k)]
-
-
-def _grow(cache: KVCache, slots: int) -> KVCache:
-    """The cache with room for `slots` slots (new ones empty): axis 3 of the keys and values [L, B, K, S, H]."""
-    extra = slots - cache.valid_BxS.shape[1]
-
-    def pad(x, axis):
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, extra)
-        return jnp.pad(x, widths)
-
-    return KVCache(pad(cache.k, 3), pad(cache.v, 3), valid_BxS=pad(cache.valid_BxS, 1), index=cache.index)
 
 
 def draw(

@@ -248,9 +248,51 @@ def test_sharded_generation_equals_unsharded(qwen3):
     np.testing.assert_array_equal(np.asarray(alone.tokens)[0], np.asarray(one.tokens)[0])
 
 
+_ONE_CACHE = """
+import jax, jax.numpy as jnp
+from esroll import parallel, sharding
+from esroll.models import abstract_params, model_config
+from esroll.plan import topology_mesh
+from esroll.sampling import lower_generate
+
+mesh, _ = topology_mesh("v5e:2x2", 2)
+cfg = model_config("qwen3-0.6b", 2)
+params = sharding.decoding_copy(mesh, abstract_params(cfg), "bfloat16")
+rows, P, N = 64, 256, 512
+prompt = jax.ShapeDtypeStruct((rows, P), jnp.int32, sharding=parallel.rows(mesh))
+mask = jax.ShapeDtypeStruct((rows, P), bool, sharding=parallel.rows(mesh))
+key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=parallel.replicated(mesh))
+lowered = lower_generate(cfg, params, prompt, key, max_new_tokens=N, prompt_mask=mask, temperature=1.0, phases=4)
+cache = 2 * cfg.num_layers * (rows // 2) * (cfg.num_kv_heads // 2) * (P - 1 + N) * cfg.head_dim * 2  # per chip, bf16
+print(cache, lowered.compile().memory_analysis().temp_size_in_bytes)
+"""
+
+
+def test_decode_phases_share_one_cache_of_every_slot():
+    """`generate` allocates its KV cache once, with every slot the call can fill, and each decode phase reads the
+    slots it can have filled, in place: compiled for a TPU v5e 2x2 slice that is not there (libtpu, deviceless; in a
+    process of its own, without the test session's XLA flags), with the model split over 2 chips (GSPMD),
+    Qwen3-0.6B's shapes at 2 layers, 32 rows per chip, 4 phases of 512 new tokens, its temporaries per chip hold
+    less than 1.5 caches. A cache grown between phases held 2.3 (the last phase's and the one before it alive at
+    once, and copies)."""
+    pytest.importorskip("libtpu")
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    run = subprocess.run([sys.executable, "-c", _ONE_CACHE], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    cache, temp = (int(x) for x in run.stdout.split()[-2:])
+    assert cache <= temp < 1.5 * cache, (temp, cache)
+
+
 def test_long_generation_across_decode_phases(qwen3):
-    """40 steps decode in two phases (the cache grows between them): sampled tokens and their log-probabilities still
-    equal a full forward's over the whole sequence, on both sides of the phase boundary."""
+    """40 steps decode in two phases (each reading the slots it can have filled): sampled tokens and their
+    log-probabilities still equal a full forward's over the whole sequence, on both sides of the phase boundary."""
     from esroll.sampling import _phase_ends
 
     cfg, params = qwen3

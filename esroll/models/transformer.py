@@ -90,6 +90,7 @@ def forward(
     return_hidden: bool = False,
     layer_params=None,
     unroll: int = 1,
+    attend_slots: int | None = None,
 ) -> tuple[Array, KVCache | None]:
     """Logits [B, T, V] in float32, and the updated cache (None without one).
 
@@ -117,11 +118,16 @@ def forward(
 
     mask_BxT marks real tokens (False for padding); positions default to the count of real tokens before each one,
     which is right for left-padded prompts and for decoding after them. With a cache, the T new tokens are written at
-    slots [index, index + T) and attend to every valid earlier slot.
+    slots [index, index + T) and attend to every valid earlier slot among the cache's first `attend_slots` (static;
+    None: all of them, or none when the cache has exactly T slots, which is then being filled from its start). A
+    caller that knows no slot past some S is filled yet passes S, and the step reads S slots of a larger cache; 0
+    reads none (a prefill into an empty cache).
     """
     B, T = tokens_BxT.shape
     if remat not in (None, "none") and cache is not None:
         raise ValueError("forward: remat applies to the cache-free (training) path only")
+    if attend_slots is not None and (cache is None or not 0 <= attend_slots <= cache.k.shape[3]):
+        raise ValueError(f"forward: attend_slots = {attend_slots} needs a cache of at least as many slots")
     if (return_hidden or layer_params is not None) and cache is not None:
         raise ValueError("forward: return_hidden and layer_params apply to the cache-free path only")
     mask_BxT = jnp.ones((B, T), bool) if mask_BxT is None else mask_BxT.astype(bool)
@@ -132,11 +138,12 @@ def forward(
         num_positions = T if cache is None else cache.valid_BxS.shape[1]
 
     # The T new tokens see the real ones among themselves up to their own position; with a cache, also every valid
-    # earlier slot (a slot at or past the write index is not valid yet). A cache of exactly T slots is being filled
-    # from its start (the T slots must fit past the index), so it has no earlier slot to read.
+    # earlier slot among the first `attend_slots` (a slot at or past the write index is not valid yet).
     visible_BxTxT = mask_BxT[:, None, :] & jnp.tril(jnp.ones((T, T), bool))[None]
-    reads_cache = cache is not None and cache.valid_BxS.shape[1] != T
-    visible_BxTxS = cache.valid_BxS[:, None, :] if reads_cache else None
+    if cache is not None and attend_slots is None:
+        attend_slots = 0 if cache.valid_BxS.shape[1] == T else cache.valid_BxS.shape[1]
+    reads_cache = bool(attend_slots)
+    visible_BxTxS = cache.valid_BxS[:, None, :attend_slots] if reads_cache else None
 
     perturb = None if perturb is None else perturb.per_row()
     deltas = {} if perturb is None else perturb.deltas
@@ -149,6 +156,8 @@ def forward(
     def layer(x_BxTxD, xs):
         p, d, old = xs
         p = gather(p)
+        if old is not None and attend_slots < old[0].shape[2]:  # the slots read, sliced where they lie
+            old = tuple(x[:, :, :attend_slots] for x in old)
         h_BxTxD = rms_norm(x_BxTxD, vector(p["attn_norm"], d.get("attn_norm")), cfg.rms_norm_eps)
         h_BxTxD, new = _attention(cfg, p, d, index_B, h_BxTxD, cos_sin, visible_BxTxT, old, visible_BxTxS)
         x_BxTxD = x_BxTxD + h_BxTxD
@@ -168,10 +177,10 @@ def forward(
     logits_BxTxV = head(cfg, params, x_BxTxD, perturb)
     if cache is None:
         return logits_BxTxV, None
-    if reads_cache:  # every layer's T new slots, [L, B, K, T, H], written in place at the index
+    if cache.k.shape[3] != T:  # every layer's T new slots, [L, B, K, T, H], written in place at the index
         at = (0, 0, 0, cache.index, 0)
         k, v = (jax.lax.dynamic_update_slice(c, n.astype(c.dtype), at) for c, n in zip((cache.k, cache.v), new))
-    else:
+    else:  # the T new slots are the whole cache
         k, v = (n.astype(c.dtype) for c, n in zip((cache.k, cache.v), new))
     valid_BxS = jax.lax.dynamic_update_slice(cache.valid_BxS, mask_BxT, (0, cache.index))
     return logits_BxTxV, KVCache(k, v, valid_BxS=valid_BxS, index=cache.index + T)

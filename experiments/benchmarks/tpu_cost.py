@@ -19,8 +19,9 @@ for `tell` and the update. Programs:
                       (`Perturbation.tables`: each device's table of the distinct members among its rows, split over
                       "data" one block per device, and each row's entry) as `generate` builds them once per call
                       and hands them to every step;
-    prefill           the prompt's forward into a fresh cache of prompt - 1 slots, perturbed as ES rolls out: the
-                      members' factors (`strategy.ask`'s) built into member tables, then the forward;
+    prefill           the prompt's forward (prompt - 1 tokens) into a fresh cache of every slot (as `generate`
+                      allocates it once), reading none of it, perturbed as ES rolls out: the members' factors
+                      (`strategy.ask`'s) built into member tables, then the forward;
     tell              the ES strategy's `tell` (estimate and optimizer update of the donated masters and moments);
     update            GRPO's `make_update` on one microbatch of the trainer's rows, the completions scored at once
                       (microbatches 1, logprob_chunk 0: memory knobs, the same arithmetic per row), so that no loop
@@ -502,7 +503,7 @@ class _Target:
 
         def prefill(params, prompt_BxP, mask_BxP, perturb):
             B, P = prompt_BxP.shape
-            cache = self.constrain_cache(init_cache(cfg, B, P - 1, self.dtype))
+            cache = self.constrain_cache(init_cache(cfg, B, self.slots, self.dtype))  # as `generate`, every slot
             _, cache = forward(
                 cfg,
                 params,
@@ -511,6 +512,7 @@ class _Target:
                 cache=cache,
                 perturb=self.build_tables(perturb),  # once, as `generate` does before prefilling
                 unroll=unroll,
+                attend_slots=0,
             )
             return self.constrain_cache(cache)
 
@@ -519,7 +521,7 @@ class _Target:
             (PartitionSpec(), PartitionSpec(DATA), PartitionSpec(DATA), self.perturbation_spec()),
             self.cache_specs(),
         )
-        cache_formats = _auto(self.abstract_cache(cfg, self.case.prompt - 1))  # as it enters the decode loop
+        cache_formats = _auto(self.abstract_cache(cfg, self.slots))  # as it enters the decode loop
         return jax.jit(
             run,
             in_shardings=(_shardings(params), prompt.sharding, mask.sharding, _shardings(perturb)),
