@@ -8,7 +8,8 @@ ones for norm scales; nothing is downloaded). --quick: a two-layer model of smal
 Each phase is called twice, and timed both times:
 
   generate   `esroll.sampling.generate`: greedy, no EOS, so every row decodes all `new_tokens` after its prompt.
-  perturbed  the same, each row with its own LOO-ROLL member's low-rank factors (`ask`; one member per row).
+  perturbed  the same, each row with its LOO-ROLL member's low-rank factors (`ask`), `rows_per_member` consecutive
+             rows per member, as the trainer lays out a member's prompts and samples.
   looroll    one LOO-ROLL step: ask + perturbed generate + tell (fitness: a member's mean token log-probability;
              `ask` is compiled before the perturbed phase, so neither phase's compile_s counts it).
   grpo       one GRPO step: generate (the greedy program above) + `esroll.grpo.make_update` on its rows, with random
@@ -19,6 +20,12 @@ Figures, per model and phase (all seconds are wall-clock, the outputs waited for
   first_call_s  the first call: compilation and a run.
   compile_s     first_call_s - seconds.
   tokens_per_s  rows * new_tokens / seconds (generation phases; the prompt's tokens are not counted).
+  decode_step_s (generation phases) the mean decode step: (seconds - the same call's seconds at 1 new token) /
+                (new_tokens - 1), the 1-token call timed the same way (its own compile, not counted).
+  decode_bytes  what a mean decode step must move: the weights it reads (layers, final norm, head), the KV cache
+                slots its phase attends over (averaged over the steps), and, perturbed, the member factors.
+  bandwidth_fraction  decode_bytes / decode_step_s / the device's peak memory bandwidth (`PEAK_BYTES_PER_S`:
+                H200 4.8e12, H100 3.35e12, TPU v5 lite 819e9 B/s); None on other devices.
   peak_bytes    the device's "peak_bytes_in_use" after the phase: a maximum since the process began (JAX cannot
                 reset it), so it bounds this phase's peak from above; None where the backend reports none (CPU).
   error, oom    why the phase failed, its figures then None, and whether by running out of memory; the run goes on
@@ -52,10 +59,18 @@ DTYPE = jnp.bfloat16
 # Per model: rows (= LOO-ROLL members = GRPO rows), prompt and new tokens, GRPO microbatches, optimizer (SGD for 8B:
 # no optimizer state, so that its steps fit an 80 GB device next to 16 GB of weights and their gradient).
 PLANS = {
-    "qwen3-0.6b": {"rows": 256, "prompt": 256, "new": 256, "microbatches": 4, "optimizer": "adam"},
-    "qwen3-8b": {"rows": 256, "prompt": 256, "new": 256, "microbatches": 16, "optimizer": "sgd"},
+    "qwen3-0.6b": {
+        "rows": 256,
+        "prompt": 256,
+        "new": 256,
+        "microbatches": 4,
+        "optimizer": "adam",
+        "rows_per_member": 8,
+    },
+    "qwen3-8b": {"rows": 256, "prompt": 256, "new": 256, "microbatches": 16, "optimizer": "sgd", "rows_per_member": 8},
 }
-QUICK = {"tiny": {"rows": 4, "prompt": 16, "new": 8, "microbatches": 2, "optimizer": "adam"}}
+QUICK = {"tiny": {"rows": 4, "prompt": 16, "new": 8, "microbatches": 2, "optimizer": "adam", "rows_per_member": 2}}
+PEAK_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "TPU v5 lite": 819e9}  # by device_kind substring
 
 
 def config_class(name: str) -> type:
@@ -105,24 +120,45 @@ def measure(fn) -> dict:
     return {"first_call_s": times[0], "seconds": times[1], "compile_s": times[0] - times[1]}
 
 
+def peak_bytes_per_s(device_kind: str) -> float | None:
+    return next((v for k, v in PEAK_BYTES_PER_S.items() if k in device_kind), None)
+
+
+def decode_bytes(cfg, params, rows: int, prompt: int, new: int, deltas=None) -> float:
+    """What a mean decode step of `generate` must move (see the module docstring): the weights in the decoding dtype,
+    the KV cache slots each step's phase attends over (`esroll.sampling._phase_ends`), averaged over the steps, and
+    the factors of every member (one device holds all the rows, so every member is among them)."""
+    from esroll.sampling import _phase_ends
+
+    item = jnp.dtype(DTYPE).itemsize
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    weights = sum(x.size for x in jax.tree.leaves(params["layers"])) + params["final_norm"].size + head.size
+    ends = _phase_ends(new)
+    slots = sum((end - start) * (prompt - 1 + end) for start, end in zip([0, *ends], ends)) / new
+    slot = 2 * cfg.num_layers * rows * cfg.num_kv_heads * cfg.head_dim * item
+    factors = 0 if deltas is None else sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(deltas))
+    return weights * item + slots * slot + factors
+
+
 def check_model(name: str, plan: dict) -> list[dict]:
     cfg = model(name)
     B, P, N, U = plan["rows"], plan["prompt"], plan["new"], plan["microbatches"]
+    R = plan["rows_per_member"]
     mesh = parallel.make_mesh(1)
     params = random_params(cfg)
     params = sharding.place(params, sharding.master_shardings(mesh, params))  # as the update returns them
     prompt = jax.random.randint(jax.random.key(1), (B, P), 1, cfg.vocab_size, jnp.int32)
     prompt_mask = jnp.ones((B, P), bool)
 
-    def gen(params, perturb=None):
+    def gen(params, perturb=None, new=N):
         return generate(
-            cfg, params, prompt, jax.random.key(2), max_new_tokens=N, temperature=0.0, eos_ids=(),
+            cfg, params, prompt, jax.random.key(2), max_new_tokens=new, temperature=0.0, eos_ids=(),
             prompt_mask=prompt_mask, perturb=perturb, pad_id=0, row_offset=0,
         )  # fmt: skip
 
     optim = config_class("OptimConfig")(name=plan["optimizer"], lr=1e-6)
     optimizer = esroll.config.make_optimizer(optim)
-    es_cfg = config_class("ESConfig")(method="looroll", population=B, rank=1, sigma=1e-3)
+    es_cfg = config_class("ESConfig")(method="looroll", population=B // R, rank=1, sigma=1e-3)
 
     def constrain(tree):  # the update comes out in the layout its inputs came in, so step 2 reuses step 1's program
         return jax.lax.with_sharding_constraint(tree, sharding.master_shardings(mesh, tree))
@@ -130,7 +166,7 @@ def check_model(name: str, plan: dict) -> list[dict]:
     strategy = es.make_strategy(es_cfg, optimizer, constrain=constrain)
     ask = jax.jit(strategy.ask)
     tell = jax.jit(strategy.tell, donate_argnums=(0, 1))  # updates params in place
-    member_B = jnp.arange(B)
+    member_B = jnp.repeat(jnp.arange(B // R), R)
     es_state = jax.device_put(strategy.init(params, jax.random.key(3)), parallel.replicated(mesh))  # as tell's
     carry = {"params": params, "es": es_state}
     deltas = ask(carry["es"], params)  # the perturbed phase times generate alone; looroll times its own ask
@@ -138,7 +174,7 @@ def check_model(name: str, plan: dict) -> list[dict]:
 
     def looroll():
         deltas = ask(carry["es"], carry["params"])
-        fitness_M = gen(carry["params"], Perturbation(deltas, member_B)).logprobs.mean(1)
+        fitness_M = gen(carry["params"], Perturbation(deltas, member_B)).logprobs.mean(1).reshape(-1, R).mean(1)
         carry["params"], carry["es"], metrics = tell(carry["params"], carry["es"], fitness_M)
         return metrics
 
@@ -162,8 +198,8 @@ def check_model(name: str, plan: dict) -> list[dict]:
         return metrics
 
     phases = {
-        "generate": lambda: gen(carry["params"]).tokens,
-        "perturbed": lambda: gen(carry["params"], Perturbation(deltas, member_B)).tokens,
+        "generate": lambda new=N: gen(carry["params"], new=new).tokens,
+        "perturbed": lambda new=N: gen(carry["params"], Perturbation(deltas, member_B), new=new).tokens,
         "looroll": looroll,
         "grpo": grpo_step,
     }
@@ -171,12 +207,19 @@ def check_model(name: str, plan: dict) -> list[dict]:
     for phase, fn in phases.items():
         row = {"model": name, "phase": phase, "rows": B, "prompt": P, "new_tokens": N, "optimizer": plan["optimizer"]}
         row |= {"seconds": None, "first_call_s": None, "compile_s": None, "tokens_per_s": None}
+        row |= {"decode_step_s": None, "decode_bytes": None, "bandwidth_fraction": None}
         row |= {"error": None, "oom": False}
         print(f"{name} {phase} ...", flush=True)
         try:
             row |= measure(fn)
             if phase in ("generate", "perturbed"):
                 row["tokens_per_s"] = B * N / row["seconds"]
+                row["decode_step_s"] = (row["seconds"] - measure(lambda: fn(1))["seconds"]) / (N - 1)
+                row["decode_bytes"] = decode_bytes(
+                    cfg, carry["params"], B, P, N, deltas if phase == "perturbed" else None
+                )
+                peak = peak_bytes_per_s(jax.devices()[0].device_kind)
+                row["bandwidth_fraction"] = peak and row["decode_bytes"] / row["decode_step_s"] / peak
         except Exception as e:  # noqa: BLE001 — out of memory, above all: recorded, and the next phase runs
             row["error"] = f"{type(e).__name__}: {str(e)[:1000]}"
             row["oom"] = "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
@@ -192,13 +235,17 @@ def table(rows: list[dict]) -> str:
         return "-" if x is None else format(x, fmt)
 
     lines = [
-        f"{'model':<11} {'phase':<10} {'rows':>5} {'seconds':>9} {'compile_s':>9} {'tokens/s':>10} {'peak GiB':>8}"
+        f"{'model':<11} {'phase':<10} {'rows':>5} {'seconds':>9} {'compile_s':>9} {'tokens/s':>10} {'step ms':>8} "
+        f"{'of peak BW':>10} {'peak GiB':>8}"
     ]
     for r in rows:
         peak = None if r["peak_bytes"] is None else r["peak_bytes"] / 2**30
-        cells = [num(r["seconds"], ".3f"), num(r["compile_s"], ".2f"), num(r["tokens_per_s"], ",.0f"), num(peak, ".1f")]
+        step = None if r["decode_step_s"] is None else r["decode_step_s"] * 1e3
+        cells = [num(r["seconds"], ".3f"), num(r["compile_s"], ".2f"), num(r["tokens_per_s"], ",.0f")]
+        cells += [num(step, ".3f"), num(r["bandwidth_fraction"], ".2f"), num(peak, ".1f")]
         line = (
-            f"{r['model']:<11} {r['phase']:<10} {r['rows']:>5} {cells[0]:>9} {cells[1]:>9} {cells[2]:>10} {cells[3]:>8}"
+            f"{r['model']:<11} {r['phase']:<10} {r['rows']:>5} {cells[0]:>9} {cells[1]:>9} {cells[2]:>10} "
+            f"{cells[3]:>8} {cells[4]:>10} {cells[5]:>8}"
         )
         lines.append(line + (f"  {r['error'][:60]}" if r["error"] else ""))
     return "\n".join(lines)

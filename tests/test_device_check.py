@@ -44,4 +44,6 @@ def test_device_check_quick(tmp_path):
         assert r["peak_bytes"] is None  # the CPU reports no memory statistics
         if r["phase"] in ("generate", "perturbed"):
             assert math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0, r
+            assert math.isfinite(r["decode_step_s"]) and r["decode_bytes"] > 0, r
+            assert r["bandwidth_fraction"] is None  # no peak bandwidth known for a CPU
     assert "tiny generate" in proc.stdout and "tokens/s" in proc.stdout  # the table
