@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from esroll.envs.base import TextEnv
-from esroll.models import ModelConfig, Perturbation, forward, init_cache, most_members
-from esroll.models import member_slots as table_size
+from esroll.models import ModelConfig, Perturbation, forward, init_cache
+from esroll.models.layers import table_slots
 from esroll.sampling import draw, pad_prompts
 
 Array = jax.Array
@@ -144,11 +144,8 @@ def play(
     P = prompt_BxP.shape[1]
     slots = P - 1 + T * (O + A)  # the prompt but its last token; per turn O of the input's O + 1, then A decoded
     if perturb is not None and perturb.member_B is not None:  # the factors gathered once for every turn
-        rows_members = np.asarray(perturb.member_B)
-        entries = table_size(rows_members) if member_slots is None else member_slots
-        if entries and most_members(rows_members, B) > entries:
-            raise ValueError(f"play: member_slots = {entries} is fewer than the rows' distinct members")
-        perturb = _factors(perturb, entries if entries < B else 0)
+        entries = table_slots(np.asarray(perturb.member_B), B, 1, member_slots, "play")
+        perturb = _factors(perturb, entries)
     cache = _start(cfg, params, jnp.asarray(prompt_BxP), jnp.asarray(prompt_mask_BxP), perturb, slots=slots)
     observations = [[o] for o in first]
     acted: list[list[str]] = [[] for _ in range(B)]

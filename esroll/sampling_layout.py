@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from esroll.models import STACKED, KVCache, Perturbation, member_slots, most_members
+from esroll.models import STACKED, KVCache, Perturbation
+from esroll.models.layers import table_slots
 
 MODEL_AXIS = "model"  # the mesh axis parameters are split over (tensor parallelism), see `esroll.parallel`
 
@@ -91,25 +92,17 @@ def _arguments(
 
 
 def _slots(perturb, given: int | None, shards: int) -> int:
-    """The member tables' size for `perturb` (see `esroll.sampling.generate`), its rows split over `shards` devices:
-    0 (per-row factors) without member-level deltas, or where the bound does not fall below a device's rows;
-    `given`, after checking it against the rows' members where their values are at hand; else computed from them."""
+    """The member tables' size for `perturb` (see `esroll.sampling.generate`), its rows split over `shards` devices
+    (`esroll.models.layers.table_slots`); 0 (per-row factors) without member-level deltas."""
     if perturb is None or perturb.member_B is None:
         return 0
-    per_device = perturb.member_B.shape[0] // shards
-    member_B = _host_values(perturb.member_B)
-    if given is None:
-        return 0 if member_B is None else member_slots(member_B, shards)
-    if given and member_B is not None and most_members(member_B, per_device) > given:
-        raise ValueError(
-            f"generate: member_slots = {given} is fewer than the {most_members(member_B, per_device)} distinct "
-            f"members among one device's {per_device} rows"
-        )
-    return int(given) if 0 < given < per_device else 0
+    rows = perturb.member_B.shape[0]
+    return table_slots(_host_values(perturb.member_B), rows, shards, given, "generate")
 
 
 def _host_values(x) -> np.ndarray | None:
-    """x's values on this host, or None where they are not known here (traced, abstract, or on other hosts)."""
+    """x as a NumPy array where this process holds all its values; None for a tracer, a ShapeDtypeStruct or an array
+    spread over other processes."""
     if isinstance(x, np.ndarray):
         return x
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_fully_addressable:

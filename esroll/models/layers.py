@@ -93,6 +93,22 @@ def member_slots(member_B, blocks: int = 1, chunk: int | None = None) -> int:
     return slots if slots < per_block else 0
 
 
+def table_slots(member_B, rows: int, blocks: int, given: int | None, caller: str) -> int:
+    """The table size U to build for `rows` rows split in `blocks` blocks: `given` (a caller's bound for several
+    chunks), refused with a ValueError naming `caller` where the rows' members `member_B` (host values, or None where
+    they are not known) exceed it; else `member_slots` of them (0 when not known). 0 (per-row factors) wherever U is
+    not below a block's rows."""
+    per_block = rows // blocks
+    if given is None:
+        return 0 if member_B is None else member_slots(member_B, blocks)
+    if given and member_B is not None and most_members(member_B, per_block) > given:
+        raise ValueError(
+            f"{caller}: member_slots = {given} is fewer than the {most_members(member_B, per_block)} distinct "
+            f"members among one device's {per_block} rows"
+        )
+    return int(given) if 0 < given < per_block else 0
+
+
 def most_members(member_B, per_block: int) -> int:
     """The most distinct members in any block of `per_block` consecutive rows of `member_B` (host values)."""
     member_B = np.asarray(member_B)

@@ -105,6 +105,7 @@ from esroll.models import (
     init_cache,
     member_slots,
     model_config,
+    most_members,
     param_shapes,
 )
 from esroll.sampling_layout import _constrain_tables
@@ -371,10 +372,7 @@ class _Target:
 
     def members_per_device(self) -> int:
         """The most distinct members among one device's rows of the first chunk (rows member-major)."""
-        n = self.rows_per_device
-        return max(
-            (i * n + n - 1) // self.rows_per_member - (i * n) // self.rows_per_member + 1 for i in range(self.data)
-        )
+        return most_members(es_method.member_rows(self.cfg)[: self.rows], self.rows_per_device)
 
     # ---- the cache and the two ways `generate` partitions a step
 
