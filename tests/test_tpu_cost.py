@@ -56,6 +56,35 @@ def test_roofline_fields_are_the_quotients_of_the_reported_numbers(quick):
     assert quick["tpu_cost"] == min(c["perturbed_over_plain"] for c in quick["cases"].values())
 
 
+def test_calibration_programs_count_the_must_do_products(quick):
+    """The prefill's and update's calibration programs do the products counted by hand from the shapes (2·m·n·k
+    FLOPs each, over the 4 chips): the prefill's within 1% (the rest is the residual adds and the gating product),
+    the update's forward and backward products (each weight and attention product three times: forward, input and
+    weight gradient; the head over the completion tokens) at least and within 10% (the rest: the log-softmax and the
+    optimizer's arithmetic). Each program's `over_calibration` is its optimal_seconds over its calibration's."""
+    case = quick["cases"]["quick"]
+    s, chips = case["shapes"], 4
+    D, F, Hd, L, V = s["hidden"], s["intermediate"], s["head_dim"], s["layers"], s["vocab"]
+    q, kv = s["heads"] * Hd, s["kv_heads"] * Hd
+
+    def layers(rows, tokens):
+        weights = 2 * rows * tokens * (D * q + 2 * D * kv + q * D + 3 * D * F)
+        attention = 2 * 2 * rows * s["heads"] * tokens * tokens * Hd
+        return L * (weights + attention)
+
+    prefill = case["programs"]["prefill"]
+    by_hand = layers(s["rows"], s["prompt"] - 1) / chips
+    assert by_hand <= prefill["calibration"]["flops"] <= 1.01 * by_hand
+    update = case["programs"]["update"]
+    rows, tokens = s["update_rows"], s["prompt"] + s["update_completion_tokens"] - 1
+    by_hand = 3 * (layers(rows, tokens) + 2 * rows * s["update_completion_tokens"] * D * V) / chips
+    assert by_hand <= update["calibration"]["flops"] <= 1.1 * by_hand
+    for name in ("prefill", "tell", "update"):
+        p = case["programs"][name]
+        assert p["calibration"]["valid"], name
+        assert close(p["over_calibration"], p["optimal_seconds"] / p["calibration"]["optimal_seconds"]), name
+
+
 def test_layer_figures_resolve_the_scan_by_depth(quick):
     """Each figure is a + b·L + c·L from the programs compiled at depths 0, d and D (the module docstring)."""
     for name in ("decode_plain", "decode_perturbed", "prefill", "update"):

@@ -62,6 +62,21 @@ that must move, per device (each tensor's shard as its sharding gives it):
     tell       the perturbed leaves' masters and their optimizer moments, each read once and written once;
     update     the masters and moments, read and written, and the gradient (the masters' size), written and read.
 
+The cost model gives a plain large bfloat16 matrix product only about a fifth of the peak's FLOP/s, so a
+compute-bound program is also judged against what the model can give at all: its **calibration program**, only the
+must-do work of that program at the same shapes and shardings, compiled and resolved through the layers the same
+way, and `over_calibration` = optimal_seconds / the calibration's optimal_seconds (the goal: <= 1.3):
+
+    prefill    the prompt's embedding rows, each layer's weight products (q, k, v, o, gate, up, down) and attention
+               contractions (q·kᵀ, then its product with v) over the prompt - 1 tokens, the keys and values written
+               out; no norm, rotary, softmax, mask, perturbation or cache allocation;
+    tell       each perturbed leaf's estimate Σ_k w_k A_k B_kᵀ / √r from the directions' factors (given as arguments,
+               not regenerated) and the trainer's optimizer applied to the donated masters and moments;
+    update     the masters cast and gathered layer by layer as the update does, the same products and contractions
+               over prompt + completion, the head over the completion tokens and their log-softmax at the tokens
+               weighted by the advantages, its gradient (no rematerialisation) and the optimizer's update; at the
+               update's rows, halved and extrapolated as the update is where it does not fit.
+
 Per decode step also `bytes_over_weights_kv` = bytes accessed / (weights + KV cache read), and per case
 `perturbed_over_plain` = plain optimal_seconds / perturbed optimal_seconds (the goal: >= 0.95; EGGROLL's anchor is
 0.91 of inference on an H100). `BENCHMARKS` for `experiments.bench`: the headline `tpu_cost` is the smallest
@@ -91,6 +106,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.experimental.layout import Format, Layout
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -559,6 +575,132 @@ class _Target:
         update = grpo.make_update(cfg, grpo.update_config(g), c.optimizer, self.mesh, c.model.dtype)
         return update.lower(masters, state, batch, on_policy)
 
+    # ---- calibration programs: only the must-do work of a program, at its shapes and shardings
+
+    def _bare_layers(self, cfg, x_BxTxD, layers, layer_params=lambda w: w):
+        """The layers' weight products and attention contractions on activations x, nothing else (no norm, rotary,
+        softmax, mask or bias): per layer q, k, v = x·W_q, x·W_k, x·W_v; s = q·kᵀ (float32), o = s·v; x += o·W_o;
+        x += (x·W_gate ⊙ x·W_up)·W_down. A `lax.scan` over the stacked layers as `forward` runs them. Returns the
+        activations and each layer's keys and values [L, B, T, K, H] (what a prefill writes into the cache)."""
+        c = self.model_cfg
+        K, G, H = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
+        rows = PartitionSpec(DATA) if self.tensor_parallel else PartitionSpec()
+
+        def keep(x):  # activations stay split over the rows, as the model's are
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, rows)) if self.tensor_parallel else x
+
+        def layer(x, w):
+            w = layer_params(w)
+            B, T, _ = x.shape
+            q = (x @ w["q"]).reshape(B, T, K, G, H)
+            k = (x @ w["k"]).reshape(B, T, K, H)
+            v = (x @ w["v"]).reshape(B, T, K, H)
+            s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32).astype(x.dtype)
+            o = jnp.einsum("bkgts,bskh->btkgh", s, v).reshape(B, T, K * G * H)
+            x = keep(x + o @ w["o"])
+            x = keep(x + ((x @ w["gate"]) * (x @ w["up"])) @ w["down"])
+            return x, (k, v)
+
+        weights = {n: layers[n] for n in ("q", "k", "v", "o", "gate", "up", "down")}
+        return jax.lax.scan(layer, keep(x_BxTxD), weights, unroll=self.cfg.parallel.scan_unroll)
+
+    def lower_prefill_calibration(self, depth: int):
+        """The prefill's must-do work: the prompt's embedding rows, every layer's weight products and attention
+        contractions over the prompt - 1 tokens, and the keys and values written out (as many bytes as the cache
+        slots the prefill fills). No cache allocated beyond them, no perturbation, no norm or softmax."""
+        cfg = self.at_depth(depth)
+        params = self.compute(cfg)
+        prompt = _sds((self.rows, self.case.prompt), jnp.int32, self.mesh, DATA)
+
+        def prefill(params, prompt_BxP):
+            x = params["embed"][prompt_BxP[:, :-1]]
+            _, (k, v) = self._bare_layers(cfg, x, params[STACKED])
+            return k, v
+
+        kv = PartitionSpec(None, DATA)
+        run = self.per_device(prefill, (PartitionSpec(), PartitionSpec(DATA)), (kv, kv))
+        out = NamedSharding(self.mesh, kv)
+        return jax.jit(run, in_shardings=(_shardings(params), prompt.sharding), out_shardings=(out, out)).lower(
+            params, prompt
+        )
+
+    def lower_tell_calibration(self):
+        """`tell`'s must-do work: each perturbed leaf's estimate Σ_k w_k A_k B_kᵀ / √r from the directions' factors
+        (given, split as the master leaf is: the noise's regeneration is left out) and the optimizer's update of the
+        donated masters and moments with the trainer's optimizer (optax), each read and written once."""
+        es_cfg = self.cfg.es_config
+        masters = self.masters(self.model_cfg, self.cfg.model.master_dtype)
+        state = self.es_state(masters)
+        train = es.trainable(es_cfg, masters)
+        directions, rank = es_cfg.num_directions, es_cfg.rank
+        optimizer = make_optimizer(self.cfg.optimizer)
+
+        def factor(x, side):  # [L, E, n, r] (stacked) or [E, n, r]: n the master's in (side 0) or out (1) axis
+            spec = list(x.sharding.spec) + [None] * (x.ndim - len(x.sharding.spec))
+            lead, n = spec[:-2], spec[x.ndim - 2 + side]
+            shape = (*x.shape[:-2], directions, x.shape[x.ndim - 2 + side], rank)
+            return _sds(shape, jnp.float32, self.mesh, *lead, None, n, None)
+
+        a = jax.tree.map(lambda x: factor(x, 0), train)
+        b = jax.tree.map(lambda x: factor(x, 1), train)
+        w = _sds((directions,), jnp.float32, self.mesh)
+        splits = _shardings(train)
+
+        def tell(train, opt_state, a, b, w_E):
+            def estimate(a, b, x, split):
+                spec = "...eir,...eor->...io"
+                g = jnp.einsum(spec, a * (w_E[:, None, None] / math.sqrt(rank)), b)
+                return jax.lax.with_sharding_constraint(g.astype(x.dtype), split)
+
+            grad = jax.tree.map(estimate, a, b, train, splits)
+            updates, opt_state = optimizer.update(jax.tree.map(jnp.negative, grad), opt_state, train)
+            return optax.apply_updates(train, updates), opt_state
+
+        return jax.jit(
+            tell, donate_argnums=(0, 1), out_shardings=(_shardings(train), _shardings(state.opt_state))
+        ).lower(train, state.opt_state, a, b, w)
+
+    def lower_update_calibration(self, depth: int, rows: int):
+        """The GRPO update's must-do work on `rows` rows of prompt + completion: the masters cast to the compute
+        dtype and gathered layer by layer as the update does, the forward's weight products and attention
+        contractions (`_bare_layers`) and the head over the completion tokens, their log-softmax at the tokens
+        weighted by the advantages, its gradient (`jax.grad`: the backward's products, no rematerialisation), and
+        the optimizer's update of the masters and moments (read and written once)."""
+        c = self.grpo_cfg
+        cfg = self.at_depth(depth)
+        masters, state = self.grpo_state(cfg)
+        P, N = self.case.prompt, c.train.max_new_tokens
+        tokens = _sds((rows, P + N), jnp.int32, self.mesh, DATA)
+        advantage = _sds((rows,), jnp.float32, self.mesh, DATA)
+        optimizer = make_optimizer(c.optimizer)
+        mesh, dtype = self.mesh, jnp.dtype(c.model.dtype)
+
+        def gather_layer(w):
+            w = jax.lax.with_sharding_constraint(w, sharding.master_shardings(mesh, w, layer=True))
+            return jax.lax.with_sharding_constraint(w, sharding.compute_shardings(mesh, w, layer=True))
+
+        def loss(masters, tokens_BxS, advantage_B):
+            p = jax.tree.map(lambda x: x.astype(dtype), masters)
+            top = {k: v for k, v in p.items() if k != STACKED}
+            top = jax.lax.with_sharding_constraint(top, sharding.compute_shardings(mesh, top))
+            x = top["embed"][tokens_BxS[:, :-1]]
+            x, _ = self._bare_layers(cfg, x, p[STACKED], gather_layer)
+            head = top["embed"].T if cfg.tie_word_embeddings else top["lm_head"]
+            logits = jnp.einsum("bnd,dv->bnv", x[:, P - 1 :], head, preferred_element_type=jnp.float32)
+            chosen = jnp.take_along_axis(logits, tokens_BxS[:, P:, None], axis=-1)[..., 0]
+            logp = chosen - jax.nn.logsumexp(logits, axis=-1)
+            return -(logp * advantage_B[:, None]).sum()
+
+        def update(masters, opt_state, tokens_BxS, advantage_B):
+            grads = jax.grad(loss)(masters, tokens_BxS, advantage_B)
+            grads = jax.lax.with_sharding_constraint(grads, sharding.master_shardings(mesh, grads))
+            updates, opt_state = optimizer.update(grads, opt_state, masters)
+            return optax.apply_updates(masters, updates), opt_state
+
+        return jax.jit(update, out_shardings=(_shardings(masters), _shardings(state.opt_state))).lower(
+            masters, state.opt_state, tokens, advantage
+        )
+
     # ---- bytes that must move
 
     def decode_weights_bytes(self) -> int:
@@ -580,27 +722,28 @@ class _Target:
         return _device_bytes([cache.k, cache.v])
 
 
-def _update_program(t: _Target, layers: int, log) -> dict:
-    """The update's figures at the trainer's microbatch rows b. When b rows do not fit a chip unchunked (the TPU
-    compiler refuses the program), the rows are halved until they do, r, and the figures are extrapolated linearly
-    in the rows from r and r/2 to b (a microbatch's work is linear in its rows; the optimizer step is constant). The
-    depth components (`*_once`, `*_layer_body`, ...) and `counted` are then those of r rows, `counted_half_rows`
-    those of r/2."""
+def _update_program(t: _Target, layers: int, log, lower=None) -> dict:
+    """The update's figures at the trainer's microbatch rows b (`lower(depth, rows)`: `t.lower_update` by default,
+    or its calibration). When b rows do not fit a chip unchunked (the TPU compiler refuses the program), the rows are
+    halved until they do, r, and the figures are extrapolated linearly in the rows from r and r/2 to b (a
+    microbatch's work is linear in its rows; the optimizer step is constant). The depth components (`*_once`,
+    `*_layer_body`, ...) and `counted` are then those of r rows, `counted_half_rows` those of r/2."""
+    lower = lower or t.lower_update
     b = rows = t.update_rows()
     while True:
         try:
-            full = _cost(t.lower_update(layers, rows))
+            full = _cost(lower(layers, rows))
             break
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e) or rows // 2 % t.data or rows < 2 * t.data:
                 raise
             log(f"  update: {rows} rows do not fit unchunked ({str(e).splitlines()[0][:120]}); halving", flush=True)
             rows //= 2
-    program = _through_layers(lambda d: t.lower_update(d, rows), layers, known={layers: full})
+    program = _through_layers(lambda d: lower(d, rows), layers, known={layers: full})
     program["rows_compiled"] = [rows]
     if rows == b:
         return program
-    half = _through_layers(lambda d: t.lower_update(d, rows // 2), layers)
+    half = _through_layers(lambda d: lower(d, rows // 2), layers)
     for f in FIELDS:
         program[f] = program[f] + (b - rows) * (program[f] - half[f]) / (rows - rows // 2)
     program["rows_compiled"] = [rows, rows // 2]
@@ -627,12 +770,22 @@ def run_case(case: Case, log=print, programs_wanted=None) -> dict:
 
     wanted = set(programs_wanted or PROGRAMS)
 
-    def record(name, program, must_move, **parts):
+    def record(name, program, must_move, calibration=None, **parts):
         if name not in wanted:
             return
-        programs[name] = _roofline(program(), must_move, **parts)
-        p = programs[name]
+        programs[name] = p = _roofline(program(), must_move, **parts)
         log(f"  {name}: {p['optimal_seconds'] * 1e3:.3f} ms, compiled in {p['compile_s']:.0f} s", flush=True)
+        if calibration is not None:
+            cal = calibration()
+            p["calibration"] = {
+                k: cal[k] for k in (*FIELDS, "valid", "compile_s", *(["rows_compiled"] * ("rows_compiled" in cal)))
+            }
+            p["over_calibration"] = p["optimal_seconds"] / cal["optimal_seconds"]
+            log(
+                f"  {name} calibration: {cal['optimal_seconds'] * 1e3:.3f} ms (program / calibration "
+                f"{p['over_calibration']:.2f}), compiled in {cal['compile_s']:.0f} s",
+                flush=True,
+            )
 
     record(
         "decode_plain",
@@ -654,6 +807,7 @@ def run_case(case: Case, log=print, programs_wanted=None) -> dict:
         "prefill",
         lambda: _through_layers(t.lower_prefill, L),
         layers + written + factors,
+        calibration=lambda: _through_layers(t.lower_prefill_calibration, L),
         weights=layers,
         kv_cache_written=written,
         factors=factors,
@@ -662,13 +816,21 @@ def run_case(case: Case, log=print, programs_wanted=None) -> dict:
         lowered, masters, state = t.lower_tell()
         trained = _device_bytes(es.trainable(t.cfg.es_config, masters))
         moments = _device_bytes(state.opt_state)
-        record("tell", lambda: _once(lowered), 2 * (trained + moments), masters=2 * trained, moments=2 * moments)
+        record(
+            "tell",
+            lambda: _once(lowered),
+            2 * (trained + moments),
+            calibration=lambda: _once(t.lower_tell_calibration()),
+            masters=2 * trained,
+            moments=2 * moments,
+        )
     if "update" in wanted:
         masters, state = t.grpo_state(t.model_cfg)
         m, s = _device_bytes(masters), _device_bytes(state.opt_state)
         record(
-            "update", lambda: _update_program(t, L, log), 2 * m + 2 * s + 2 * m, masters=2 * m, moments=2 * s,
-            gradients=2 * m,
+            "update", lambda: _update_program(t, L, log), 2 * m + 2 * s + 2 * m,
+            calibration=lambda: _update_program(t, L, log, t.lower_update_calibration), masters=2 * m,
+            moments=2 * s, gradients=2 * m,
         )  # fmt: skip
     for name in ("decode_plain", "decode_perturbed"):
         if name in programs:
@@ -880,16 +1042,17 @@ def table(results: dict) -> str:
     """One row per (case, program)."""
     head = (
         f"{'case':<6}{'program':<18}{'optimal ms':>11}{'roofline ms':>12}{'ratio':>7}{'GFLOP':>10}"
-        f"{'GB accessed':>12}{'GB must move':>13}{'acc/(w+kv)':>11}"
+        f"{'GB accessed':>12}{'GB must move':>13}{'acc/(w+kv)':>11}{'/calib':>8}"
     )
     lines = [head]
     for name, r in results.items():
         for prog, p in r["programs"].items():
             extra = f"{p['bytes_over_weights_kv']:>11.3f}" if "bytes_over_weights_kv" in p else f"{'':>11}"
+            calib = f"{p['over_calibration']:>8.2f}" if "over_calibration" in p else ""
             lines.append(
                 f"{name:<6}{prog:<18}{p['optimal_seconds'] * 1e3:>11.3f}{p['roofline_s'] * 1e3:>12.3f}"
                 f"{p['roofline_ratio']:>7.2f}{p['flops'] / 1e9:>10.1f}{p['bytes_accessed'] / 1e9:>12.3f}"
-                f"{p['must_move_bytes'] / 1e9:>13.3f}{extra}"
+                f"{p['must_move_bytes'] / 1e9:>13.3f}{extra}{calib}"
             )
         if r["perturbed_over_plain"] is not None:
             lines.append(f"{name:<6}perturbed/plain decode (plain s / perturbed s): {r['perturbed_over_plain']:.3f}")
