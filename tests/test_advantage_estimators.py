@@ -455,8 +455,9 @@ def test_es_prompt_shaping_by_a_common_shift_leaves_the_estimate_as_raw(method):
 
 def test_es_label_free_with_two_samples_per_prompt_trains(tmp_path):
     """LOO-ROLL label-free (the majority answer over the population's samples) with 2 samples per prompt and max@2
-    fitness: it takes its steps (rows laid out member, prompt, sample) and logs how often the vote agrees with gold.
-    GRPO's label-free, single-rollout and stateful estimators run in test_compare's advantage comparison."""
+    fitness: it takes its step (rows laid out member, prompt, sample) and logs how often the vote agrees with gold.
+    GRPO's label-free, single-rollout and stateful estimators run in test_compare's advantage comparison. (2 prompts
+    of 2 samples: the quick run's rows per step.)"""
     from configs.default import get_config
     from esroll.config import from_config_dict
     from esroll.metrics import read_metrics
@@ -468,7 +469,7 @@ def test_es_label_free_with_two_samples_per_prompt_trains(tmp_path):
     cd.model.path = SHIPPED_MODEL
     cd.data.reward = "majority"
     cd.es.update(samples=2, sample_reduce="max")
-    cd.train.update(steps=2, eval_every=2, checkpoint_every=2, export=False, temperature=1.0)
+    cd.train.update(steps=1, prompts_per_step=2, eval_every=2, checkpoint_every=2, export=False, temperature=1.0)
     train_and_evaluate(from_config_dict(cd.to_dict()), tmp_path, progress=False)
     records = read_metrics(tmp_path / "metrics.jsonl")
     population, prompts = cd.es.population, cd.train.prompts_per_step

@@ -160,8 +160,13 @@ def test_pg_cosine_has_the_sign_and_value_of_the_true_gradient(method):
     cfg = es.ESConfig(method=method, population=64, rank=1, sigma=0.5, shaping="raw")
     key, step = jax.random.key(5), 3
     flat_params, flat_G = noise.flatten(params), noise.flatten(G)
-    theta_M = noise.flatten(theory.materialize(params, strategy.member_deltas(cfg, key, step, params)))  # [M, ...]
-    fitness_M = sum(jnp.einsum("m...,...->m", theta_M[p], g) for p, g in flat_G.items())  # J(θ_i) = ⟨G, θ_i⟩
+
+    @jax.jit  # one program (eagerly, each operation would be compiled on its own)
+    def members(params, flat_G):
+        theta_M = noise.flatten(theory.materialize(params, strategy.member_deltas(cfg, key, step, params)))  # [M, ...]
+        return theta_M, sum(jnp.einsum("m...,...->m", theta_M[p], g) for p, g in flat_G.items())  # J(θ_i) = ⟨G, θ_i⟩
+
+    theta_M, fitness_M = members(params, flat_G)
     # The estimate rebuilt by hand from the members' parameters and fitness, and its cosine with G over some leaves.
     f = np.asarray(fitness_M, np.float64)
     by_hand = {
@@ -236,7 +241,7 @@ def _draws(cfg, params, fitness_fn, grad, steps):
         mean = {p: (h.g1[p] + h.g2[p]) / 2 for p in h.g1}
         return d["signal"], d["noise"], sq_error(noise.flatten(full)), sq_error(mean)
 
-    return jax.lax.map(one, jnp.arange(steps))
+    return jax.lax.map(one, jnp.arange(steps), batch_size=1000)  # vectorised 1000 steps at a time: the same draws
 
 
 @pytest.mark.parametrize(
@@ -293,13 +298,14 @@ def test_split_half_snr_matches_monte_carlo(method, population, problem):
 
 def test_effective_rank_by_hand():
     """diag(1, 1, 1, 0): both ranks 3. diag(2, 1): p = (2/3, 1/3), entropy rank exp(H(p)), participation 9/5."""
-    r = diagnostics.effective_rank(jnp.diag(jnp.array([1.0, 1.0, 1.0, 0.0])))
+    effective_rank = jax.jit(diagnostics.effective_rank)  # one program per shape, not one per operation
+    r = effective_rank(np.diag(np.array([1.0, 1.0, 1.0, 0.0], np.float32)))
     assert np.isclose(r["entropy"], 3, rtol=1e-5) and np.isclose(r["participation"], 3, rtol=1e-5)
     p = np.array([2, 1]) / 3
-    r = diagnostics.effective_rank(jnp.array([[0.0, 2.0, 0.0], [1.0, 0.0, 0.0]]))
+    r = effective_rank(np.array([[0.0, 2.0, 0.0], [1.0, 0.0, 0.0]], np.float32))
     assert np.isclose(r["entropy"], np.exp(-(p * np.log(p)).sum()), rtol=1e-5)
     assert np.isclose(r["participation"], 9 / 5, rtol=1e-5)
-    r = diagnostics.effective_rank(jnp.zeros((2, 3, 3)))  # batched; a zero matrix has rank 0
+    r = effective_rank(np.zeros((2, 3, 3), np.float32))  # batched; a zero matrix has rank 0
     np.testing.assert_array_equal(r["entropy"], [0, 0])
     np.testing.assert_array_equal(r["participation"], [0, 0])
 

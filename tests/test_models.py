@@ -17,6 +17,11 @@ from esroll.models.layers import row_vector
 from conftest import build_tiny_hf
 
 
+# One compilation per (config, shapes, perturbation form), shared by the tests: an eager `forward` would trace and
+# compile its layer scan anew at every call.
+jit_forward = jax.jit(forward, static_argnums=0)
+
+
 def padded_batch(vocab: int, seed: int = 0):
     """Left-padded batch of 3 rows with different lengths."""
     rng = np.random.default_rng(seed)
@@ -44,7 +49,7 @@ def test_parity_padded_batch(tiny_model):
     cfg, params = load_hf(folder)
     assert cfg.family == family
     tokens, mask = padded_batch(cfg.vocab_size)
-    ours, _ = forward(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
+    ours, _ = jit_forward(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
     ref = torch_logits(model, tokens, mask)
     err = np.abs(np.asarray(ours) - ref)[mask].max()
     assert err < 1e-4, f"{family}: max abs logit error {err}"
@@ -102,15 +107,15 @@ def test_kv_cache_incremental_matches_full(tiny_model):
     _, folder, _ = tiny_model
     cfg, params = load_hf(folder)
     tokens, mask = padded_batch(cfg.vocab_size, seed=2)
-    full, _ = forward(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
+    full, _ = jit_forward(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
     cache = init_cache(cfg, batch=3, max_len=12)
     prefill = 5
-    logits, cache = forward(
+    logits, cache = jit_forward(
         cfg, params, jnp.asarray(tokens[:, :prefill]), mask_BxT=jnp.asarray(mask[:, :prefill]), cache=cache
     )
     steps = [logits]
     for t in range(prefill, tokens.shape[1]):
-        logits, cache = forward(
+        logits, cache = jit_forward(
             cfg, params, jnp.asarray(tokens[:, t : t + 1]), mask_BxT=jnp.asarray(mask[:, t : t + 1]), cache=cache
         )
         steps.append(logits)
@@ -133,15 +138,21 @@ def test_attend_equals_jax_attention_with_repeated_kv_heads(dtype):
     v = jax.random.normal(kv, (B, K, S, H), dtype)
     visible = jax.random.bernoulli(km, 0.6, (B, T, S)).at[0, 1].set(False).at[1, 0].set(True)
     repeat = lambda x: jnp.repeat(x.transpose(0, 2, 1, 3), Q // K, axis=2)  # [B, S, Q, H]
-    ref = jax.nn.dot_product_attention(q, repeat(k), repeat(v), mask=visible[:, None], scale=1 / np.sqrt(H))
+    # Each side compiled as one program (eagerly, every operation would be compiled on its own).
+    ref = jax.jit(lambda q, k, v, visible: jax.nn.dot_product_attention(
+        q, repeat(k), repeat(v), mask=visible[:, None], scale=1 / np.sqrt(H)
+    ))(q, k, v, visible)  # fmt: skip
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
-    uniform = np.repeat(v.astype(jnp.float32).mean(2)[0], Q // K, 0)  # [Q, H]: row 0's query 1 sees nothing
-    one = attend(q, (k, v, visible))
-    two = attend(q, (k[:, :, :3], v[:, :, :3], visible[..., :3]), (k[:, :, 3:], v[:, :, 3:], visible[..., 3:]))
+    uniform = np.repeat(np.asarray(v, np.float64).mean(2)[0], Q // K, 0)  # [Q, H]: row 0's query 1 sees nothing
+    one, two = jax.jit(lambda q, k, v, visible: (
+        attend(q, (k, v, visible)),
+        attend(q, (k[:, :, :3], v[:, :, :3], visible[..., :3]), (k[:, :, 3:], v[:, :, 3:], visible[..., 3:])),
+    ))(q, k, v, visible)  # fmt: skip
     for ours in (one, two):  # the keys in one block, and split in two blocks under one softmax
         assert ours.shape == (B, T, Q, H) and ours.dtype == dtype
-        np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
-        np.testing.assert_allclose(np.asarray(ours[0, 1], np.float32), uniform, atol=tol, rtol=tol)
+        ours = np.asarray(ours, np.float32)
+        np.testing.assert_allclose(ours, np.asarray(ref, np.float32), atol=tol, rtol=tol)
+        np.testing.assert_allclose(ours[0, 1], uniform, atol=tol, rtol=tol)
 
 
 def test_bfloat16_close_to_float32(tiny_model):
@@ -150,21 +161,19 @@ def test_bfloat16_close_to_float32(tiny_model):
     _, p16 = load_hf(folder, dtype=jnp.bfloat16)
     assert p16["layers"]["q"].dtype == jnp.bfloat16
     tokens, mask = padded_batch(cfg.vocab_size)
-    a, _ = forward(cfg, p32, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
-    b, _ = forward(cfg, p16, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
+    a, _ = jit_forward(cfg, p32, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
+    b, _ = jit_forward(cfg, p16, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
     assert np.isfinite(np.asarray(b)).all()
     scale = np.abs(np.asarray(a))[mask].max()
     assert np.abs(np.asarray(a) - np.asarray(b))[mask].max() < 0.1 * scale
 
 
 def test_linear_helper_equals_explicit_weight():
-    k = jax.random.split(jax.random.key(0), 4)
-    x = jax.random.normal(k[0], (4, 3, 16))
-    w = jax.random.normal(k[1], (16, 8))
-    a = jax.random.normal(k[2], (2, 16, 3))
-    b = jax.random.normal(k[3], (2, 8, 3))
-    member = jnp.array([0, 1, 1, 0])
-    y = linear(x, w, LowRank(a, b), member)
+    rng = np.random.default_rng(0)
+    x, w, a, b = (rng.standard_normal(shape, np.float32) for shape in ((4, 3, 16), (16, 8), (2, 16, 3), (2, 8, 3)))
+    member = np.array([0, 1, 1, 0])
+    y = np.asarray(jax.jit(linear)(x, w, LowRank(a, b), member))  # one program, not one per operation
+    x, w, a, b = (np.asarray(t, np.float64) for t in (x, w, a, b))  # the explicit weights in NumPy
     for row in range(4):
         m = int(member[row])
         explicit = x[row] @ (w + a[m] @ b[m].T)
@@ -176,18 +185,22 @@ def test_linear_helper_with_member_tables_equals_explicit_weight():
     entries each ([2, 0] and [0, 1]); each row gets x·(W + a bᵀ) with its own member's factors, one token per row (the
     rows against every entry of their table) and two (each row's entry gathered), and a vector leaf its member's
     delta."""
-    k = jax.random.split(jax.random.key(1), 5)
-    x = jax.random.normal(k[0], (6, 2, 16))
-    w = jax.random.normal(k[1], (16, 8))
-    a = jax.random.normal(k[2], (3, 16, 2))
-    b = jax.random.normal(k[3], (3, 8, 2))
-    v = jax.random.normal(k[4], (3, 8))
-    member = jnp.array([2, 2, 0, 0, 0, 1])
-    tables = Perturbation({"w": LowRank(a, b), "v": v}, member).tables(2, blocks=2)
+    rng = np.random.default_rng(1)
+    shapes = ((6, 2, 16), (16, 8), (3, 16, 2), (3, 8, 2), (3, 8))
+    x, w, a, b, v = (rng.standard_normal(shape, np.float32) for shape in shapes)
+    member = np.array([2, 2, 0, 0, 0, 1])
+
+    @jax.jit  # one program, not one per operation
+    def run(x, w, a, b, v, member):
+        tables = Perturbation({"w": LowRank(a, b), "v": v}, member).tables(2, blocks=2)
+        vector = row_vector(jnp.zeros(8), tables.deltas["v"], tables.slot_B)
+        return tables, vector, {T: linear(x[:, :T], w, tables.deltas["w"], tables.slot_B) for T in (1, 2)}
+
+    tables, vector, ys = run(x, w, a, b, v, member)
     assert tables.deltas["w"].a.shape == (2, 2, 16, 2) and tables.member_B is None
-    vector = row_vector(jnp.zeros(8), tables.deltas["v"], tables.slot_B)
-    for T in (1, 2):
-        y = linear(x[:, :T], w, tables.deltas["w"], tables.slot_B)
+    x, w, a, b, v = (np.asarray(t, np.float64) for t in (x, w, a, b, v))  # the explicit weights in NumPy
+    vector, ys = np.asarray(vector), {T: np.asarray(y) for T, y in ys.items()}
+    for T, y in ys.items():
         for row in range(6):
             m = int(member[row])
             np.testing.assert_allclose(y[row], x[row, :T] @ (w + a[m] @ b[m].T), rtol=1e-5, atol=1e-5)
@@ -214,7 +227,7 @@ def test_forward_perturbed_equals_explicit(tiny_model):
             deltas["layers"][name] = 0.05 * jax.random.normal(next(keys), (w.shape[0], 2, w.shape[1]))
     deltas["final_norm"] = 0.05 * jax.random.normal(next(keys), (2, cfg.hidden_size))
     perturb = Perturbation(deltas, member)
-    run = jax.jit(lambda p: forward(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask), perturb=p)[0])
+    run = lambda p: jit_forward(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask), perturb=p)[0]
     forms = [run(perturb), run(perturb.tables(2)), run(perturb.tables(1, blocks=3))]
     for m in (0, 1):
         explicit = jax.tree.map(lambda x: x, params)
@@ -224,7 +237,7 @@ def test_forward_perturbed_equals_explicit(tiny_model):
             else:
                 explicit["layers"][name] = params["layers"][name] + d[:, m]
         explicit["final_norm"] = params["final_norm"] + deltas["final_norm"][m]
-        ref, _ = forward(cfg, explicit, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
+        ref, _ = jit_forward(cfg, explicit, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
         rows = np.asarray(member) == m
         for ours in forms:
             assert np.abs(np.asarray(ours)[rows] - np.asarray(ref)[rows])[mask[rows]].max() < 1e-4
@@ -310,7 +323,7 @@ def test_perturbed_cached_forward_equals_explicit(tiny_model):
     norm = params["layers"]["attn_norm"]  # a perturbed vector leaf too: [L, M, D]
     deltas["layers"]["attn_norm"] = 0.1 * jax.random.normal(next(keys), (norm.shape[0], 3, norm.shape[1]))
     cache = init_cache(cfg, batch=3, max_len=tokens.shape[1])
-    ours, _ = forward(
+    ours, _ = jit_forward(
         cfg,
         params,
         jnp.asarray(tokens),
@@ -319,7 +332,7 @@ def test_perturbed_cached_forward_equals_explicit(tiny_model):
         perturb=Perturbation(deltas, member),
     )
     # the same with every row's factors gathered once up front, as `generate` does before its decode loop
-    per_row, _ = forward(
+    per_row, _ = jit_forward(
         cfg,
         params,
         jnp.asarray(tokens),
@@ -337,7 +350,7 @@ def test_perturbed_cached_forward_equals_explicit(tiny_model):
             explicit["layers"][name] = params["layers"][name] + jnp.einsum("lir,lor->lio", d.a[:, m], d.b[:, m])
         if "lm_head" in deltas:
             explicit["lm_head"] = params["lm_head"] + deltas["lm_head"].a[m] @ deltas["lm_head"].b[m].T
-        ref, _ = forward(cfg, explicit, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
+        ref, _ = jit_forward(cfg, explicit, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
         rows = np.asarray(member) == m
         assert np.abs(np.asarray(ours)[rows] - np.asarray(ref)[rows])[mask[rows]].max() < 1e-4
 
@@ -419,7 +432,7 @@ def test_load_hf_shardings_of_a_bfloat16_checkpoint(tp_model, tmp_path):
         _, sharded = load_hf(tmp_path / "bf16", dtype=dtype, shardings=lambda c: tp_shardings(mesh, c))
         for x, y in zip(jax.tree.leaves(sharded), jax.tree.leaves(ref), strict=True):
             assert x.dtype == y.dtype == want
-            np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)))
+            np.testing.assert_array_equal(np.asarray(x).astype(np.float32), np.asarray(y).astype(np.float32))
     np.testing.assert_allclose(np.asarray(ref["layers"]["q"]), np.asarray(params["layers"]["q"]), rtol=1e-2, atol=1e-2)
 
 

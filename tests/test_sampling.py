@@ -208,16 +208,7 @@ def test_sharded_generation_equals_unsharded(qwen3):
     cfg, params = qwen3
     tokens, mask = (np.tile(x, (2, 1)) for x in prompts(cfg.vocab_size, seed=5))  # 8 rows
     member = jnp.arange(8) % 4
-    rng = np.random.default_rng(3)
-    matrices = {n: w.shape for n, w in params["layers"].items() if w.ndim == 3}
-    deltas = {
-        "layers": {
-            n: LowRank(
-                0.1 * rng.standard_normal((L, 4, i, 1), np.float32), rng.standard_normal((L, 4, o, 1), np.float32)
-            )
-            for n, (L, i, o) in matrices.items()
-        }
-    }
+    deltas = rank1_deltas(params, 4, seed=3)  # the shapes of test_row_offset_chunks_equal_whole's whole batch
     kw = dict(max_new_tokens=N_NEW, **NUCLEUS)
     one = generate(cfg, params, tokens, jax.random.key(9), prompt_mask=mask, perturb=Perturbation(deltas, member), **kw)
 
@@ -348,16 +339,17 @@ def test_cached_forward_equals_cache_free(qwen3):
     np.testing.assert_array_equal(cache.valid_BxS, seq_mask)
 
 
-@pytest.mark.parametrize("perturbed", [False, True], ids=["plain", "perturbed"])
-def test_scan_unroll_changes_nothing(qwen3, perturbed):
+def test_scan_unroll_changes_nothing(qwen3):
     """The layer scan's `unroll` is a speed knob: all layers unrolled into one iteration give the one-layer scan's
-    greedy tokens exactly, and its log-probabilities, across a decode-phase boundary (the cache grows too)."""
+    greedy tokens exactly, and its log-probabilities, across a decode-phase boundary. Perturbed
+    rows (factors of every matrix, the head's included, scanned with the layers): an unperturbed run scans the same
+    layers with no factors, a subset of this case."""
     from esroll.sampling import _phase_ends
 
     assert _phase_ends(32, phases=2) == [16, 32]
     cfg, params = qwen3
     tokens, mask = prompts(cfg.vocab_size, seed=8)
-    perturb = Perturbation(rank1_deltas(params, 3, seed=5, head=True), jnp.array([1, 2, 0, 1])) if perturbed else None
+    perturb = Perturbation(rank1_deltas(params, 3, seed=5, head=True), jnp.array([1, 2, 0, 1]))
     run = functools.partial(
         generate, cfg, params, tokens, jax.random.key(0), max_new_tokens=32, temperature=0.0, prompt_mask=mask
     )
@@ -377,22 +369,23 @@ def test_greedy_token_of_a_nan_row_is_in_the_vocabulary():
     np.testing.assert_array_equal(np.asarray(_sample(logits, logits.max(-1), keys, 0.0, 0, 1.0)), [1, 1])
 
 
-@pytest.mark.parametrize("perturbed", [False, True], ids=["plain", "perturbed"])
-def test_row_offset_chunks_equal_whole(qwen3, perturbed):
-    """Rows 0-3 and 4-7 of a sampled batch, decoded as two calls with row_offset 0 and 4, are exactly the rows of the
-    batch decoded at once; the two chunks share one compilation (row_offset is traced)."""
+def test_row_offset_chunks_equal_whole(qwen3):
+    """Rows 0-3 and 4-7 of a sampled batch of perturbed members, decoded as two calls with row_offset 0 and 4, are
+    exactly the rows of the batch decoded at once; the two chunks share one compilation (row_offset is traced). (An
+    unperturbed batch keys its rows' noise by the same global row index, a subset of this case.) The shapes are
+    test_sharded_generation_equals_unsharded's (the whole batch) and test_low_precision's (the chunks): shared
+    compilations."""
     from esroll.sampling import _generate
 
     cfg, params = qwen3
     tokens, mask = (np.concatenate(x) for x in zip(prompts(cfg.vocab_size, seed=9), prompts(cfg.vocab_size, seed=10)))
-    member = np.arange(8) % 3
-    deltas = rank1_deltas(params, 3, seed=6) if perturbed else None
-    run = functools.partial(generate, cfg, params, key=jax.random.key(7), max_new_tokens=N_NEW, temperature=1.0)
-    kw = {"top_p": 0.9, "eos_ids": (5, 6, 7)}
+    member = np.array([0, 1, 2, 0, 3, 1, 2, 3])  # 3 members in each chunk: member tables there too
+    deltas = rank1_deltas(params, 4, seed=6)
+    run = functools.partial(generate, cfg, params, key=jax.random.key(7), max_new_tokens=N_NEW)
 
     def chunk(rows, **extra):
-        perturb = None if deltas is None else Perturbation(deltas, jnp.asarray(member[rows]))
-        return run(prompt_BxP=tokens[rows], prompt_mask=mask[rows], perturb=perturb, **kw, **extra)
+        perturb = Perturbation(deltas, jnp.asarray(member[rows]))
+        return run(prompt_BxP=tokens[rows], prompt_mask=mask[rows], perturb=perturb, **NUCLEUS, **extra)
 
     whole = chunk(slice(0, 8))
     first = chunk(slice(0, 4), row_offset=0)
@@ -489,7 +482,7 @@ def test_low_precision_weights_decode_in_their_dtype(qwen3):
     bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
     widened = jax.tree.map(lambda x: x.astype(jnp.float32), bf16)
     tokens, mask = prompts(cfg.vocab_size, seed=3)
-    perturb = Perturbation(rank1_deltas(params, 3, seed=4), jnp.array([2, 0, 1, 2]))
+    perturb = Perturbation(rank1_deltas(params, 4, seed=4), jnp.array([2, 0, 1, 2]))  # the row-offset chunks' shapes
     kw = dict(max_new_tokens=N_NEW, prompt_mask=mask, perturb=perturb, **NUCLEUS)
     ours = generate(cfg, bf16, tokens, jax.random.key(1), **kw)
     ref = generate(cfg, widened, tokens, jax.random.key(1), **kw)
