@@ -21,7 +21,7 @@ from esroll.experiment import check_names
 from esroll.metrics import read_metrics
 from esroll.train import train_and_evaluate
 
-from conftest import REPO, check_exact_resume, quick_config, xla_flags
+from conftest import REPO, quick_config, xla_flags
 
 
 def quick(**train_overrides):
@@ -57,24 +57,46 @@ def test_quick_run_writes_everything(tmp_path):
     assert np.abs(np.asarray(ours) - ref).max() < 1e-4
 
 
-def test_resume_is_exact(tmp_path):
-    """With a learning-rate warm-up and cosine decay and a linear σ schedule: both continue exactly on resume. So does
-    the training-loop curriculum's state (ADS and AdaPrefix, whose controller ES drives from the shared prompts)."""
+def scheduled():
+    """4 quick steps with a learning-rate warm-up and cosine decay and a linear σ schedule, both of horizon 3 (shorter
+    than the run), and the training-loop curriculum (ADS and AdaPrefix, whose controller ES drives from the shared
+    prompts). Resumed (test_resume_is_exact) and extended (test_raising_steps_continues_a_finished_run_exactly) runs of
+    it must end where `scheduled_run`, the run straight through, ends."""
     from esroll.curriculum import CurriculumConfig
 
-    cfg = quick(steps=4, checkpoint_every=2, eval_every=2)
-    cfg = dataclasses.replace(
+    cfg = quick(steps=4, checkpoint_every=2, eval_every=2, export=False)
+    return dataclasses.replace(
         cfg,
-        optimizer=dataclasses.replace(cfg.optimizer, schedule="cosine", lr_final=1e-4, horizon=4, warmup_steps=1),
+        optimizer=dataclasses.replace(cfg.optimizer, schedule="cosine", lr_final=1e-4, horizon=3, warmup_steps=1),
         es=dataclasses.replace(cfg.es, sigma_schedule="linear", sigma_final=cfg.es.sigma / 2, sigma_horizon=3),
         curriculum=CurriculumConfig(ads=True, prefix=True, prefix_source="target", prefix_init=0.5, prefix_horizon=6),
     )
-    steps, _ = check_exact_resume(cfg, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def scheduled_run(tmp_path_factory):
+    """The final parameters of `scheduled()` run straight through its 4 steps."""
+    out = train_and_evaluate(scheduled(), tmp_path_factory.mktemp("scheduled"), progress=False)
+    return jax.device_get(out["params"])
+
+
+def test_resume_is_exact(tmp_path, scheduled_run):
+    """2 steps, interrupted, then resumed for 2 more: bit-identical to the 4 steps straight through. The learning-rate
+    warm-up and cosine decay and the linear σ schedule continue exactly, and so does the curriculum's state."""
+    cfg = scheduled()
+    first = train_and_evaluate(cfg, tmp_path / "split", stop_after_steps=2, progress=False)
+    assert first["stopped_at"] == 2
+    resumed = train_and_evaluate(cfg, tmp_path / "split", progress=False)
+    assert resumed["resumed_from"] == 2
+    chex.assert_trees_all_equal(scheduled_run, jax.device_get(resumed["params"]))
+    steps = [r for r in read_metrics(tmp_path / "split" / "metrics.jsonl") if r["step"] > 0 and "fitness_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert steps[0]["prefix_tokens"] > 0 and steps[0]["prefix_assistance"] == 1.0
     assert any(key.startswith("ads_weight[difficulty=") for key in steps[-1])
     lr = cfg.optimizer.lr
-    cosine = [1e-4 + (lr - 1e-4) * (1 + np.cos(np.pi * k / 3)) / 2 for k in (1, 2)]  # after the warm-up step
+    cosine = [1e-4 + (lr - 1e-4) * (1 + np.cos(np.pi * k / 2)) / 2 for k in (1, 2)]  # after the warm-up step
     np.testing.assert_allclose([r["lr"] for r in steps], [0.0, lr, *cosine], rtol=1e-6)
+    assert steps[-1]["lr"] == pytest.approx(1e-4, rel=1e-6)  # the end of the decay
     sigma = cfg.es.sigma
     np.testing.assert_allclose([r["sigma"] for r in steps], [sigma, sigma * 5 / 6, sigma * 4 / 6, sigma / 2], rtol=1e-6)
 
@@ -86,12 +108,11 @@ def one_device(tmp_path_factory):
     return jax.device_get(out["params"])
 
 
-@pytest.mark.parametrize("model", [1, 2])
-def test_sharded_equals_unsharded(tmp_path, model, one_device):
-    """8 fake CPU devices split the population (and with a model axis of 2, each model's weights over two of them);
-    the parameters after two steps match one device to 1e-6."""
-    cfg = dataclasses.replace(TWO_STEPS, parallel=dataclasses.replace(TWO_STEPS.parallel, model=model))
-    eight = train_and_evaluate(cfg, tmp_path / "eight", mesh_devices=8, progress=False)
+def test_sharded_equals_unsharded(tmp_path, one_device):
+    """8 fake CPU devices split the population; the parameters after two steps match one device to 1e-6. (A model axis,
+    each model's weights split over two devices, against one device: test_two_processes_equal_one, whose mesh is 2 × 2
+    over two processes.)"""
+    eight = train_and_evaluate(TWO_STEPS, tmp_path / "eight", mesh_devices=8, progress=False)
     assert len(jax.devices()) == 8
     assert_params_match(one_device, eight["params"])
 
@@ -284,28 +305,23 @@ def test_a_step_that_cannot_fit_the_devices_is_refused_before_anything_is_writte
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("variant", ["quick", "grpo_quick"])
-def test_raising_steps_continues_a_finished_run_exactly(tmp_path, capsys, variant):
-    """A finished 2-step run rerun with train.steps = 4 continues from its last checkpoint and ends bit-identical to a
-    4-step run (ES with a cosine schedule whose horizon is shorter than the new length; GRPO with its reference
-    model); the old config is kept beside the new one. Lowering train.steps, or changing anything else, is refused
-    with the remedy, and changes no file."""
-    cd = get_config(variant)
-    cd.model.path = quick().model.path
-    cd.train.update(steps=4, checkpoint_every=100, eval_every=100, export=False)
-    cd.optimizer.update(schedule="cosine", lr_final=cd.optimizer.lr / 10, horizon=3)
-    four = from_config_dict(cd.to_dict())
+def test_raising_steps_continues_a_finished_run_exactly(tmp_path, capsys, scheduled_run):
+    """A finished 2-step run rerun with train.steps = 4 continues from its last checkpoint and ends bit-identical to the
+    4-step run (its schedules' horizons shorter than the new length; the curriculum's state carried over); the old
+    config is kept beside the new one. Lowering train.steps, or changing anything else, is refused with the remedy,
+    and changes no file. (The loop's extension is the same for every method; GRPO's state, reference model included,
+    resumes exactly: test_grpo.py::test_resume_is_exact.)"""
+    four = scheduled()
     two = dataclasses.replace(four, train=dataclasses.replace(four.train, steps=2))
-    full = train_and_evaluate(four, tmp_path / "full", progress=False)
     workdir = tmp_path / "extended"
     assert train_and_evaluate(two, workdir, progress=False)["ran_steps"] == 2
     capsys.readouterr()
     extended = train_and_evaluate(four, workdir, progress=False)
     assert extended["resumed_from"] == 2 and extended["ran_steps"] == 2
-    chex.assert_trees_all_equal(jax.device_get(full["params"]), jax.device_get(extended["params"]))
+    chex.assert_trees_all_equal(scheduled_run, jax.device_get(extended["params"]))
     out = capsys.readouterr().out
     assert "extending the run (train.steps 2 -> 4) from its checkpoint at step 2" in out
-    assert "optimizer.horizon = 3" in out
+    assert "optimizer.horizon = 3" in out and "es.sigma_horizon = 3" in out
     assert json.loads((workdir / "config.before-extension-1.json").read_text())["train"]["steps"] == 2
     assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 4
     steps = [r["step"] for r in read_metrics(workdir / "metrics.jsonl") if "fitness_mean" in r]

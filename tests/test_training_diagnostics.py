@@ -42,12 +42,23 @@ def same_except_diagnostics(off: list[dict], on: list[dict]) -> None:
         assert {k: v for k, v in a.items() if k not in TIMINGS} == kept
 
 
+@pytest.fixture(scope="module")
+def looroll_off(tmp_path_factory):
+    """(folder, (params, step records)) of the quick LOO-ROLL run with diagnostics off: the reference of
+    test_es_diagnostics_leave_the_run_unchanged[looroll] and the run straight through of the ledger's test."""
+    folder = tmp_path_factory.mktemp("looroll")
+    return folder, run(folder, "off", "quick", "looroll")
+
+
 @pytest.mark.parametrize("method", ["eggroll", "looroll"])
-def test_es_diagnostics_leave_the_run_unchanged(tmp_path, method):
+def test_es_diagnostics_leave_the_run_unchanged(tmp_path, method, request):
     """LOO-ROLL and EGGROLL with every diagnostic on (the policy-gradient cosine too) against off: bit-identical
     parameters and metrics. EGGROLL's halves average to its estimate exactly, so the norm of their mean is the
     update's gradient norm; the effective rank of a sum of E rank-r terms is at most E·r."""
-    off, off_steps = run(tmp_path, "off", "quick", method)
+    if method == "looroll":
+        off, off_steps = request.getfixturevalue("looroll_off")[1]
+    else:
+        off, off_steps = run(tmp_path, "off", "quick", method)
     on, on_steps = run(tmp_path, "on", "quick", method, diagnostics_every=1, diagnostics_pg=True)
     chex.assert_trees_all_equal(off, on)
     same_except_diagnostics(off_steps, on_steps)
@@ -123,19 +134,20 @@ def test_policy_gradient_is_the_ascent_direction_of_its_completions(monkeypatch)
         np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-4 * scale)
 
 
-def test_the_ledger_adds_up_and_survives_a_resume(tmp_path):
+def test_the_ledger_adds_up_and_survives_a_resume(tmp_path, looroll_off):
     """Every step logs its rollout's and update's FLOPs and the phases' seconds; the cumulative `flops` is their
-    sum, the same after a stop and a resume as straight through; the rollout's figure is the ledger's for the rows
-    and lengths the step generated."""
-    cfg = quick_config("quick", steps=4, eval_every=2, checkpoint_every=2)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, export=False))
-    train_and_evaluate(cfg, tmp_path / "full", progress=False)
-    train_and_evaluate(cfg, tmp_path / "split", stop_after_steps=2, progress=False)
+    sum, the same after a stop and a resume as straight through (`looroll_off`, 2 steps with a checkpoint after
+    each); the rollout's figure is the ledger's for the rows and lengths the step generated."""
+    straight, _ = looroll_off
+    cfg = quick_config("quick", steps=2, eval_every=2, checkpoint_every=1)
+    cfg = dataclasses.replace(cfg, method="looroll", train=dataclasses.replace(cfg.train, export=False)).validate()
+    train_and_evaluate(cfg, tmp_path / "split", stop_after_steps=1, progress=False)
     train_and_evaluate(cfg, tmp_path / "split", progress=False)
     records = {}
-    for name in ("full", "split"):
-        rows = read_metrics(tmp_path / name / "metrics.jsonl")
+    for name, folder in (("full", straight / "off"), ("split", tmp_path / "split")):
+        rows = read_metrics(folder / "metrics.jsonl")
         records[name] = [r for r in rows if r["step"] > 0 and "fitness_mean" in r]
+    assert [r["step"] for r in records["split"]] == [1, 2]
     assert [r["flops"] for r in records["full"]] == [r["flops"] for r in records["split"]]
     total = 0
     for r in records["full"]:
