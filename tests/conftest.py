@@ -59,19 +59,20 @@ def quick_config(variant: str = "quick", *, grpo: dict | None = None, **train_ov
     return from_config_dict(cd.to_dict())
 
 
-def check_exact_resume(cfg, tmp_path) -> tuple[list[dict], dict]:
-    """Run 4 steps straight, and 2 + a resumed 2; the parameters must be bit-identical. Returns the step records and
-    the final parameters."""
+def check_exact_resume(cfg, tmp_path, full_params=None) -> tuple[list[dict], dict]:
+    """Run 4 steps straight (or take `full_params`, the final parameters of such a run made elsewhere), and 2 + a
+    resumed 2; the parameters must be bit-identical. Returns the step records and the final parameters."""
     from esroll.metrics import read_metrics
     from esroll.train import train_and_evaluate
 
-    full = train_and_evaluate(cfg, tmp_path / "full", progress=False)
+    if full_params is None:
+        full_params = jax.device_get(train_and_evaluate(cfg, tmp_path / "full", progress=False)["params"])
     first = train_and_evaluate(cfg, tmp_path / "split", stop_after_steps=2, progress=False)
     assert first["stopped_at"] == 2
     resumed = train_and_evaluate(cfg, tmp_path / "split", progress=False)
     assert resumed["resumed_from"] == 2
     final = jax.device_get(resumed["params"])
-    chex.assert_trees_all_equal(jax.device_get(full["params"]), final)
+    chex.assert_trees_all_equal(full_params, final)
     records = read_metrics(tmp_path / "split" / "metrics.jsonl")
     steps = [r for r in records if r["step"] > 0 and "fitness_mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]

@@ -21,7 +21,7 @@ from esroll.experiment import check_names
 from esroll.metrics import read_metrics
 from esroll.train import train_and_evaluate
 
-from conftest import REPO, quick_config, xla_flags
+from conftest import REPO, check_exact_resume, quick_config, xla_flags
 
 
 def quick(**train_overrides):
@@ -84,13 +84,7 @@ def test_resume_is_exact(tmp_path, scheduled_run):
     """2 steps, interrupted, then resumed for 2 more: bit-identical to the 4 steps straight through. The learning-rate
     warm-up and cosine decay and the linear σ schedule continue exactly, and so does the curriculum's state."""
     cfg = scheduled()
-    first = train_and_evaluate(cfg, tmp_path / "split", stop_after_steps=2, progress=False)
-    assert first["stopped_at"] == 2
-    resumed = train_and_evaluate(cfg, tmp_path / "split", progress=False)
-    assert resumed["resumed_from"] == 2
-    chex.assert_trees_all_equal(scheduled_run, jax.device_get(resumed["params"]))
-    steps = [r for r in read_metrics(tmp_path / "split" / "metrics.jsonl") if r["step"] > 0 and "fitness_mean" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    steps, _ = check_exact_resume(cfg, tmp_path, full_params=scheduled_run)
     assert steps[0]["prefix_tokens"] > 0 and steps[0]["prefix_assistance"] == 1.0
     assert any(key.startswith("ads_weight[difficulty=") for key in steps[-1])
     lr = cfg.optimizer.lr
