@@ -59,17 +59,19 @@ def quick_config(variant: str = "quick", *, grpo: dict | None = None, **train_ov
     return from_config_dict(cd.to_dict())
 
 
-def check_exact_resume(cfg, tmp_path, full_params=None) -> tuple[list[dict], dict]:
+def check_exact_resume(cfg, tmp_path, full_params=None, **run) -> tuple[list[dict], dict]:
     """Run 4 steps straight (or take `full_params`, the final parameters of such a run made elsewhere), and 2 + a
-    resumed 2; the parameters must be bit-identical. Returns the step records and the final parameters."""
+    resumed 2, each with `train_and_evaluate`'s keywords `run` (e.g. `mesh_devices`); the parameters must be
+    bit-identical. Returns the step records and the final parameters."""
     from esroll.metrics import read_metrics
     from esroll.train import train_and_evaluate
 
+    run = dict(progress=False, **run)
     if full_params is None:
-        full_params = jax.device_get(train_and_evaluate(cfg, tmp_path / "full", progress=False)["params"])
-    first = train_and_evaluate(cfg, tmp_path / "split", stop_after_steps=2, progress=False)
+        full_params = jax.device_get(train_and_evaluate(cfg, tmp_path / "full", **run)["params"])
+    first = train_and_evaluate(cfg, tmp_path / "split", stop_after_steps=2, **run)
     assert first["stopped_at"] == 2
-    resumed = train_and_evaluate(cfg, tmp_path / "split", progress=False)
+    resumed = train_and_evaluate(cfg, tmp_path / "split", **run)
     assert resumed["resumed_from"] == 2
     final = jax.device_get(resumed["params"])
     chex.assert_trees_all_equal(full_params, final)

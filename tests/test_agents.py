@@ -201,22 +201,15 @@ def test_grpo_gradient_on_episodes_is_the_policy_gradient_on_the_actions(setup):
     assert (ep.length_B > np.array([len(p) for p in positions])).any()
 
 
-def test_es_on_episodes_resumes_exactly(tmp_path, monkeypatch):
+def test_es_on_episodes_resumes_exactly(tmp_path):
     """`configs/agents.py:quick` (LOO-ROLL) killed after 2 of 4 steps and restarted ends bit-identical to an
     uninterrupted run: every member's episodes depend only on the run's seed and the step. Its steps log the
     episodes' return as fitness and the share solved, its evaluations held-out success, return and turns.
     The runs use a 2-device mesh (rows and checkpoints still sharded): on all 8 fake CPU devices each turn of an
     episode costs ~7x as much on 2 cores, for no property of its own."""
-    import functools
-
-    import esroll.train
     from esroll.metrics import read_metrics
 
-    # check_exact_resume imports train_and_evaluate when it runs: it gets this one.
-    monkeypatch.setattr(
-        esroll.train, "train_and_evaluate", functools.partial(esroll.train.train_and_evaluate, mesh_devices=2)
-    )
-    steps, _ = check_exact_resume(agent_config("quick", **{"train.steps": 4}), tmp_path)
+    steps, _ = check_exact_resume(agent_config("quick", **{"train.steps": 4}), tmp_path, mesh_devices=2)
     for r in steps:
         assert 0 <= r["episode_solved"] <= 1 and 1 <= r["episode_turns"] <= 8 and 0 <= r["valid_actions"] <= 1
         assert np.isfinite(r["fitness_mean"])

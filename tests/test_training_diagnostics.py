@@ -25,12 +25,16 @@ from conftest import quick_config
 TIMINGS = ("tokens_per_s", "s_rollout", "s_scoring", "s_update", "s_diagnostics", "eval_s", "wall_time")
 
 
-def run(tmp_path, name: str, variant: str, method: str | None = None, **train):
+def run_config(variant: str, method: str | None = None, **train):
+    """The quick runs of this file: 2 steps, a checkpoint after each, no export."""
     cfg = quick_config(variant, steps=2, eval_every=2, checkpoint_every=1)
     if method:
         cfg = dataclasses.replace(cfg, method=method)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, export=False, **train)).validate()
-    out = train_and_evaluate(cfg, tmp_path / name, progress=False)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, export=False, **train)).validate()
+
+
+def run(tmp_path, name: str, variant: str, method: str | None = None, **train):
+    out = train_and_evaluate(run_config(variant, method, **train), tmp_path / name, progress=False)
     steps = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["step"] > 0 and "fitness_mean" in r]
     return jax.device_get(out["params"]), steps
 
@@ -139,8 +143,7 @@ def test_the_ledger_adds_up_and_survives_a_resume(tmp_path, looroll_off):
     sum, the same after a stop and a resume as straight through (`looroll_off`, 2 steps with a checkpoint after
     each); the rollout's figure is the ledger's for the rows and lengths the step generated."""
     straight, _ = looroll_off
-    cfg = quick_config("quick", steps=2, eval_every=2, checkpoint_every=1)
-    cfg = dataclasses.replace(cfg, method="looroll", train=dataclasses.replace(cfg.train, export=False)).validate()
+    cfg = run_config("quick", "looroll")  # the config of `looroll_off`'s run
     train_and_evaluate(cfg, tmp_path / "split", stop_after_steps=1, progress=False)
     train_and_evaluate(cfg, tmp_path / "split", progress=False)
     records = {}
