@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from esroll.config import ConfigError
 from esroll.grpo.advantages import Group, estimate
 from esroll.grpo.estimators.turns import DiscountedOptions, GigpoOptions, discounted_returns
 from esroll.multiturn import Turns
@@ -80,6 +81,36 @@ def test_gigpo_by_hand(std):
     # 8 valid turns (7 in group 0, 1 in group 1); A and B hold 5 of them, in groups of 3 and 2.
     assert out.metrics["gigpo_anchor_share"] == pytest.approx(5 / 8)
     assert out.metrics["gigpo_anchor_size"] == pytest.approx(2.5)
+
+
+def test_gigpo_episode_stats_over_turns_by_hand():
+    """`episode_stats = "turns"`, eps 1e-6 (verl-agent's defaults), γ = 0.5, ω = 1. Group 0's episodes (returns 1,
+    0, 1) played 3, 2 and 2 turns, so the episode statistics are over the 7 values 1, 1, 1, 0, 0, 1, 1: mean 5/7,
+    deviations 2/7 (five times) and −5/7 (twice), sample variance (5·4/49 + 2·25/49) / 6 = 5/21. The turn advantages
+    are the anchor groups' as in `test_gigpo_by_hand`, with eps 1e-6. Group 1's single valid episode (one turn): 0.
+    Counted once per episode (the default) the episode advantages would be (1/3, −2/3, 1/3) / √(1/3)."""
+    g = hand_group()
+    eps = 1e-6
+    a_e = np.array([2 / 7, -5 / 7, 2 / 7]) / (math.sqrt(5 / 21) + eps)
+    a_A = np.array([0.0, -0.25, 0.25]) / (0.25 + eps)
+    a_B = np.array([-0.25, 0.25]) / (math.sqrt(0.125) + eps)
+    expected = spans(
+        {
+            (0, 0): a_e[0] + a_A[0],
+            (0, 1): a_e[0] + a_B[0],
+            (0, 2): a_e[0],
+            (1, 0): a_e[1] + a_A[1],
+            (1, 1): a_e[1],
+            (2, 0): a_e[2] + a_A[2],
+            (2, 1): a_e[2] + a_B[1],
+        }
+    )
+    out = estimate("gigpo", g, GigpoOptions(gamma=0.5, omega=1.0, episode_stats="turns", eps=eps))
+    np.testing.assert_allclose(out.advantage, expected, rtol=1e-6, atol=1e-7)
+    episodes = estimate("gigpo", g, GigpoOptions(gamma=0.5, omega=0.0, eps=eps)).advantage
+    np.testing.assert_allclose(episodes[0, 1, 0], -2 / 3 / (math.sqrt(1 / 3) + eps), rtol=1e-6)
+    with pytest.raises(ConfigError, match="episode_stats"):
+        GigpoOptions(episode_stats="steps")
 
 
 def test_gigpo_omega_weights_the_turn_advantage():

@@ -33,13 +33,16 @@ def discounted_returns(reward_BxT: np.ndarray, count_B: np.ndarray, gamma: float
     return np.where(inside, returns, 0.0)
 
 
-def normalise(values: np.ndarray, std: bool) -> np.ndarray:
-    """values − their mean, divided by (their sample std + 1e-4) when `std`; 0 for fewer than 2 values."""
+def normalise(values: np.ndarray, std: bool, eps: float = EPS, counts: np.ndarray | None = None) -> np.ndarray:
+    """values − their mean, divided by (their sample std + eps) when `std`; 0 when fewer than 2 values are counted.
+    With `counts`, value i is counted counts[i] times in the mean and the std (ddof 1 over the counted values)."""
     values = np.asarray(values, np.float64)
-    if values.size < 2:
+    weights = np.ones_like(values) if counts is None else np.asarray(counts, np.float64)
+    n = weights.sum()
+    if n < 2:
         return np.zeros_like(values)
-    centred = values - values.mean()
-    return centred / (values.std(ddof=1) + EPS) if std else centred
+    centred = values - np.sum(weights * values) / n
+    return centred / (np.sqrt(np.sum(weights * centred**2) / (n - 1)) + eps) if std else centred
 
 
 def turn_tokens(g: Group, value_BxT: np.ndarray, plus_B: np.ndarray | float = 0.0) -> np.ndarray:
@@ -82,23 +85,36 @@ def discounted(g: Group, o: DiscountedOptions, state=None) -> Estimate:
     return Estimate(turn_tokens(g, value))
 
 
+EPISODE_STATS = ("episodes", "turns")
+
+
 @dataclasses.dataclass(frozen=True)
 class GigpoOptions:
     """`grpo.adv.gigpo.*`. gamma: the discount of the per-turn returns; omega: the weight of the turn advantage
-    beside the episode's; std: divide by the group's std at both levels (GiGPO's mean-std mode; False: mean only)."""
+    beside the episode's; std: divide by the group's std at both levels (GiGPO's mean-std mode; False: mean only);
+    episode_stats: what the episode advantage's mean and std are taken over, "episodes" (each episode once, the
+    paper's Eq. 3) or "turns" (each episode once per turn it played, as verl-agent's `core_gigpo.py` with its
+    default `compute_mean_std_cross_steps=True`); eps: added to the std (verl-agent: 1e-6)."""
 
     gamma: float = 0.95
     omega: float = 1.0
     std: bool = True
+    episode_stats: str = "episodes"
+    eps: float = EPS
 
     def __post_init__(self):
-        checks = [("gamma", 0 <= self.gamma <= 1, "in [0, 1]"), ("omega", self.omega >= 0, ">= 0")]
+        checks = [
+            ("gamma", 0 <= self.gamma <= 1, "in [0, 1]"),
+            ("omega", self.omega >= 0, ">= 0"),
+            ("episode_stats", self.episode_stats in EPISODE_STATS, f"one of {', '.join(EPISODE_STATS)}"),
+            ("eps", self.eps > 0, "> 0"),
+        ]
         check_fields(self, checks, "GigpoOptions")
 
 
 def gigpo(g: Group, o: GigpoOptions, state=None) -> Estimate:
     """Per-token advantages A_E + ω·A_S. A_E, the episode advantage: the return normalised over the group's valid
-    episodes. A_S, the turn advantage: the group's turns (over its valid episodes) are grouped by their anchor state,
+    episodes, each counted once or once per turn (`episode_stats`). A_S, the turn advantage: the group's turns (over its valid episodes) are grouped by their anchor state,
     the exact observation text each action answered; a turn's discounted return (`discounted_returns`) is
     normalised over its anchor group, and a turn whose state no other turn of the group shares gets 0. Logs
     `gigpo_anchor_share` (the share of turns in an anchor group of two or more) and `gigpo_anchor_size` (their mean
@@ -112,7 +128,8 @@ def gigpo(g: Group, o: GigpoOptions, state=None) -> Estimate:
     shared, sizes, total = 0, [], 0
     for x in range(X):
         rows = np.flatnonzero(valid[x])
-        episode[x, rows] = normalise(r[x, rows], o.std)
+        counts = np.asarray(turns.count_B)[x * M + rows] if o.episode_stats == "turns" else None
+        episode[x, rows] = normalise(r[x, rows], o.std, o.eps, counts)
         anchors: dict[str, list[tuple[int, int]]] = {}
         for j in rows:
             b = x * M + j
@@ -123,7 +140,7 @@ def gigpo(g: Group, o: GigpoOptions, state=None) -> Estimate:
             if len(members) >= 2:
                 shared += len(members)
                 sizes.append(len(members))
-                values = normalise(np.array([returns[b, t] for b, t in members]), o.std)
+                values = normalise(np.array([returns[b, t] for b, t in members]), o.std, o.eps)
                 for (b, t), v in zip(members, values):
                     step[b, t] = v
     metrics = {"gigpo_anchor_share": shared / max(total, 1), "gigpo_anchor_size": float(np.mean(sizes or [0]))}
