@@ -3,17 +3,23 @@ advantages, on groups sampled from a fixed model.
 
 For P held-out prompts, M completions each are sampled (at `grpo.temperature`) and cut into steps; each estimator
 (`esroll.grpo.advantages`) gives per-token advantages, read per step as the mean over the step's tokens (constant
-within a step for the step-level ones). The reference is `mc_steps`' step advantage V(after) − V(before) from
-K_ref fresh continuations per step boundary (`esroll.grpo.estimators.mc_steps.step_values`), with a standard error
-from the continuations' and the group's rewards: sqrt(var_after / K + var_before / n), n = K_ref for a boundary and
-M for the prompt, 0 for the completion's own reward after its last step. Scores, pooled over the steps of all
-prompts' valid completions:
-    spearman        rank correlation of the method's step advantages with the reference's;
-    sign_agreement  over the steps whose reference is non-zero at 95% (|A| > 1.96·SE), the fraction where the
-                    method's advantage has the reference's sign (0 counts as a disagreement);
-    equal_signal    the share of the groups whose rewards are all equal that the method gives a non-zero advantage;
+within a step for the step-level ones). The reference is the Monte Carlo step advantage V(after) − V(before)
+(`esroll.grpo.estimators.mc_steps.step_values`): V(prompt) from K_ref fresh rollouts of the prompt, V(after step s)
+from K_ref fresh continuations from the end of step s, and after the last step the completion's own reward. No
+value shares a sample with the group, so the reference is unbiased at every step and its error is independent of
+each method's estimate. Its standard error is sqrt(var_after / K + var_before / K) from the sample variances
+(ddof 1), with var 0 for the completion's own reward. Scores, pooled over the steps of all prompts' valid
+completions:
+    spearman            rank correlation of the method's step advantages with the reference's;
+    spearman_corrected  the same over the square root of the reference's split-half reliability (`reliability`):
+                        an estimate of the correlation with the noise-free step advantages;
+    sign_agreement      over the steps whose reference is non-zero at 95% (|A| > 1.96·SE), the fraction where the
+                        method's advantage has the reference's sign (0 counts as a disagreement);
+    equal_signal        the share of the groups whose rewards are all equal that the method gives a non-zero
+                        advantage;
 each with a percentile bootstrap interval over prompts. `mc_steps` itself is scored at small K from continuations
-sampled apart from the reference's. `experiments.credit` runs it and writes the report (docs/step_level.md).
+sampled apart from the reference's (its V(prompt) leave-one-out from the group). `experiments.credit` runs it and
+writes the report (docs/step_level.md).
 
 Shape letters (see `esroll`): X prompts, M completions per prompt, S steps, K continuations, N tokens.
 """
@@ -46,27 +52,62 @@ def per_step(adv_XxMxN: np.ndarray, g: Group) -> np.ndarray:
     return advantages.step_means(g, adv)
 
 
-def reference(g: Group) -> tuple[np.ndarray, np.ndarray]:
-    """(advantages [X, M, S], standard errors [X, M, S]) of the Monte Carlo step advantages from `g.branch_rewards`
-    (see the module docstring); NaN where undefined (past a completion's steps, invalid completions)."""
-    values, adv = step_values(g)
-    r, valid = advantages.valid_rewards(g)
-    n = np.maximum(valid.sum(1), 1)
-    var0 = np.where(valid, (r - (r.sum(1) / n)[:, None]) ** 2, 0.0).sum(1) / n
+def _mean_and_variance_of_mean(rewards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, variance of the mean) over the last axis, ignoring NaN: the sample variance with ddof 1 over the count
+    (unbiased); the variance is NaN where fewer than two values are known."""
+    k = np.sum(~np.isnan(rewards), axis=-1)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # boundaries without continuations
-        k = np.sum(~np.isnan(g.branch_rewards), axis=-1)
-        var_k = np.nanvar(g.branch_rewards, axis=-1) / np.maximum(k, 1)  # [X, M, S]: of V(after step s)
+        warnings.simplefilter("ignore", RuntimeWarning)  # empty or one-value slices
+        mean = np.nanmean(rewards, axis=-1)
+        var = np.nanvar(rewards, axis=-1, ddof=1) / k
+    return mean, np.where(k >= 2, var, np.nan)
+
+
+def reference(g: Group, prompt_rewards_XxK: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(advantages [X, M, S], standard errors [X, M, S]) of the Monte Carlo step advantages (see the module
+    docstring): V(prompt) from `prompt_rewards_XxK`, the rewards of K fresh rollouts of each prompt (NaN for one that
+    is not valid), V(after step s) from `g.branch_rewards`. Neither shares a sample with the group's rewards, so the
+    reference's error is independent of every method's estimate. NaN where undefined (past a completion's steps,
+    invalid completions); the standard error is NaN where a value it needs has fewer than two samples."""
+    v0, var0 = _mean_and_variance_of_mean(np.asarray(prompt_rewards_XxK, np.float64))
+    values, adv = step_values(g, v0)
+    _, var_k = _mean_and_variance_of_mean(np.asarray(g.branch_rewards, np.float64))  # [X, M, S]: of V(after s)
     X, M, S1 = values.shape
     S = S1 - 1
     counts = np.asarray(g.steps.count_B).reshape(X, M)
-    var_after = np.zeros((X, M, S))
-    var_after[..., : var_k.shape[2]] = np.nan_to_num(var_k[..., :S])
+    var_after = np.full((X, M, S), np.nan)
+    var_after[..., : var_k.shape[2]] = var_k[..., :S]
     last = np.arange(S)[None, None, :] == (counts - 1)[..., None]
     var_after = np.where(last, 0.0, var_after)  # after the last step: the completion's own reward
-    var_before = np.concatenate([np.broadcast_to((var0 / n)[:, None, None], (X, M, 1)), var_after[..., :-1]], axis=2)
+    var_before = np.concatenate([np.broadcast_to(var0[:, None, None], (X, M, 1)), var_after[..., :-1]], axis=2)
     se = np.sqrt(var_after + var_before)
     return adv, np.where(np.isnan(adv), np.nan, se)
+
+
+def split_half(g: Group, prompt_rewards_XxK: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Two independent references ([X, M, S] advantages each), from the first and the second half of the
+    continuations at every boundary and of the prompt's fresh rollouts: their agreement measures the full
+    reference's reliability (`scores`)."""
+    br, pr = np.asarray(g.branch_rewards), np.asarray(prompt_rewards_XxK)
+    k, k0 = br.shape[-1] // 2, pr.shape[-1] // 2
+    first = reference(g._replace(branch_rewards=br[..., :k]), pr[:, :k0])[0]
+    second = reference(g._replace(branch_rewards=br[..., k : 2 * k]), pr[:, k0 : 2 * k0])[0]
+    return first, second
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float:
+    if a.size > 2 and np.ptp(a) > 0 and np.ptp(b) > 0:
+        return float(scipy.stats.spearmanr(a, b).statistic)
+    return np.nan
+
+
+def reliability(first: np.ndarray, second: np.ndarray) -> float:
+    """The reliability of a reference that averages two independent half-references (its share of variance that
+    is signal, on the rank scale): the Spearman–Brown step-up 2ρ / (1 + ρ) of their rank correlation ρ over the
+    steps both define; NaN when ρ ≤ 0 or undefined."""
+    both = ~np.isnan(first) & ~np.isnan(second)
+    rho = _spearman(first[both], second[both])
+    return 2 * rho / (1 + rho) if rho > 0 else np.nan
 
 
 def scores(
@@ -76,11 +117,15 @@ def scores(
     se_XxMxS: np.ndarray,
     equal_X: np.ndarray,
     *,
+    halves: tuple[np.ndarray, np.ndarray] | None = None,
     boot: int = 1000,
     seed: int = 0,
 ) -> dict:
-    """The three scores of one method (module docstring) with 95% percentile bootstrap intervals over prompts
-    (`boot` resamples of the X prompts, drawn from `seed`)."""
+    """The scores of one method (module docstring) with 95% percentile bootstrap intervals over prompts
+    (`boot` resamples of the X prompts, drawn from `seed`). With `halves` (`split_half`), also the reference's
+    `reliability` and `spearman_corrected` = spearman / sqrt(reliability), the correlation the method would have
+    with a noise-free reference (Spearman's correction for attenuation; valid because the reference's error is
+    independent of the method's), each computed within every resample."""
     X = method_XxMxS.shape[0]
     S = min(method_XxMxS.shape[2], ref_XxMxS.shape[2])
     m, ref, se = method_XxMxS[..., :S], ref_XxMxS[..., :S], se_XxMxS[..., :S]
@@ -88,20 +133,26 @@ def scores(
     significant = known & (np.abs(ref) > Z95 * se)
     signal = np.abs(np.asarray(token_adv, np.float64)).reshape(X, -1).max(1) > 1e-9
 
-    def one(prompts: np.ndarray) -> tuple[float, float, float]:
+    if halves is not None:
+        first, second = (np.asarray(h, np.float64)[..., :S] for h in halves)
+    names = ("spearman", "sign_agreement", "equal_signal") + (("reliability", "spearman_corrected") if halves else ())
+
+    def one(prompts: np.ndarray) -> tuple[float, ...]:
         k, sig = known[prompts], significant[prompts]
-        a, b = m[prompts][k], ref[prompts][k]
-        rho = float(scipy.stats.spearmanr(a, b).statistic) if a.size > 2 and np.ptp(a) > 0 and np.ptp(b) > 0 else np.nan
+        rho = _spearman(m[prompts][k], ref[prompts][k])
         agree = float(np.mean(np.sign(m[prompts][sig]) == np.sign(ref[prompts][sig]))) if sig.any() else np.nan
         eq = equal_X[prompts]
         share = float(signal[prompts][eq].mean()) if eq.any() else np.nan
-        return rho, agree, share
+        if halves is None:
+            return rho, agree, share
+        rel = reliability(first[prompts], second[prompts])
+        return rho, agree, share, rel, float(rho / np.sqrt(rel))
 
     point = one(np.arange(X))
     rng = np.random.default_rng(seed)
-    draws = np.array([one(rng.integers(0, X, X)) for _ in range(boot)]) if boot else np.empty((0, 3))
+    draws = np.array([one(rng.integers(0, X, X)) for _ in range(boot)]) if boot else np.empty((0, len(names)))
     out = {"steps": int(known.sum()), "significant_steps": int(significant.sum()), "equal_groups": int(equal_X.sum())}
-    for i, name in enumerate(("spearman", "sign_agreement", "equal_signal")):
+    for i, name in enumerate(names):
         col = draws[:, i][~np.isnan(draws[:, i])] if boot else np.empty(0)
         low, high = np.percentile(col, [2.5, 97.5]) if col.size else (np.nan, np.nan)
         out[name], out[f"{name}_low"], out[f"{name}_high"] = point[i], float(low), float(high)
@@ -139,19 +190,25 @@ def measure(
     g = estimator_group(out, rewards, mask, list(examples), 0, seed, needs)
     shape = (X, M, steps_cfg.max_steps)
     ref_branches, origin = branch(task, mesh, params, examples, out, jax.random.fold_in(key, 1), sampling, k_ref)
-    ref, se = reference(g._replace(branch_rewards=branch_rewards(ref_branches, origin, shape, k_ref)))
+    fresh = rollout(task, mesh, params, examples, np.repeat(np.arange(X), k_ref), jax.random.fold_in(key, 3), sampling)
+    prompt_rewards = np.asarray(fresh.reward_B, np.float64).reshape(X, k_ref)
+    g_ref = g._replace(branch_rewards=branch_rewards(ref_branches, origin, shape, k_ref))
+    ref, se = reference(g_ref, prompt_rewards)
+    halves = split_half(g_ref, prompt_rewards)
     equal = advantages.all_equal(g)
     results = {}
     for i, name in enumerate(METHODS):
         est = advantages.estimate(name, g, None, advantages.init_state(name))
-        results[name] = scores(per_step(est.advantage, g), est.advantage, ref, se, equal, boot=boot, seed=seed + i)
+        results[name] = scores(
+            per_step(est.advantage, g), est.advantage, ref, se, equal, halves=halves, boot=boot, seed=seed + i
+        )
     k_max = max(mc_ks)
     small, origin_k = branch(task, mesh, params, examples, out, jax.random.fold_in(key, 2), sampling, k_max)
     small_rewards = branch_rewards(small, origin_k, shape, k_max)
     for k in mc_ks:
         est = advantages.estimate("mc_steps", g._replace(branch_rewards=small_rewards[..., :k]))
         results[f"mc_steps_k{k}"] = scores(
-            per_step(est.advantage, g), est.advantage, ref, se, equal, boot=boot, seed=seed
+            per_step(est.advantage, g), est.advantage, ref, se, equal, halves=halves, boot=boot, seed=seed
         )
     results["sample"] = {
         "prompts": X,
@@ -161,5 +218,7 @@ def measure(
         "mean_steps": float(np.mean(out.steps.count_B)),
         "all_equal_groups": int(equal.sum()),
         "reference_rows": len(origin),
+        "prompt_rollouts": X * k_ref,
+        "prompt_value": float(np.nanmean(prompt_rewards)),
     }
     return results

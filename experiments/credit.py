@@ -1,5 +1,5 @@
 """Credit accuracy of every step-level estimator (and GRPO, GuAE, `mc_steps` at small K) against Monte Carlo step
-advantages, on groups sampled from one or more fixed models (`esroll.credit`); writes results.json, results.md
+advantages (raw and corrected for the reference's reliability), on groups sampled from one or more fixed models (`esroll.credit`); writes results.json, results.md
 and credit.png to --out.
 
     python -m experiments.credit --models shipped=assets/tiny-qwen3-steps,grpo50=runs/credit_grpo50/final \
@@ -62,11 +62,14 @@ def report(results: dict, command: str, meta: dict) -> str:
         f"Run on {meta['date']}, {meta['platform']} ({meta['cpus']} CPU cores), {meta['seconds']:.0f} s; seed "
         f"{meta['seed']}. Models: {models}.",
         "",
-        "Per model: Spearman correlation of each method's step advantages with Monte Carlo step advantages (K_ref",
-        "continuations per step boundary), pooled over all steps; sign agreement over the steps whose Monte Carlo",
-        "advantage is non-zero at 95%; the share of all-equal groups given a non-zero signal. Brackets: 95% bootstrap",
-        "intervals over prompts. `mc_steps_k2` / `_k4`: `mc_steps` from 2 / 4 continuations sampled apart from the",
-        "reference's. `grpo` (the same advantage on every step of a completion) is the row to beat.",
+        "Per model: Spearman correlation of each method's step advantages with Monte Carlo step advantages (V(prompt)",
+        "from K_ref fresh rollouts of the prompt, V after each step from K_ref continuations, the completion's reward",
+        "after its last step), pooled over all steps; the same corrected for the reference's noise (divided by the",
+        "square root of its split-half reliability: an estimate of the correlation with the exact step advantages);",
+        "sign agreement over the steps whose Monte Carlo advantage is non-zero at 95%; the share of all-equal groups",
+        "given a non-zero signal. Brackets: 95% bootstrap intervals over prompts. `mc_steps_k2` / `_k4`: `mc_steps`",
+        "from 2 / 4 continuations sampled apart from the reference's, V(prompt) leave-one-out from the group. `grpo`",
+        "(the same advantage on every step of a completion) is the row to beat.",
     ]
     for label, res in results.items():
         s = res["sample"]
@@ -77,16 +80,17 @@ def report(results: dict, command: str, meta: dict) -> str:
             f"{s['prompts']} prompts × {s['group_size']} completions, mean reward {s['mean_reward']:.3f}, "
             f"{s['mean_steps']:.2f} steps per completion, {s['all_equal_groups']} all-equal groups, K_ref = "
             f"{s['k_ref']} ({s['reference_rows']} reference continuations), {res[METHODS[0]]['steps']} steps scored, "
-            f"{res[METHODS[0]]['significant_steps']} with a Monte Carlo advantage non-zero at 95%.",
+            f"{res[METHODS[0]]['significant_steps']} with a Monte Carlo advantage non-zero at 95%; "
+            f"{s['prompt_rollouts']} fresh rollouts of the prompts (mean reward {s['prompt_value']:.3f}); the "
+            f"reference's split-half reliability {_cell(res[METHODS[0]], 'reliability')}.",
             "",
-            "| method | Spearman | sign agreement | all-equal groups with signal |",
-            "|---|---|---|---|",
+            "| method | Spearman | Spearman, corrected | sign agreement | all-equal groups with signal |",
+            "|---|---|---|---|---|",
         ]
         for name in ROWS:
             r = res[name]
-            lines.append(
-                f"| `{name}` | {_cell(r, 'spearman')} | {_cell(r, 'sign_agreement')} | {_cell(r, 'equal_signal')} |"
-            )
+            cells = [_cell(r, c) for c in ("spearman", "spearman_corrected", "sign_agreement", "equal_signal")]
+            lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -100,15 +104,17 @@ def figure(results: dict, path: Path) -> None:
     width = 0.8 / max(len(results), 1)
     for i, (label, res) in enumerate(results.items()):
         x = np.arange(len(ROWS)) + i * width
-        y = np.array([res[n]["spearman"] for n in ROWS])
-        low = np.array([res[n]["spearman_low"] for n in ROWS])
-        high = np.array([res[n]["spearman_high"] for n in ROWS])
+        y = np.array([res[n]["spearman_corrected"] for n in ROWS], np.float64)
+        low = np.array([res[n]["spearman_corrected_low"] for n in ROWS], np.float64)
+        high = np.array([res[n]["spearman_corrected_high"] for n in ROWS], np.float64)
         err = np.nan_to_num(np.stack([y - low, high - y]))
-        ax.bar(x, np.nan_to_num(y), width, yerr=err, label=label, capsize=2)
+        ax.bar(x, np.nan_to_num(y), width, yerr=err, label=f"{label}, corrected", capsize=2)
+        raw = np.array([res[n]["spearman"] for n in ROWS], np.float64)
+        ax.scatter(x, raw, marker="D", s=14, color="white", edgecolor="black", zorder=3, label="raw" if i == 0 else None)
     ax.set_xticks(np.arange(len(ROWS)) + width * (len(results) - 1) / 2, ROWS, rotation=30, ha="right")
     ax.set_ylabel("Spearman with MC step advantage")
     ax.axhline(0, color="black", linewidth=0.5)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

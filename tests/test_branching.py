@@ -97,11 +97,14 @@ def test_a_branch_continues_as_generate_does_with_the_prefix_in_the_prompt(steps
 
 
 def test_mc_steps_on_a_hand_built_case():
-    """Prompt 1: two completions, rewards 1 and 0, V(prompt) = 1/2. Completion 0 has 3 steps; the branches after its
-    step 0 score (1, 0) and after step 1 (1, 1): values 1/2, 1/2, 1, 1 (its reward), step advantages 0, 1/2, 0.
-    Completion 1 has 2 steps; the branches after its step 0 score (0, 0): values 1/2, 0, 0, advantages −1/2, 0.
-    Prompt 2: its second completion's reward is NaN (invalid): V(prompt) is the first's reward, 1, which then has one
-    step and advantage 0; the invalid one gets 0 everywhere."""
+    """Prompt 1: two completions, rewards 1 and 0; each one's V(prompt) is the other's reward (leave-one-out).
+    Completion 0 has 3 steps; the branches after its step 0 score (1, 0) and after step 1 (1, 1): values 0, 1/2, 1, 1
+    (its reward), step advantages 1/2, 1/2, 0. Completion 1 has 2 steps; the branches after its step 0 score (0, 0):
+    values 1, 0, 0, advantages −1, 0. Prompt 2: its second completion's reward is NaN (invalid), so the first has no
+    other completion to estimate V(prompt) from: its one step's advantage is undefined (NaN) and its tokens get 0;
+    the invalid one gets 0 everywhere. `mc_prompt_value`: prompt 1's mean reward, 1/2 (prompt 2 has no estimate).
+    With V(prompt) given (fresh rollouts, 1/4 for both prompts), the first steps' advantages are 1/2 − 1/4, 0 − 1/4 and
+    1 − 1/4."""
     nan = np.nan
     step_BxN = np.array(
         [
@@ -123,21 +126,23 @@ def test_mc_steps_on_a_hand_built_case():
         branch_rewards=branch_rewards,
     )
     values, adv = step_values(g)
-    np.testing.assert_array_equal(values[0, 0, :4], [0.5, 0.5, 1.0, 1.0])
-    np.testing.assert_array_equal(values[0, 1, :3], [0.5, 0.0, 0.0])
-    np.testing.assert_array_equal(values[1, 0, :2], [1.0, 1.0])
+    np.testing.assert_array_equal(values[0, 0, :4], [0.0, 0.5, 1.0, 1.0])
+    np.testing.assert_array_equal(values[0, 1, :3], [1.0, 0.0, 0.0])
+    assert np.isnan(values[1, 0, 0]) and values[1, 0, 1] == 1.0 and np.isnan(adv[1, 0, 0])
     assert np.isnan(values[1, 1]).all() and np.isnan(adv[0, 1, 2:]).all()
     out = advantages.estimate("mc_steps", g)
     expected = np.array(
         [
-            [0, 0, 0.5, 0.5, 0, 0],
-            [-0.5, -0.5, -0.5, 0, 0, 0],
+            [0.5, 0.5, 0.5, 0.5, 0, 0],
+            [-1, -1, -1, 0, 0, 0],
             [0, 0, 0, 0, 0, 0],
             [0, 0, 0, 0, 0, 0],
         ]
     )
     np.testing.assert_array_equal(out.advantage.reshape(4, 6), expected)
-    assert out.metrics["mc_prompt_value"] == 0.75
+    assert out.metrics["mc_prompt_value"] == 0.5
+    _, given = step_values(g, np.array([0.25, 0.25]))
+    np.testing.assert_array_equal([given[0, 0, 0], given[0, 1, 0], given[1, 0, 0]], [0.25, -0.25, 0.75])
 
 
 def test_an_mc_steps_step_counts_its_branches(steps_task):

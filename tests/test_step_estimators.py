@@ -330,6 +330,33 @@ def test_graph_gae_along_each_path(gamma, lam, per_step):
     np.testing.assert_allclose(out.advantage.reshape(10, 4), expected, atol=1e-12)
 
 
+def test_graft_values_on_a_state_graph_with_cycles():
+    """arith_steps' states can form cycles: "#### 3" then "3+1=4" in one completion and the other order in another
+    give P = ("answer", 3) and Q = ("value", 2, 4) an edge each way, and a repeated "#### 3" is a loop at P. With
+    O = ("value", 1, 3): c0 O→P→Q, ends at Q, reward 0; c1 O→Q→P, ends at P, 1; c2 P→P, ends at P, 1. By hand:
+    V(P) = (1 + 1 + V(Q) + V(P)) / 4 and V(Q) = (0 + V(P)) / 2 give V(P) = 4/5, V(Q) = 2/5; V(O) = (V(P) + V(Q)) / 2
+    = 3/5; V(prompt) = (2·V(O) + V(P)) / 3 = 2/3. Credits V(target) − V(source): c0 −1/15, 1/5, −2/5; c1 −1/15, −1/5,
+    2/5; c2 2/15, 0."""
+    texts = [["1+2=3\n", "#### 3\n", "3+1=4\n"], ["1+2=3\n", "3+1=4\n", "#### 3\n"], ["#### 3\n", "#### 3\n"]]
+    e = Example("arith_steps", "1+2+1=?", "4", "1+2=3\n3+1=4\n#### 4", " 1+2=3")
+    keys = [step_states(e, t) for t in texts]
+    O, P, Q = ("value", 1, 3), ("answer", 3), ("value", 2, 4)
+    assert keys == [[O, P, Q], [O, Q, P], [P, P]]
+    step = [[0, 1, 2], [0, 1, 2], [0, 1, -1]]
+    g = _group([[0, 1, 1]], step)._replace(states=A.state_ids(keys, 1, 3, 3))
+    # the same values from the linear equations V = W·V + b, W[n, m] = (steps n→m) / (steps out of n + ends at n),
+    # b[n] = (rewards ending at n) / (the same), solved directly; nodes prompt, O, P, Q
+    W = np.array([[0, 2 / 3, 1 / 3, 0], [0, 0, 1 / 2, 1 / 2], [0, 0, 1 / 4, 1 / 4], [0, 0, 1 / 2, 0]])
+    b = np.array([0, 0, 2 / 4, 0 / 2])
+    by_hand = np.array([2 / 3, 3 / 5, 4 / 5, 2 / 5])
+    np.testing.assert_allclose(np.linalg.solve(np.eye(4) - W, b), by_hand, atol=1e-12)
+    out = A.estimate("graft", g)
+    per_step = [[-1 / 15, 1 / 5, -2 / 5], [-1 / 15, -1 / 5, 2 / 5], [2 / 15, 0]]
+    np.testing.assert_allclose(out.advantage.reshape(3, 3), _tokens(step, per_step), atol=1e-10)
+    assert out.metrics["graft_root_value"] == pytest.approx(2 / 3, abs=1e-10)
+    assert out.metrics["graft_nodes"] == 4
+
+
 def test_ibpo_compares_each_step_with_its_counterfactual_siblings():
     """From the prompt: c0 and c1 took A; their siblings are c2's B (reward 1, step probability e^−2) and c3's E (0,
     e^−1): baseline e^−2 / (e^−2 + e^−1) = 1 / (1 + e), so c0 gets 1 − 1/(1 + e) and c1 −1/(1 + e). c2 took B:

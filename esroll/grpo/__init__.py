@@ -4,7 +4,7 @@
     update       the state, its layout, one minibatch's gradient and the compiled optimizer step
     method       one training step: sample, reward, advantages, the variants' token weights, μ passes of updates
     advantages   the estimator registry (`register_advantage`), `Group` / `Estimate`, the group-relative built-ins
-    estimators   A-GRAE, BV-Blend, GMAE, MaxPO, LamPO, NTF, DDRL
+    estimators   the estimators of recent papers, one module each (listed there; docs/advantages.md, docs/step_level.md)
     variants     modifications of the step and loss (`register_variant`): STARE, ACPO, the progress advantage
     diagnostics  split-half figures of a step's gradient
     checks       a GRPO config's names against these registries

@@ -14,9 +14,10 @@ whole completion: a step's tokens share their step's advantage); the loss takes 
 the token factors it applies (the estimator's `token_weight`, the variants') and aggregated as configured, and a
 per-token advantage that is constant over each completion gives exactly the loss and gradient of the per-completion one.
 
-(numpy, on the host, float64 inside). The estimators of recent papers (A-GRAE, BV-Blend, GMAE, MaxPO, LamPO, NTF,
-DDRL) are in `esroll.grpo.estimators`, registered through `register_advantage` as a user's own would be
-(docs/extending.md); what each computes, and what its source leaves open, is written down in docs/advantages.md.
+(numpy, on the host, float64 inside). The estimators of recent papers are in `esroll.grpo.estimators` (one module
+each, listed in its docstring), registered through `register_advantage` as a user's own would be (docs/extending.md);
+`ESTIMATORS` holds every registered name. What each computes, and what its source leaves open, is written down in
+docs/advantages.md (the step- and turn-level ones: docs/step_level.md, docs/agents.md).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from esroll.config import check_fields
 from esroll.grpo.advantages import Estimate, Group, per_token, register_advantage, valid_rewards
 from esroll.grpo.estimators.step_graph import ROOT, transitions
 
-MAX_SWEEPS = 1000  # Bellman sweeps; a graph without cycles is exact after as many as its longest path has steps
+MAX_SWEEPS = 1000  # at most; a graph without cycles is exact after as many sweeps as its longest path has steps
 
 
 def node_values(g: Group) -> tuple[list[dict], np.ndarray, np.ndarray]:
@@ -21,8 +21,9 @@ def node_values(g: Group) -> tuple[list[dict], np.ndarray, np.ndarray]:
     it: each step out of it (an edge, weighted by the completions that took it) contributes its target's value, and
     each completion that ends there contributes its reward, V(n) = (Σ_ends r + Σ_edges n_e·V(target_e)) /
     (ends + Σ_edges n_e); a node only completions end at (a terminal) has the mean of their rewards. Solved by
-    sweeps until no value moves by more than 1e-12 (exact after the longest path's length on a graph without
-    cycles; a task whose states can cycle gets the fixed point the sweeps approach)."""
+    sweeps until no value moves by more than 1e-12: exact after the longest path's length on a graph without cycles;
+    on one with cycles (arith_steps' states can form them) the sweeps still converge, geometrically, to the one
+    solution of these linear equations, since from every node some completion's path leads to where it ends."""
     r, valid = valid_rewards(g)
     before, after = transitions(g)
     X, M, S = after.shape
