@@ -87,12 +87,31 @@ def reference(g: Group, prompt_rewards_XxK: np.ndarray) -> tuple[np.ndarray, np.
 def split_half(g: Group, prompt_rewards_XxK: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Two independent references ([X, M, S] advantages each), from the first and the second half of the
     continuations at every boundary and of the prompt's fresh rollouts: their agreement measures the full
-    reference's reliability (`scores`)."""
+    reference's reliability (`scores`). Both counts must be even, so that the full reference is exactly the two
+    halves' mean, the premise of the Spearman–Brown step-up."""
     br, pr = np.asarray(g.branch_rewards), np.asarray(prompt_rewards_XxK)
+    if br.shape[-1] % 2 or pr.shape[-1] % 2 or not br.shape[-1] or not pr.shape[-1]:
+        raise ValueError(f"split_half: an even number >= 2 of continuations and of prompt rollouts, got "
+                         f"{br.shape[-1]} and {pr.shape[-1]}")  # fmt: skip
     k, k0 = br.shape[-1] // 2, pr.shape[-1] // 2
     first = reference(g._replace(branch_rewards=br[..., :k]), pr[:, :k0])[0]
     second = reference(g._replace(branch_rewards=br[..., k : 2 * k]), pr[:, k0 : 2 * k0])[0]
     return first, second
+
+
+def prompt_value_gap(prompt_rewards_XxK: np.ndarray, rewards_XxM: np.ndarray) -> dict:
+    """The per-prompt difference between the fresh rollouts' mean reward and the group's, its mean over prompts and
+    a 95% t interval (`prompt_value_gap`, `_low`, `_high`): both estimate V(prompt) from the same policy, so the
+    interval should contain 0; a check that the fresh rollouts sample as the group does."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a prompt with no valid reward
+        gap = np.nanmean(prompt_rewards_XxK, axis=1) - np.nanmean(rewards_XxM, axis=1)
+    gap = gap[~np.isnan(gap)]
+    if gap.size < 2:
+        return {"prompt_value_gap": np.nan, "prompt_value_gap_low": np.nan, "prompt_value_gap_high": np.nan}
+    half = scipy.stats.t.ppf(0.975, gap.size - 1) * gap.std(ddof=1) / np.sqrt(gap.size)
+    mean = float(gap.mean())
+    return {"prompt_value_gap": mean, "prompt_value_gap_low": mean - half, "prompt_value_gap_high": mean + half}
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -125,7 +144,8 @@ def scores(
     (`boot` resamples of the X prompts, drawn from `seed`). With `halves` (`split_half`), also the reference's
     `reliability` and `spearman_corrected` = spearman / sqrt(reliability), the correlation the method would have
     with a noise-free reference (Spearman's correction for attenuation; valid because the reference's error is
-    independent of the method's), each computed within every resample."""
+    independent of the method's), each computed within every resample. The correction is an estimate: with a noisy
+    reliability it can exceed 1."""
     X = method_XxMxS.shape[0]
     S = min(method_XxMxS.shape[2], ref_XxMxS.shape[2])
     m, ref, se = method_XxMxS[..., :S], ref_XxMxS[..., :S], se_XxMxS[..., :S]
@@ -220,5 +240,6 @@ def measure(
         "reference_rows": len(origin),
         "prompt_rollouts": X * k_ref,
         "prompt_value": float(np.nanmean(prompt_rewards)),
+        **prompt_value_gap(prompt_rewards, rewards),
     }
     return results

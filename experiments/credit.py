@@ -1,6 +1,6 @@
 """Credit accuracy of every step-level estimator (and GRPO, GuAE, `mc_steps` at small K) against Monte Carlo step
-advantages (raw and corrected for the reference's reliability), on groups sampled from one or more fixed models (`esroll.credit`); writes results.json, results.md
-and credit.png to --out.
+advantages (raw and corrected for the reference's reliability), on groups sampled from one or more fixed models
+(`esroll.credit`); writes results.json, results.md and credit.png to --out.
 
     python -m experiments.credit --models shipped=assets/tiny-qwen3-steps,grpo50=runs/credit_grpo50/final \
         --out docs/results/credit
@@ -81,7 +81,9 @@ def report(results: dict, command: str, meta: dict) -> str:
             f"{s['mean_steps']:.2f} steps per completion, {s['all_equal_groups']} all-equal groups, K_ref = "
             f"{s['k_ref']} ({s['reference_rows']} reference continuations), {res[METHODS[0]]['steps']} steps scored, "
             f"{res[METHODS[0]]['significant_steps']} with a Monte Carlo advantage non-zero at 95%; "
-            f"{s['prompt_rollouts']} fresh rollouts of the prompts (mean reward {s['prompt_value']:.3f}); the "
+            f"{s['prompt_rollouts']} fresh rollouts of the prompts (mean reward {s['prompt_value']:.3f}; per prompt, "
+            f"fresh − group {s['prompt_value_gap']:+.3f} [{s['prompt_value_gap_low']:+.3f}, "
+            f"{s['prompt_value_gap_high']:+.3f}]); the "
             f"reference's split-half reliability {_cell(res[METHODS[0]], 'reliability')}.",
             "",
             "| method | Spearman | Spearman, corrected | sign agreement | all-equal groups with signal |",
@@ -110,7 +112,9 @@ def figure(results: dict, path: Path) -> None:
         err = np.nan_to_num(np.stack([y - low, high - y]))
         ax.bar(x, np.nan_to_num(y), width, yerr=err, label=f"{label}, corrected", capsize=2)
         raw = np.array([res[n]["spearman"] for n in ROWS], np.float64)
-        ax.scatter(x, raw, marker="D", s=14, color="white", edgecolor="black", zorder=3, label="raw" if i == 0 else None)
+        ax.scatter(
+            x, raw, marker="D", s=14, color="white", edgecolor="black", zorder=3, label="raw" if i == 0 else None
+        )
     ax.set_xticks(np.arange(len(ROWS)) + width * (len(results) - 1) / 2, ROWS, rotation=30, ha="right")
     ax.set_ylabel("Spearman with MC step advantage")
     ax.axhline(0, color="black", linewidth=0.5)
@@ -135,6 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     models = [m.split("=", 1) for m in args.models.split(",") if m]
     if not models or any(len(m) != 2 or not m[0] or not m[1] for m in models):
         raise SystemExit(f"error: --models: expected label=path[,label=path...], got {args.models!r}")
+    if args.k_ref < 2 or args.k_ref % 2:
+        raise SystemExit(f"error: --k_ref: an even number >= 2 (the reliability splits it in halves), got {args.k_ref}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mesh = parallel.make_mesh(1)

@@ -103,8 +103,8 @@ def test_mc_steps_on_a_hand_built_case():
     values 1, 0, 0, advantages −1, 0. Prompt 2: its second completion's reward is NaN (invalid), so the first has no
     other completion to estimate V(prompt) from: its one step's advantage is undefined (NaN) and its tokens get 0;
     the invalid one gets 0 everywhere. `mc_prompt_value`: prompt 1's mean reward, 1/2 (prompt 2 has no estimate).
-    With V(prompt) given (fresh rollouts, 1/4 for both prompts), the first steps' advantages are 1/2 − 1/4, 0 − 1/4 and
-    1 − 1/4."""
+    With V(prompt) given (fresh rollouts, 1/4 for both prompts), the first steps' advantages are 1/2 − 1/4, 0 − 1/4
+    and 1 − 1/4."""
     nan = np.nan
     step_BxN = np.array(
         [

@@ -114,7 +114,8 @@ class GigpoOptions:
 
 def gigpo(g: Group, o: GigpoOptions, state=None) -> Estimate:
     """Per-token advantages A_E + ω·A_S. A_E, the episode advantage: the return normalised over the group's valid
-    episodes, each counted once or once per turn (`episode_stats`). A_S, the turn advantage: the group's turns (over its valid episodes) are grouped by their anchor state,
+    episodes, each counted once or once per turn (`episode_stats`). A_S, the turn advantage: the group's turns (over
+    its valid episodes) are grouped by their anchor state,
     the exact observation text each action answered; a turn's discounted return (`discounted_returns`) is
     normalised over its anchor group, and a turn whose state no other turn of the group shares gets 0. Logs
     `gigpo_anchor_share` (the share of turns in an anchor group of two or more) and `gigpo_anchor_size` (their mean
