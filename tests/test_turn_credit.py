@@ -46,6 +46,22 @@ def spans(values: dict[tuple[int, int], float]) -> np.ndarray:
     return out.reshape(2, 3, N)
 
 
+def gigpo_spans(a_e: np.ndarray, a_A: np.ndarray, a_B: np.ndarray) -> np.ndarray:
+    """[2, 3, N]: group 0's action tokens under GiGPO, each turn its episode's advantage a_e[row] plus its anchor
+    group's (A: the first turns of rows 0, 1, 2; B: the second turns of rows 0 and 2; C and D alone: 0); group 1: 0."""
+    return spans(
+        {
+            (0, 0): a_e[0] + a_A[0],
+            (0, 1): a_e[0] + a_B[0],
+            (0, 2): a_e[0],
+            (1, 0): a_e[1] + a_A[1],
+            (1, 1): a_e[1],
+            (2, 0): a_e[2] + a_A[2],
+            (2, 1): a_e[2] + a_B[1],
+        }
+    )
+
+
 def test_discounted_returns_by_hand():
     """γ = 0.5: G_t = r_t + γ·G_{t+1}, 0 past an episode's turns."""
     g = hand_group()
@@ -65,17 +81,7 @@ def test_gigpo_by_hand(std):
     a_e = np.array([1 / 3, -2 / 3, 1 / 3]) / div(math.sqrt(1 / 3))
     a_A = np.array([0.0, -0.25, 0.25]) / div(0.25)
     a_B = np.array([-0.25, 0.25]) / div(math.sqrt(0.125))
-    expected = spans(
-        {
-            (0, 0): a_e[0] + a_A[0],
-            (0, 1): a_e[0] + a_B[0],
-            (0, 2): a_e[0],
-            (1, 0): a_e[1] + a_A[1],
-            (1, 1): a_e[1],
-            (2, 0): a_e[2] + a_A[2],
-            (2, 1): a_e[2] + a_B[1],
-        }
-    )
+    expected = gigpo_spans(a_e, a_A, a_B)
     out = estimate("gigpo", g, GigpoOptions(gamma=0.5, omega=1.0, std=std))
     np.testing.assert_allclose(out.advantage, expected, rtol=1e-5, atol=1e-6)
     # 8 valid turns (7 in group 0, 1 in group 1); A and B hold 5 of them, in groups of 3 and 2.
@@ -94,17 +100,7 @@ def test_gigpo_episode_stats_over_turns_by_hand():
     a_e = np.array([2 / 7, -5 / 7, 2 / 7]) / (math.sqrt(5 / 21) + eps)
     a_A = np.array([0.0, -0.25, 0.25]) / (0.25 + eps)
     a_B = np.array([-0.25, 0.25]) / (math.sqrt(0.125) + eps)
-    expected = spans(
-        {
-            (0, 0): a_e[0] + a_A[0],
-            (0, 1): a_e[0] + a_B[0],
-            (0, 2): a_e[0],
-            (1, 0): a_e[1] + a_A[1],
-            (1, 1): a_e[1],
-            (2, 0): a_e[2] + a_A[2],
-            (2, 1): a_e[2] + a_B[1],
-        }
-    )
+    expected = gigpo_spans(a_e, a_A, a_B)
     out = estimate("gigpo", g, GigpoOptions(gamma=0.5, omega=1.0, episode_stats="turns", eps=eps))
     np.testing.assert_allclose(out.advantage, expected, rtol=1e-6, atol=1e-7)
     episodes = estimate("gigpo", g, GigpoOptions(gamma=0.5, omega=0.0, eps=eps)).advantage
