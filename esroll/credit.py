@@ -37,6 +37,7 @@ from esroll.grpo import advantages
 from esroll.grpo.advantages import Group
 from esroll.grpo.estimators.mc_steps import step_values
 from esroll.grpo.method import branch_rewards, estimator_group
+from esroll.report import paired_test
 from esroll.rollout import Sampling, branch, rollout
 
 METHODS = ("grpo", "sas", "verigate", "guae", "ibpo", "graft", "graft_gae", "progpo")
@@ -101,17 +102,18 @@ def split_half(g: Group, prompt_rewards_XxK: np.ndarray) -> tuple[np.ndarray, np
 
 def prompt_value_gap(prompt_rewards_XxK: np.ndarray, rewards_XxM: np.ndarray) -> dict:
     """The per-prompt difference between the fresh rollouts' mean reward and the group's, its mean over prompts and
-    a 95% t interval (`prompt_value_gap`, `_low`, `_high`): both estimate V(prompt) from the same policy, so the
-    interval should contain 0; a check that the fresh rollouts sample as the group does."""
+    its 95% t interval (`prompt_value_gap`, `_low`, `_high`; `esroll.report.paired_test`): both estimate V(prompt)
+    from the same policy, so the interval should contain 0; a check that the fresh rollouts sample as the group
+    does."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a prompt with no valid reward
         gap = np.nanmean(prompt_rewards_XxK, axis=1) - np.nanmean(rewards_XxM, axis=1)
-    gap = gap[~np.isnan(gap)]
-    if gap.size < 2:
-        return {"prompt_value_gap": np.nan, "prompt_value_gap_low": np.nan, "prompt_value_gap_high": np.nan}
-    half = scipy.stats.t.ppf(0.975, gap.size - 1) * gap.std(ddof=1) / np.sqrt(gap.size)
-    mean = float(gap.mean())
-    return {"prompt_value_gap": mean, "prompt_value_gap_low": mean - half, "prompt_value_gap_high": mean + half}
+    test = paired_test(gap[~np.isnan(gap)])
+    return {
+        "prompt_value_gap": test["mean"],
+        "prompt_value_gap_low": test["ci_low"],
+        "prompt_value_gap_high": test["ci_high"],
+    }
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:
