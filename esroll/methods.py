@@ -2,7 +2,7 @@
 need of each: so that none of them asks which method it runs.
 
     METHODS["looroll"].build(cfg, task, mesh, rows_per_device) -> Method   (init, step; `esroll.task.Method`)
-    METHODS["grpo"].plan(cfg, model_cfg, mesh, ...) -> Plan                 (`esroll.plan`)
+    METHODS["grpo"].plan(cfg, model_cfg, mesh, ...) -> Plan                 (`esroll.plan`; the method's own plan.py)
     METHODS[name].rows_per_step(cfg)       completions sampled by one training step
     METHODS[name].updates_per_step(cfg)    optimizer updates one training step takes (learning-rate schedule steps)
     METHODS[name].check(cfg)               what the method needs of the config's other sections
@@ -16,13 +16,15 @@ here. A new method registers its `MethodSpec` with `METHODS.add`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from esroll import plan
 from esroll.config import ExperimentConfig
 from esroll.es import estimators
 from esroll.es import method as es_method
+from esroll.es.plan import plan_es
 from esroll.grpo import method as grpo_method
+from esroll.grpo.plan import plan_grpo
+from esroll.plan import Plan
 from esroll.registry import Registry
 from esroll.task import Method
 
@@ -31,7 +33,7 @@ class MethodSpec(NamedTuple):
     """What the loop and the planner need of a training method."""
 
     build: Callable[..., Method]  # (cfg, task, mesh, rows_per_device: int | None) -> Method
-    plan: Callable[..., Any]  # (cfg, model_cfg, mesh, *, platform, prompt_len, eos_ids, shrink) -> esroll.plan.Plan
+    plan: Callable[..., Plan]  # (cfg, model_cfg, mesh, *, platform, prompt_len, eos_ids, shrink)
     rows_per_step: Callable[[ExperimentConfig], int]  # completions one step samples
     updates_per_step: Callable[[ExperimentConfig], int]  # optimizer updates one step takes
     check: Callable[[ExperimentConfig], None]  # what the method needs of the config's other sections (ConfigError)
@@ -56,7 +58,7 @@ for _name in estimators.METHODS:  # the ES estimators: looroll, eggroll
         _name,
         MethodSpec(
             _build_es,
-            plan.plan_es,
+            plan_es,
             es_method.rows_per_step,
             es_method.updates_per_step,
             es_method.check_config,
@@ -67,7 +69,7 @@ METHODS.add(
     "grpo",
     MethodSpec(
         _build_grpo,
-        plan.plan_grpo,
+        plan_grpo,
         grpo_method.rows_per_step,
         grpo_method.updates_per_step,
         grpo_method.check_config,
@@ -79,3 +81,8 @@ METHODS.add(
 def lookup(cfg: ExperimentConfig) -> MethodSpec:
     """The spec of `cfg.method` (a ValueError naming the registered methods if there is none)."""
     return METHODS.lookup(cfg.method)
+
+
+def plan_step(cfg: ExperimentConfig, model_cfg, mesh, **kwargs) -> Plan:
+    """The plan of `cfg.method`'s step, by the method's own planner (`MethodSpec.plan`)."""
+    return lookup(cfg).plan(cfg, model_cfg, mesh, **kwargs)

@@ -1,11 +1,11 @@
 """Will a training step fit? Compile the programs a step runs, for real devices or for a TPU topology that is not
 there (JAX's deviceless ahead-of-time compilation), and add up what each device holds.
 
-A GRPO step (`plan_grpo`) runs the cast, `generate` (the step's completions, in chunks), the optimizer `update` of one
-minibatch, and evaluation's `generate`. An ES step (`plan_es`) runs five programs: `cast` (master weights → the decoding copy), `ask` (this step's low-rank factors),
-`generate` (one chunk of the population's rows, perturbed), `tell` (estimate and optimizer update of the masters,
-donated), and held-out evaluation's `generate` (greedy, unperturbed). Each is compiled exactly as the trainer
-runs it — from the same functions, shardings and settings, on the target's devices — and its per-device memory is read from the compiler (`memory_analysis`: arguments, outputs, temporaries,
+This module knows no method: each method package plans its own step from the pieces here (`esroll.es.plan`,
+`esroll.grpo.plan`; `esroll.methods.MethodSpec.plan`), as it builds its own step. A `Target` holds what every plan
+shares (the config, the devices, the decoding copy's abstract shards, the chunked `generate`); `compile_program`
+compiles one program and reads its memory; `Target.plan` gathers the programs into a `Plan`. Each program is compiled
+exactly as the trainer runs it — from the same functions, shardings and settings, on the target's devices — and its per-device memory is read from the compiler (`memory_analysis`: arguments, outputs, temporaries,
 aliased donations). Buffers that live through the step but are not a program's arguments (the masters and optimizer
 state while decoding) are added to that program's figure; the step's peak is the largest sum.
 
@@ -16,7 +16,6 @@ config, the prompt length from the caller (the trainer knows it from the data: i
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import os
 import re
@@ -28,9 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from esroll import grpo, memory, parallel, sharding
-from esroll.es import method as es_method
-from esroll.config import ExperimentConfig, make_optimizer
+from esroll import memory, parallel, sharding
+from esroll.config import ExperimentConfig
 from esroll.models import ModelConfig, Perturbation, abstract_params, member_slots
 from esroll.sampling import lower_generate
 
@@ -112,7 +110,7 @@ class Plan:
 _OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
 
 
-def _compile(name: str, lowered, other_resident: int) -> tuple[Program, Any]:
+def compile_program(name: str, lowered, other_resident: int) -> tuple[Program, Any]:
     """Compile and read the memory figures. A TPU compiler that finds the program cannot fit refuses to compile
     (RESOURCE_EXHAUSTED, naming the temporaries it needed): that figure is recorded, arguments and outputs as 0."""
     t0 = time.perf_counter()
@@ -139,8 +137,9 @@ def _compile(name: str, lowered, other_resident: int) -> tuple[Program, Any]:
 
 
 @dataclasses.dataclass
-class _Target:
-    """What both plans share: the config, the devices, and the decoding copy's abstract shards."""
+class Target:
+    """What every method's plan shares: the config, the devices, the decoding copy's abstract shards (`compute`), the
+    sharded abstract masters (`masters`), and `generate` on one chunk of rows (`lower_chunk`, `fit_rows`)."""
 
     cfg: ExperimentConfig
     model_cfg: ModelConfig
@@ -157,6 +156,16 @@ class _Target:
         self.compute = sharding.decoding_copy(self.mesh, self.shapes, self.cfg.model.dtype)
         self.key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=parallel.replicated(self.mesh))
         self.data = parallel.data_size(self.mesh)
+
+    def masters(self):
+        """The master weights as the trainer holds them: abstract, in `model.master_dtype`, split over every device."""
+        return sharding.with_shardings(
+            self.shapes, sharding.master_shardings(self.mesh, self.shapes), self.cfg.model.master_dtype
+        )
+
+    def cast(self, params, beside: int) -> Program:
+        """The cast of the masters `params` to the decoding copy, compiled (`beside` bytes live next to it)."""
+        return compile_program("cast", sharding.caster(self.mesh, self.cfg.model.dtype).lower(params), beside)[0]
 
     def resident(self, params, state) -> dict[str, int]:
         """Bytes per device of the buffers that live through a step."""
@@ -196,7 +205,7 @@ class _Target:
         live next to it); halve an automatic row count while the step does not fit. Returns (program, rows)."""
         auto = not self.cfg.parallel.rows_per_device
         while True:
-            program, _ = _compile(name, self.lower_chunk(per_device, temperature, deltas, member_B), beside)
+            program, _ = compile_program(name, self.lower_chunk(per_device, temperature, deltas, member_B), beside)
             if (
                 not (self.shrink and auto and self.limit is not None and per_device > 1)
                 or program.peak_bytes <= self.limit
@@ -220,103 +229,6 @@ class _Target:
             resident=resident,
             programs=programs,
         )
-
-
-def plan_es(
-    cfg: ExperimentConfig,
-    model_cfg: ModelConfig,
-    mesh: Mesh,
-    *,
-    platform: str,
-    prompt_len: int,
-    eos_ids: tuple[int, ...] = (0,),
-    shrink: bool = True,
-) -> Plan:
-    """Compile an ES step of `cfg` for `mesh` (real devices or a topology's) on `platform`, and measure it.
-
-    With `parallel.rows_per_device` 0 the row count starts from the trainer's estimate (`esroll.memory.rows_per_device`)
-    and, when `shrink` and the compiled step does not fit, halved until it does (down to 1 row).
-    """
-    t = _Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
-    es_cfg = cfg.es_config
-    params = sharding.with_shardings(t.shapes, sharding.master_shardings(mesh, t.shapes), cfg.model.master_dtype)
-    strategy = es_method.compiled_strategy(es_method.strategy_config(es_cfg), cfg.optimizer, mesh)
-    state = sharding.with_shardings(
-        jax.eval_shape(strategy.init, params, t.key), es_method.state_shardings(es_cfg, cfg.optimizer, mesh, params)
-    )
-    resident = t.resident(params, state)
-    masters_and_state = resident["masters"] + resident["optimizer state"]
-    deltas = jax.eval_shape(strategy.ask, state, t.compute)
-    deltas = sharding.with_shardings(deltas, sharding.delta_shardings(mesh, deltas, t.compute))
-    fitness = jax.ShapeDtypeStruct((cfg.es.population,), jnp.float32, sharding=parallel.replicated(mesh))
-    programs = [
-        _compile("cast", sharding.caster(mesh, cfg.model.dtype).lower(params), resident["optimizer state"])[0],
-        _compile("ask", strategy.ask.lower(state, t.compute), masters_and_state)[0],
-        _compile("tell", strategy.tell.lower(params, state, fitness), 0)[0],
-    ]
-    rows = es_method.rows_per_step(cfg)
-    gen, per_device = t.fit_rows(
-        "generate",
-        t.auto_rows(rows, resident),
-        cfg.train.temperature,
-        masters_and_state,
-        deltas,
-        es_method.member_rows(cfg),
-    )
-    evaluation, eval_per_device = t.fit_rows(
-        "evaluate", t.auto_rows(min(256, cfg.data.eval_size), resident), 0.0, masters_and_state
-    )
-    return t.plan(rows, per_device, eval_per_device, resident, [*programs, gen, evaluation])
-
-
-def plan_grpo(
-    cfg: ExperimentConfig,
-    model_cfg: ModelConfig,
-    mesh: Mesh,
-    *,
-    platform: str,
-    prompt_len: int,
-    eos_ids: tuple[int, ...] = (0,),
-    shrink: bool = True,
-) -> Plan:
-    """Compile a GRPO step of `cfg` for `mesh` and measure it: the cast of the sharded masters to the decoding
-    copy, sampling the step's X·G completions (`generate`, in chunks as for ES), one optimizer update on one minibatch
-    (`esroll.grpo.make_update`: gradient accumulated over its microbatches), and evaluation's `generate`."""
-    t = _Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
-    g = cfg.grpo
-    params = sharding.with_shardings(t.shapes, sharding.master_shardings(mesh, t.shapes), cfg.model.master_dtype)
-    make_state = functools.partial(grpo.init_state, g, make_optimizer(cfg.optimizer))
-    state = sharding.with_shardings(
-        jax.eval_shape(make_state, params), grpo.state_shardings(g, cfg.optimizer, mesh, params)
-    )
-    resident = t.resident(params, state)
-    masters_and_state = resident["masters"] + resident["optimizer state"]
-    rows, N = grpo.method.rows_per_step(cfg), cfg.train.max_new_tokens
-
-    # One minibatch of U microbatches of b rows, b padded to a multiple of the data axis (masked rows).
-    U = g.microbatches
-    b = rows // (g.minibatches * U)
-    b += -b % t.data
-    micro = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, parallel.DATA))
-    batch = grpo.Rollouts.abstract(U, b, prompt_len, N, micro)
-    on_policy = jax.ShapeDtypeStruct((), bool, sharding=parallel.replicated(mesh))
-    update = grpo.make_update(model_cfg, grpo.update_config(g), cfg.optimizer, mesh, cfg.model.dtype)
-    programs = [
-        _compile("cast", sharding.caster(mesh, cfg.model.dtype).lower(params), resident["optimizer state"])[0],
-        _compile("update", update.lower(params, state, batch, on_policy), 0)[0],
-    ]
-    gen, per_device = t.fit_rows("generate", t.auto_rows(rows, resident), g.temperature, masters_and_state)
-    evaluation, eval_per_device = t.fit_rows(
-        "evaluate", t.auto_rows(min(256, cfg.data.eval_size), resident), 0.0, masters_and_state
-    )
-    return t.plan(rows, per_device, eval_per_device, resident, [*programs, gen, evaluation])
-
-
-def plan_step(cfg: ExperimentConfig, model_cfg: ModelConfig, mesh: Mesh, **kwargs) -> Plan:
-    """The plan of `cfg.method`'s step (`esroll.methods.MethodSpec.plan`: `plan_es`, `plan_grpo`, ...)."""
-    from esroll.methods import lookup  # the registry of methods imports this module's planners
-
-    return lookup(cfg).plan(cfg, model_cfg, mesh, **kwargs)
 
 
 def topology_mesh(name: str, model: int) -> tuple[Mesh, str]:

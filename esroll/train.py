@@ -28,7 +28,6 @@ from esroll.errors import InputError, reading
 from esroll.experiment import as_current, check_names, unread_keys
 from esroll.metrics import MetricsWriter, first_eval, last_eval, plot_eval_curve, read_metrics
 from esroll.models import save_hf
-from esroll.plan import plan_step
 from esroll.rollout import PAD, Sampling, rollout
 from esroll.task import Task, load_task
 
@@ -233,7 +232,7 @@ def preflight(cfg: ExperimentConfig, task: Task, mesh):
     skipped: CPUs)."""
     if memory.device_memory_bytes(mesh.devices.flat[0]) is None:
         return None
-    plan = plan_step(
+    plan = methods.lookup(cfg).plan(
         cfg, task.cfg, mesh, platform=jax.default_backend(), prompt_len=task.prompt_multiple, eos_ids=task.eos_ids
     )
     if not plan.fits:

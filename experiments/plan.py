@@ -8,7 +8,7 @@ and print the memory each device needs.
 deviceless ahead-of-time compilation on the host running it, which needs libtpu (`pip install -e '.[plan]'`), not a TPU.
 --topology=local compiles for the local devices instead. Model shapes come from `model.path` when it is a
 local folder with a config.json, else from the built-in presets of the published configs (`esroll.models.presets`:
-"Qwen/Qwen3-8B" is the preset qwen3-8b); nothing is downloaded. An ES step (`esroll.plan`) is the cast of the master
+"Qwen/Qwen3-8B" is the preset qwen3-8b); nothing is downloaded. An ES step (`esroll.es.plan`) is the cast of the master
 weights to the decoding copy, ask, one chunk of generate, tell, and held-out evaluation's generate; a GRPO step the
 cast, one chunk of sampling, the optimizer update of one minibatch, and evaluation. The printed peak adds the buffers
 that live beside each program. Exit status 0 when it fits, 3 when it does not.
@@ -59,7 +59,8 @@ def main(argv):
     import jax
 
     from esroll import parallel
-    from esroll.plan import plan_step, topology_mesh
+    from esroll.methods import plan_step
+    from esroll.plan import topology_mesh
 
     cfg = check_names(from_config_dict(_CONFIG.value.to_dict()))
     model_cfg, source = model_shapes(cfg.model.path)

@@ -51,7 +51,7 @@ def test_grpo_plan_on_this_machine():
     """The GRPO step's programs compiled for a local CPU device: the update of one minibatch (its microbatch rows
     padded to the data axis) beside the sampling and evaluation chunks; a CPU reports no memory limit."""
     from esroll import parallel
-    from esroll.plan import plan_step
+    from esroll.methods import plan_step
 
     from conftest import quick_config
 

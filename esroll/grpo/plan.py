@@ -1,0 +1,58 @@
+"""Will a GRPO step fit? Its programs compiled for the target's devices (`esroll.plan`): the cast of the sharded
+masters to the decoding copy, sampling the step's X·G completions (`generate`, in chunks as for ES), one optimizer
+update on one minibatch (`esroll.grpo.make_update`: gradient accumulated over its microbatches), and evaluation's
+`generate`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from esroll import parallel, sharding
+from esroll.config import ExperimentConfig, make_optimizer
+from esroll.grpo import method as grpo_method
+from esroll.grpo.update import Rollouts, init_state, make_update, state_shardings, update_config
+from esroll.models import ModelConfig
+from esroll.plan import Plan, Target, compile_program
+
+
+def plan_grpo(
+    cfg: ExperimentConfig,
+    model_cfg: ModelConfig,
+    mesh: Mesh,
+    *,
+    platform: str,
+    prompt_len: int,
+    eos_ids: tuple[int, ...] = (0,),
+    shrink: bool = True,
+) -> Plan:
+    """Compile a GRPO step of `cfg` for `mesh` and measure it (the row count chosen as `esroll.es.plan.plan_es`
+    chooses it)."""
+    t = Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
+    g = cfg.grpo
+    params = t.masters()
+    make_state = functools.partial(init_state, g, make_optimizer(cfg.optimizer))
+    state = sharding.with_shardings(jax.eval_shape(make_state, params), state_shardings(g, cfg.optimizer, mesh, params))
+    resident = t.resident(params, state)
+    masters_and_state = resident["masters"] + resident["optimizer state"]
+    rows, N = grpo_method.rows_per_step(cfg), cfg.train.max_new_tokens
+
+    # One minibatch of U microbatches of b rows, b padded to a multiple of the data axis (masked rows).
+    U = g.microbatches
+    b = rows // (g.minibatches * U)
+    b += -b % t.data
+    micro = NamedSharding(mesh, PartitionSpec(None, parallel.DATA))
+    batch = Rollouts.abstract(U, b, prompt_len, N, micro)
+    on_policy = jax.ShapeDtypeStruct((), bool, sharding=parallel.replicated(mesh))
+    update = make_update(model_cfg, update_config(g), cfg.optimizer, mesh, cfg.model.dtype)
+    programs = [
+        t.cast(params, resident["optimizer state"]),
+        compile_program("update", update.lower(params, state, batch, on_policy), 0)[0],
+    ]
+    gen, per_device = t.fit_rows("generate", t.auto_rows(rows, resident), g.temperature, masters_and_state)
+    evaluation, eval_per_device = t.fit_rows(
+        "evaluate", t.auto_rows(min(256, cfg.data.eval_size), resident), 0.0, masters_and_state
+    )
+    return t.plan(rows, per_device, eval_per_device, resident, [*programs, gen, evaluation])
