@@ -83,7 +83,7 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
     task = TASKS.get(cfg.data.task)
     reward_names = rewards.reward_names()
     checks = [
-        ("method", cfg.method in methods.METHODS, methods.METHODS.expected()),
+        ("method", cfg.method in methods.names(), methods.expected()),
         ("data.task", task is not None, TASKS.expected()),
         ("data.template", cfg.data.template in TEMPLATES, f"one of {', '.join(TEMPLATES)}"),
         ("data.reward", cfg.data.reward in reward_names, f"one of {', '.join(reward_names)}"),

@@ -1,16 +1,17 @@
 """The training methods a config's `method` names, and what the training loop, the planner and the run's bookkeeping
 need of each: so that none of them asks which method it runs.
 
-    METHODS["looroll"].build(cfg, task, mesh, rows_per_device) -> Method   (init, step; `esroll.task.Method`)
-    METHODS["grpo"].plan(cfg, model_cfg, mesh, ...) -> Plan                 (`esroll.plan`; the method's own plan.py)
-    METHODS[name].rows_per_step(cfg)       completions sampled by one training step
-    METHODS[name].updates_per_step(cfg)    optimizer updates one training step takes (learning-rate schedule steps)
-    METHODS[name].check(cfg)               what the method needs of the config's other sections
-    METHODS[name].unread(cfg)              the keys a run of the method does not read (`--print_config` marks them)
+    spec("looroll").build(cfg, task, mesh, rows_per_device) -> Method   (init, step; `esroll.task.Method`)
+    spec("grpo").plan(cfg, model_cfg, mesh, ...) -> Plan                 (the method's own plan.py, `esroll.plan`)
+    spec(name).rows_per_step(cfg)       completions sampled by one training step
+    spec(name).updates_per_step(cfg)    optimizer updates one training step takes (learning-rate schedule steps)
+    spec(name).check(cfg)               what the method needs of the config's other sections
+    spec(name).unread(cfg)              the keys a run of the method does not read (`--print_config` marks them)
 
 This module is where the two method families meet: ES (`esroll.es`) and GRPO (`esroll.grpo`) never import each other,
 and an ES run's diagnostics compare its estimate with GRPO's policy gradient (`train.diagnostics_pg`), which is wired
-here. A new method registers its `MethodSpec` with `METHODS.add`.
+here. Every ES estimator (`esroll.es.estimators`, one module each) is a method of the one ES spec, `ES`; any other
+method registers its `MethodSpec` with `METHODS.add`. `names()` lists them all.
 """
 
 from __future__ import annotations
@@ -53,18 +54,15 @@ def _build_grpo(cfg: ExperimentConfig, task, mesh, rows_per_device: int | None =
     return grpo_method.make_grpo_method(cfg, task, mesh, rows_per_device=rows_per_device)
 
 
-for _name in estimators.METHODS:  # the ES estimators: looroll, eggroll
-    METHODS.add(
-        _name,
-        MethodSpec(
-            _build_es,
-            plan_es,
-            es_method.rows_per_step,
-            es_method.updates_per_step,
-            es_method.check_config,
-            es_method.unread,
-        ),
-    )
+ES = MethodSpec(
+    _build_es,
+    plan_es,
+    es_method.rows_per_step,
+    es_method.updates_per_step,
+    es_method.check_config,
+    es_method.unread,
+)  # every ES estimator's (`esroll.es.estimators.ESTIMATORS`): the estimator is the config's `method`
+
 METHODS.add(
     "grpo",
     MethodSpec(
@@ -78,9 +76,28 @@ METHODS.add(
 )
 
 
+def names() -> tuple[str, ...]:
+    """Every name a config's `method` may take: the ES estimators registered (`esroll.es.register_estimator`),
+    then the other methods."""
+    return (*estimators.ESTIMATORS, *METHODS)
+
+
+def expected() -> str:
+    return f"one of {', '.join(names())}"
+
+
+def spec(name: str) -> MethodSpec:
+    """The spec of method `name` (a ValueError naming every method if there is none)."""
+    if name in estimators.ESTIMATORS:
+        return ES
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; expected {expected()}")
+    return METHODS[name]
+
+
 def lookup(cfg: ExperimentConfig) -> MethodSpec:
-    """The spec of `cfg.method` (a ValueError naming the registered methods if there is none)."""
-    return METHODS.lookup(cfg.method)
+    """The spec of `cfg.method` (a ValueError naming every method if there is none)."""
+    return spec(cfg.method)
 
 
 def plan_step(cfg: ExperimentConfig, model_cfg, mesh, **kwargs) -> Plan:

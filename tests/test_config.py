@@ -128,8 +128,7 @@ def test_the_implementations_reexport_their_configs():
     assert schedules.make_schedule is config.make_schedule and schedules.SCHEDULES is config.SCHEDULES
     for name in ("InputError", "ConfigError", "check_fields"):
         assert getattr(errors, name) is getattr(config, name)
-    assert es.ESConfig(method="eggroll", population=8).num_directions == 4
-    assert es.ESConfig(population=8).num_directions == 8
+    assert estimators.num_directions("eggroll", 8) == 4 and estimators.num_directions("looroll", 8) == 8
 
 
 # ---- structure and ranges: from_config_dict
@@ -227,7 +226,7 @@ def test_the_factories_refuse_configs_built_by_hand():
         grpo.make_grpo_method(ExperimentConfig(grpo=config.GRPOConfig(advantage="foo")), None, None)
     from esroll import methods
 
-    assert tuple(methods.METHODS) == (*estimators.METHODS, "grpo")
+    assert methods.names() == (*estimators.ESTIMATORS, "grpo") == ("eggroll", "looroll", "grpo")
 
 
 # ---- registered options: their keys, the renamed flat keys, and runs saved with those

@@ -40,7 +40,7 @@ def with_factors(cfg, fn):
     """jit(fn) that also returns the step's regenerated factors (one compile: XLA draws them once for both)."""
 
     def both(state, params, *args):
-        directions = jnp.arange(cfg.num_directions)
+        directions = jnp.arange(estimators.num_directions(cfg.method, cfg.population))
         return fn(state, params, *args), es.step_factors(cfg, state.key, state.step, params, directions)
 
     return jax.jit(both)
@@ -64,7 +64,6 @@ def explicit_E(cfg, factors):
 
 def test_config_errors_name_the_field():
     for kwargs, field in [
-        ({"method": "eggroll", "population": 5}, "population"),
         ({"sigma": 0.0}, "sigma"),
         ({"rank": 0}, "rank"),
         ({"chunk_size": -1}, "chunk_size"),
@@ -76,6 +75,7 @@ def test_config_errors_name_the_field():
     # Names are looked up in the registries by the factory: a config built by hand is refused before anything runs.
     for kwargs, field in [
         ({"method": "cma"}, "method"),
+        ({"method": "eggroll", "population": 5}, "population"),
         ({"shaping": "softmax"}, "shaping"),
         ({"prompt_shaping": "softmax"}, "prompt_shaping"),
     ]:

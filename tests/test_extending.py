@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, SHIPPED_MODEL
 from esroll import rewards
-from esroll.es import shaping
+from esroll.es import estimators, shaping
 from esroll.grpo import advantages
 from esroll.grpo import variants as grpo_variants
 from esroll.config import ConfigError, from_config_dict
@@ -60,6 +60,7 @@ def run_section(title: str, folder) -> dict:
 def registries(tmp_path, monkeypatch):
     """A folder to run in, on sys.path; every registry, and the modules the folder's files become, restored after."""
     registries = (TASKS, rewards.REWARDS, shaping.SHAPINGS, advantages.ESTIMATORS, grpo_variants.VARIANTS)
+    registries += (estimators.ESTIMATORS,)
     saved = [(registry, dict(registry)) for registry in registries]
     saved += [(registry.options, dict(registry.options)) for registry in registries]
     monkeypatch.chdir(tmp_path)
@@ -93,6 +94,7 @@ def check_trained(folder, run: str) -> list[dict]:
 def test_the_page_has_one_example_per_extension_point():
     found = sections()
     titles = ("A task", "A reward", "A group-advantage estimator (GRPO)", "A GRPO variant", "A fitness shaping (ES)")
+    titles += ("An ES estimator",)
     for title in titles:
         assert len(found[title]) == 2, title  # the registration, then a run that uses it
     assert [block_file(b) for b in found["A task"]] == ["my_tasks.py", None]
@@ -203,6 +205,22 @@ def test_shaping_example(registries):
     shaped = shaping.get("above_median")
     np.testing.assert_array_equal(shaped(np.array([3.0, 1.0, 2.0, np.nan])), [0.5, -0.5, 0.0, 0.0])
     assert "above_median" not in advantages.ESTIMATORS  # ES's registry only: GRPO's estimators are registered apart
+
+
+def test_es_estimator_example(registries):
+    """The page's estimator is a training method: it trains by name, and its weights are the centred ranks of the
+    pairs' differences, worked by hand: fitness (1, 0), (0, 1), (3, 0), (nan, 2) at σ = 1 gives differences 1, −1, 3
+    on the 3 pairs kept (the fourth dropped whole), ranks 1, 0, 2 → centred 0, −1/2, 1/2, over 3σ."""
+    run_section("An ES estimator", registries)
+    check_trained(registries, "ranked_pairs")
+    from esroll import methods
+
+    assert "ranked_pairs" in methods.names() and methods.spec("ranked_pairs") is methods.ES
+    w = estimators.direction_weights("ranked_pairs", np.array([1.0, 0, 0, 1, 3, 0, np.nan, 2], np.float32), 1.0)
+    np.testing.assert_allclose(np.asarray(w.w_E), [0.0, -1 / 6, 1 / 6, 0.0], atol=1e-7)
+    assert int(w.num_dropped) == 2 and int(w.num_nonfinite) == 1
+    direction_M, sign_M = estimators.member_directions("ranked_pairs", 4)
+    assert direction_M.tolist() == [0, 0, 1, 1] and sign_M.tolist() == [1.0, -1.0, 1.0, -1.0]
 
 
 def test_an_unregistered_task_is_refused_from_the_command_line(registries):

@@ -176,7 +176,7 @@ def test_config_errors(tmp_path):
         from_config_dict(d)
     cd = get_config("eggroll")
     cd.es.population = 7  # what eggroll needs of the ES settings: checked with the method's other needs
-    with pytest.raises(ValueError, match="es.population.*even"):
+    with pytest.raises(ValueError, match=r"es.population.*a multiple of 2 for eggroll \(2 members per direction\)"):
         check_names(from_config_dict(cd.to_dict()))
     cd = get_config("quick")
     cd.es.sigmaa = 0.1

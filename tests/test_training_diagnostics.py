@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from esroll import grpo, ledger, parallel
+from esroll.es import estimators
 from esroll.experiment import check_names
 from esroll.config import ConfigError, InputError, from_config_dict
 from esroll.metrics import read_metrics
@@ -160,7 +161,12 @@ def test_the_ledger_adds_up_and_survives_a_resume(tmp_path, looroll_off):
     from esroll.task import load_task
 
     task, _ = load_task(cfg, *make_splits(cfg.data))
-    rank, E, P, N = cfg.es.rank, cfg.es_config.num_directions, task.prompt_multiple, cfg.train.max_new_tokens
+    rank, E, P, N = (
+        cfg.es.rank,
+        estimators.num_directions(cfg.method, cfg.es.population),
+        task.prompt_multiple,
+        cfg.train.max_new_tokens,
+    )
     assert records["full"][0]["flops_update"] == ledger.es_update_flops(task.cfg, E, rank)
     rows = cfg.es.population * cfg.train.prompts_per_step
     least = ledger.generate_flops(task.cfg, rows, P, 1, perturb_rank=rank)  # every row stops after one token

@@ -8,7 +8,7 @@ import math
 import re
 
 from esroll.config.keys import Options
-from esroll.errors import ConfigError, check_fields
+from esroll.errors import check_fields
 from esroll.schedules import SCHEDULES
 
 
@@ -89,26 +89,16 @@ class ESSettings:
 
 @dataclasses.dataclass(frozen=True)
 class ESConfig(ESSettings):
-    """What an ES step does: the settings plus the estimator, `method`, a name in `esroll.es.estimators.METHODS`:
-    "eggroll" (antithetic pairs, population even) or "looroll" (one evaluation per direction, leave-one-out
-    baseline). `esroll.es.make_strategy` refuses a method or shaping that names no implementation."""
+    """What an ES step does: the settings plus the estimator, `method`, a name in `esroll.es.estimators.ESTIMATORS`
+    ("eggroll": antithetic pairs; "looroll": one evaluation per direction, leave-one-out baseline).
+    `esroll.es.make_strategy` refuses a method or shaping that names no implementation, and a population the
+    estimator's members cannot fill (eggroll: odd)."""
 
     method: str = "looroll"
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.method == "eggroll" and self.population % 2:
-            raise ConfigError("population", self.population, "even for eggroll (antithetic pairs)", where="ESConfig")
 
     @classmethod
     def of(cls, method: str, settings: ESSettings) -> ESConfig:
         return cls(method=method, **{f.name: getattr(settings, f.name) for f in dataclasses.fields(ESSettings)})
-
-    @property
-    def num_directions(self) -> int:
-        """E, the directions of a step: M/2 antithetic pairs for eggroll, M for every other estimator (as
-        `esroll.es.estimators.num_directions`)."""
-        return self.population // 2 if self.method == "eggroll" else self.population
 
 
 def _compiles(pattern: str) -> bool:

@@ -33,7 +33,7 @@ def half_of_direction(method: str, population: int) -> np.ndarray:
     (the leave-one-out baseline of a half needs another member of that half).
     """
     E = estimators.num_directions(method, population)
-    least = 2 if method == "eggroll" else 4
+    least = 2 * estimators.ESTIMATORS.lookup(method).min_directions
     if E % 2 or E < least:
         raise ValueError(
             f"{method} with population {population} has {E} directions: a split into two halves needs an even "
@@ -168,7 +168,9 @@ def rank_diagnostics(cfg: ESConfig, shapes: dict, key: Array, step, fitness_M: A
     weights = estimators.direction_weights(
         cfg.method, fitness_M, strategy.sigma_at(cfg, step), strategy.shaping_of(cfg), cfg.min_valid_fraction
     )
-    factors = strategy.step_factors(cfg, key, step, shapes, jnp.arange(cfg.num_directions))
+    factors = strategy.step_factors(
+        cfg, key, step, shapes, jnp.arange(estimators.num_directions(cfg.method, cfg.population))
+    )
     ranks = {path: r["entropy"].mean() for path, r in update_effective_ranks(factors, weights.w_E).items()}
     out = {f"diag_erank_{path.rsplit('/', 1)[-1]}": rank for path, rank in ranks.items()}
     if ranks:

@@ -70,7 +70,7 @@ def state_shardings(es_cfg: ESConfig, optim: OptimConfig, mesh, params) -> es.ES
 
 def check_config(cfg: ExperimentConfig) -> None:
     """Raise the one-line ConfigError of the first setting an ES run cannot work with: GRPO's variants, several samples
-    of greedy decoding, an estimator's population (eggroll: even), the split-half diagnostics' directions."""
+    of greedy decoding, an estimator's population (eggroll: even, `estimators.check_population`), the split-half diagnostics' directions."""
     checks = [
         ("method", not cfg.grpo.variants, "grpo for grpo.variants (they change GRPO's step and loss; ES has neither)"),
         (
@@ -85,12 +85,9 @@ def check_config(cfg: ExperimentConfig) -> None:
         ),
     ]
     check_fields(cfg, checks, "config")
-    try:
-        es_cfg = cfg.es_config  # what the ES method adds to the settings (eggroll: an even population)
-    except ConfigError as e:
-        raise e.under("es.") from None
-    directions = es_cfg.num_directions
-    least = estimators.num_directions(cfg.method, 4)  # a population of 4: 2 antithetic pairs, or 4 directions
+    estimators.check_population(cfg.method, cfg.es.population, "es.population")
+    directions = estimators.num_directions(cfg.method, cfg.es.population)
+    least = 2 * estimators.ESTIMATORS[cfg.method].min_directions  # the fewest directions of each half, twice
     if cfg.train.diagnostics_every and (directions % 2 or directions < least):
         raise ConfigError(
             "es.population",
@@ -218,7 +215,9 @@ def make_es_method(
     every = cfg.train.diagnostics_every
     diagnose, ranks = _diagnostics(es_cfg, task.cfg)
     first = jax.local_devices()[0]  # where `ranks` runs
-    update_flops = ledger.es_update_flops(task.cfg, es_cfg.num_directions, es_cfg.rank)
+    update_flops = ledger.es_update_flops(
+        task.cfg, estimators.num_directions(cfg.method, es_cfg.population), es_cfg.rank
+    )
 
     def init(params, key):
         shardings = state_shardings(es_cfg, cfg.optimizer, mesh, params)

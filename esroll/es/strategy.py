@@ -34,7 +34,7 @@ Array = jax.Array
 
 def check_names(cfg: ESSettings) -> None:
     """Raise the one-line ConfigError of the first name in `cfg` that names no implementation: its fitness shapings
-    (`esroll.es.shaping.SHAPINGS`) and, in an `ESConfig`, its estimator (`estimators.METHODS`). The dataclasses of
+    (`esroll.es.shaping.SHAPINGS`) and, in an `ESConfig`, its estimator (`estimators.ESTIMATORS`) and the population it can fill. The dataclasses of
     `esroll.config` check everything else when they are built but cannot see these registries; `make_strategy` runs
     this, so that a config built by hand is refused before anything runs."""
     checks = [
@@ -42,8 +42,10 @@ def check_names(cfg: ESSettings) -> None:
         ("prompt_shaping", cfg.prompt_shaping in shaping.SHAPINGS, shaping.SHAPINGS.expected()),
     ]
     if isinstance(cfg, ESConfig):
-        checks.insert(0, ("method", cfg.method in estimators.METHODS, f"one of {', '.join(estimators.METHODS)}"))
+        checks.insert(0, ("method", cfg.method in estimators.ESTIMATORS, estimators.ESTIMATORS.expected()))
     check_fields(cfg, checks, type(cfg).__name__)
+    if isinstance(cfg, ESConfig):
+        estimators.check_population(cfg.method, cfg.population, where=type(cfg).__name__)
 
 
 def shaping_of(cfg: ESSettings):
@@ -75,7 +77,7 @@ def sigma_at(cfg: ESSettings, step) -> Array | float:
 def member_deltas(cfg: ESConfig, key: Array, step, params: dict) -> dict:
     """Deltas of every member at `step`: member i is θ + sign_i·σ_t·E_{direction_i}."""
     direction_M, sign_M = estimators.member_directions(cfg.method, cfg.population)
-    factors = step_factors(cfg, key, step, params, jnp.arange(cfg.num_directions))
+    factors = step_factors(cfg, key, step, params, jnp.arange(estimators.num_directions(cfg.method, cfg.population)))
     return noise.member_deltas(factors, params, direction_M, sigma_at(cfg, step) * sign_M, cfg.rank)
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from esroll.config import ESConfig
-from esroll.es import noise, strategy
+from esroll.es import estimators, noise, strategy
 from esroll.models import LowRank
 
 Array = jax.Array
@@ -44,10 +44,12 @@ def per_sample_mse(cfg: ESConfig, params: dict, grad: dict) -> tuple[Array, Arra
 
 
 def estimator_mse(method: str, population: int, v: Array, v_dense: Array) -> Array:
-    """Predicted E‖ĝ − G‖² of the full estimator at `population` evaluations (affine model, raw fitness)."""
-    if method == "eggroll":
-        return 2 * v / population
-    return v / population + v_dense / (population * (population - 1))
+    """Predicted E‖ĝ − G‖² of the full estimator at `population` evaluations (affine model, raw fitness): the
+    estimator's own prediction (`Estimator.mse`; antithetic 2V/M, LOO-ROLL V/M + V_dense/(M(M−1)))."""
+    mse = estimators.ESTIMATORS.lookup(method).mse
+    if mse is None:
+        raise ValueError(f"ES estimator {method!r} declares no predicted error (Estimator.mse)")
+    return mse(population, v, v_dense)
 
 
 def affine_fitness(grad: dict, deltas: dict) -> Array:

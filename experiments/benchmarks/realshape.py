@@ -33,6 +33,7 @@ import numpy as np
 
 from configs.gsm8k_qwen3 import get_config
 from esroll import es, grpo, parallel, sharding
+from esroll.es import estimators
 from esroll.es import method as es_method
 from esroll.config import from_config_dict, make_optimizer
 from esroll.models import Perturbation
@@ -219,7 +220,9 @@ def _es_phases(cfg, masters, mesh, rows, prompt, new, reps) -> tuple[dict, dict]
     layers = [np.prod(flat[path].shape[:-2], dtype=int) for path in kinds]
     io = sum(n * (a + b) for n, (a, b) in zip(layers, matrices))
     entries = sum(n * a * b for n, (a, b) in zip(layers, matrices))
-    work = phase_work(cfg, rows, prompt, new, io, (entries, es_cfg.num_directions))
+    work = phase_work(
+        cfg, rows, prompt, new, io, (entries, estimators.num_directions(es_cfg.method, es_cfg.population))
+    )
     settings = {
         "es_members": M,
         "es_prompts": X,
