@@ -15,8 +15,8 @@ validation AUC against wall time is then run on the evaluation seeds and scored 
 workdir/tuning/<method>/c<k>/seed<s>, and the choice is recomputed from their metrics on every invocation
 (workdir/tuning/choice.json records it).
 
-The report of a finished or partly finished workdir is `esroll.report`, which also defines the workdir's layout
-(comparison.json, <method>/seed<k>) and when a run is finished, so that both modules read the workdir alike.
+The report of a finished or partly finished workdir is `esroll.report`, whose `esroll.report.runs` also defines the
+workdir's layout (comparison.json, <method>/seed<k>) and when a run is finished, so that both read the workdir alike.
 """
 
 from __future__ import annotations

@@ -88,6 +88,21 @@ def test_the_layers_keep_apart():
             assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
 
 
+def test_the_report_imports_one_way():
+    """Within `esroll.report` each module imports only those before it: runs, stats, then tables and plots, then
+    write (`write_report`), then the package's re-exports; none imports `esroll.compare` (docs/architecture.md)."""
+    order = ["runs", "stats", "tables", "plots", "write", "__init__"]
+    assert sorted(p.stem for p in (PACKAGE / "report").glob("*.py")) == sorted(order)
+    for i, name in enumerate(order):
+        path = PACKAGE / "report" / f"{name}.py"
+        imported = {m for m in _imports(path) if m.startswith("esroll.")}
+        assert "esroll.report" not in imported, f"{path.relative_to(REPO)} imports the package, not its modules"
+        assert not {m for m in imported if m.startswith("esroll.compare")}, path
+        ours = {m.split(".")[2] for m in imported if m.startswith("esroll.report.")}
+        later = ours - set(order[:i])
+        assert not later, f"{path.relative_to(REPO)} imports {sorted(later)}, later in esroll.report"
+
+
 def test_config_and_errors_do_not_import_jax():
     """What reads only configs, errors and workdirs (`esroll.report`) imports them without JAX."""
     code = "import sys, esroll.config, esroll.errors; assert 'jax' not in sys.modules, sorted(sys.modules)"

@@ -1,9 +1,10 @@
-"""The Markdown of a comparison's report (results.md, written by `esroll.report.write_report`): the per-method table,
-the paired differences against the reference, the sample-efficiency tables and their notes (`markdown_table`); the
-machine's speed over the runs and the tuned protocol's choices (`protocol_notes`).
+"""The Markdown of a comparison's report (results.md, written by `esroll.report.write.write_report`): the
+per-method table, the paired differences against the reference, the sample-efficiency tables and their notes
+(`markdown_table`); the machine's speed over the runs and the tuned protocol's choices (`protocol_notes`).
 
-Formats the rows of `esroll.report.summarize` and the runs of `esroll.report.load_comparison`: accuracies and their
-differences in points of %, an undefined value (NaN) as —. Computes no statistics and imports no JAX.
+Formats the rows of `esroll.report.stats.summarize` and the runs of `esroll.report.runs.load_comparison`: accuracies
+and their differences in points of %, an undefined value (NaN) as —. Computes no statistics; imports from esroll only
+`esroll.report.runs`, and no JAX.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from esroll.report import RunResult
+from esroll.report.runs import RunResult
 
 
 def _fmt(x: float, scale: float = 1.0, spec: str = ".1f") -> str:

@@ -1,9 +1,11 @@
 """The figures of a comparison's report (accuracy_vs_time.png and views.png, written by
-`esroll.report.write_report`): held-out accuracy against each view's x (`esroll.report.VIEWS`), each seed thin and the
-mean over seeds thick; each method minus the reference on the same seed over time; final accuracy joined by seed.
+`esroll.report.write.write_report`): held-out accuracy against each view's x (`esroll.report.runs.VIEWS`), each seed
+thin and the mean over seeds thick; each method minus the reference on the same seed over time; final accuracy joined
+by seed.
 
 Each function draws on the matplotlib axes it is given and imports no matplotlib itself, so the caller chooses the
-figure and the backend (`write_report` a `matplotlib.figure.Figure`, notebooks/compare.ipynb pyplot). Imports no JAX.
+figure and the backend (`write_report` a `matplotlib.figure.Figure`, notebooks/compare.ipynb pyplot). Imports from
+esroll only `esroll.report.runs`, and no JAX.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from esroll.report import VIEW_LABELS, VIEWS, RunResult, view_x
+from esroll.report.runs import VIEW_LABELS, VIEWS, RunResult, view_x
 
 
 def mean_curve(runs: Sequence[RunResult], grid: np.ndarray, view: str = "time") -> np.ndarray:
