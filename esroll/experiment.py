@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from esroll import agents, curriculum, grpo, methods, rewards, verify
+from esroll import agents, curriculum, grpo, methods, rewards
 from esroll.grpo import advantages, variants as grpo_variants
 from esroll.config import (
     ConfigError,
@@ -29,8 +29,9 @@ from esroll.config import (
 )
 from esroll.data import TASKS, TEMPLATES
 from esroll.data.tasks import TASK_KNOBS
-from esroll.envs import ENVIRONMENTS
+from esroll.agents import ENVIRONMENTS
 from esroll.es import shaping, strategy
+from esroll.steps import STEP_VERIFIERS
 
 
 # The options sections of the config (`esroll.config.Options`) and the registries whose entries bring them.
@@ -94,7 +95,7 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
             "answers, and this task parses none)",
         ),
         ("env.name", not cfg.env.name or cfg.env.name in ENVIRONMENTS, f"'' (off) or {ENVIRONMENTS.expected()}"),
-        ("steps.verifier", cfg.steps.verifier in verify.STEP_VERIFIERS, verify.STEP_VERIFIERS.expected()),
+        ("steps.verifier", cfg.steps.verifier in STEP_VERIFIERS, STEP_VERIFIERS.expected()),
         (
             "curriculum.prefix_source",
             cfg.curriculum.prefix_source in curriculum.PREFIX_SOURCES,

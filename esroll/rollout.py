@@ -11,7 +11,7 @@ in chunks of `Sampling.rows_per_device` rows per device (all at once by default)
 each process scores the rows its devices decoded, and one all-gather after the last chunk gives every process every
 row's outcome.
 
-With an agent task (`Task.env`, `esroll.agents`), a row is a multi-turn episode (`esroll.multiturn.play`) instead:
+With an agent task (`Task.env`, `esroll.agents`), a row is a multi-turn episode (`esroll.agents.play`) instead:
 its prompt the episode's first text, its completion the rest of the episode (actions and the environment's answers),
 its reward the return, and `loss_mask_BxN` True on the model's tokens only. Every process plays every row (the
 environments run on the host, and play is deterministic given the same arguments); rows are not yet split over the
@@ -28,14 +28,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from esroll import parallel
-from esroll.config import StepsConfig
 from esroll.rewards import majority_rewards
 from esroll.data import Example, eval_score_names
 from esroll.models import Perturbation, member_slots
-from esroll.multiturn import Turns, play
 from esroll.sampling import generate, pad_prompts
-from esroll.steps import Steps, segment
-from esroll.verify import STEP_VERIFIERS
 
 PAD = -1  # in a row → example map: a padding row
 
@@ -79,11 +75,11 @@ class Rollout(NamedTuple):
     answer_B: np.ndarray | None = None  # [B] int64 (with answers=True): parsed-answer ids, -1 for none
     seconds: dict[str, float] | None = None  # wall time of the phases: "generate" (decoding), "score" (rewards)
     prefix_B: np.ndarray | None = None  # [B] int32 (with prefixes): tokens of each completion given, not generated
-    steps: Steps | None = None  # (with steps): each completion's reasoning steps (`esroll.steps.segment`)
+    steps: Any = None  # `esroll.steps.Steps` (`esroll.steps.with_steps`): each completion's reasoning steps
     step_scores_BxS: np.ndarray | None = None  # [B, S] (with step_scores): each step's verifier score, NaN past them
     loss_mask_BxN: np.ndarray | None = None  # [B, N] bool (episodes): the model's own tokens; None: every generated one
     metrics: dict[str, float] | None = None  # what the rollout itself logs (episodes: solved, turns, valid actions)
-    turns: Turns | None = None  # (episodes): each episode's turns: action spans, rewards, the state each answered
+    turns: Any = None  # `esroll.agents.Turns` (episodes): each episode's turns: action spans, rewards, states
 
     @property
     def generated_B(self) -> np.ndarray:
@@ -106,8 +102,6 @@ def rollout(
     scores: bool = False,
     answers: bool = False,
     prefixes: Sequence[Sequence[int]] | None = None,
-    steps: StepsConfig | None = None,
-    step_scores: bool = False,
 ) -> Rollout:
     """Decode the rows, row b answering `examples[example_B[b]]` (with member `member_B[b]`'s perturbation when
     `deltas` are given), and score them with `task.rewards`. With `completions`, the tokens and their
@@ -116,23 +110,22 @@ def rollout(
     `answers`, each row's parsed answer as an integer id (`Task.answer_ids`: what label-free rewards vote on).
 
     prefixes: row b's completion starts with the tokens `prefixes[b]` (appended to its prompt, decoding continues
-    from them through the same KV-cache `generate`: a branched rollout, `branch`); each completion, prefix
-    included, stays within `sampling.max_new_tokens` (a continuation is cut where a fresh completion would be).
-    The completion returned and scored is prefix + continuation (the prefix's log-probabilities 0: they were given,
-    not sampled), and `prefix_B` holds the prefix lengths. steps: each completion cut into reasoning steps by that
-    config section (`esroll.steps.segment`); with step_scores, each step scored by its verifier
-    (`esroll.verify`). Both are computed once, on the host, from the exchanged tokens (`completions` is implied).
+    from them through the same KV-cache `generate`: a branched rollout, `esroll.steps.branch`); each completion,
+    prefix included, stays within `sampling.max_new_tokens` (a continuation is cut where a fresh completion would
+    be). The completion returned and scored is prefix + continuation (the prefix's log-probabilities 0: they were
+    given, not sampled), and `prefix_B` holds the prefix lengths. A rollout's completions cut into reasoning steps
+    and scored by a verifier: `esroll.steps.with_steps`.
 
     Every process must pass the same arguments. The sampling noise of row b is a function of (key, b, step), so the
-    result does not depend on the mesh. With an agent task (`task.env`), the rows are episodes (`episodes`).
+    result does not depend on the mesh. With an agent task (`task.env`), the rows are episodes, played by the
+    environment's own rollout (`esroll.agents.EnvTask.rollout`).
     """
     if getattr(task, "env", None) is not None:
-        if answers or prefixes is not None or steps is not None or step_scores:
-            raise ValueError("rollout: episodes have no parsed answers, prefixes or reasoning steps")
-        return episodes(task, params, examples, example_B, key, sampling, mesh, deltas, member_B, scores)
+        if answers or prefixes is not None:
+            raise ValueError("rollout: episodes have no parsed answers or prefixes")
+        return task.env.rollout(task, params, examples, example_B, key, sampling, mesh, deltas, member_B, scores)
     example_B = np.asarray(example_B)
     B = len(example_B)
-    completions = completions or steps is not None
     data = parallel.data_size(mesh)
     chunk = data * (sampling.rows_per_device or -(-B // data))  # rows decoded per `generate` call
     rows = B + (-B % chunk)  # padded to a whole number of chunks
@@ -233,119 +226,7 @@ def rollout(
         seconds={"generate": generated_s - start_s, "score": scored_s - generated_s},
         prefix_B=None if prefixes is None else prefix_B[:B],
     )
-    if steps is not None:
-        out = _with_steps(out, task, examples, steps, step_scores)
     return out
-
-
-EPISODE_SCORES = ("accuracy", "return", "turns")  # held-out scores of episodes: solved, the return, turns played
-
-
-def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, deltas=None, member_B=None,
-             scores: bool = False) -> Rollout:  # fmt: skip
-    """`rollout` of an agent task: row b plays the episode of `examples[example_B[b]]` (its `meta["seed"]`) with
-    `esroll.multiturn.play`, member `member_B[b]`'s perturbation when `deltas` are given, in chunks of
-    `sampling.rows_per_device` × the data axis rows (each row's sampling noise keyed by its index in the whole
-    rollout, so chunking does not change it). The completion is the episode after its prompt, padded to
-    `sampling.max_new_tokens` (a longer one is refused: `train.max_new_tokens` must hold the longest episode); the
-    log-probabilities are those of the action tokens; the reward is the return; `scores` gives the held-out scores
-    `EPISODE_SCORES` (the first, "accuracy", whether the environment was solved). A padding row plays the first
-    example's episode and its outcome is dropped (reward 0, nothing generated)."""
-    env = task.env
-    example_B = np.asarray(example_B)
-    B, N = len(example_B), sampling.max_new_tokens
-    data = parallel.data_size(mesh)
-    chunk = data * (sampling.rows_per_device or -(-B // data))
-    rows = B + (-B % chunk)
-    example_B = np.concatenate([example_B, np.full(rows - B, PAD)])
-    real_B = example_B != PAD
-    slots = None
-    if deltas is not None:  # padding rows take the last row's member, as in `rollout`
-        member_B = np.asarray(member_B)
-        member_B = np.concatenate([member_B, np.full(rows - B, member_B[-1], member_B.dtype)])
-        slots = member_slots(member_B, 1, chunk)
-    seeds = [examples[max(int(e), 0)].meta["seed"] for e in example_B]
-    start_s = time.perf_counter()
-    parts = []
-    for start in range(0, rows, chunk):
-        c = slice(start, start + chunk)
-        if not real_B[c].any():
-            continue
-        perturb = None if deltas is None else Perturbation(deltas, member_B[c])
-        played = play(
-            task.cfg,
-            params,
-            task.tokenizer,
-            [env.make() for _ in range(chunk)],
-            seeds[c],
-            key,
-            max_turns=env.max_turns,
-            max_action_tokens=env.max_action_tokens,
-            max_observation_tokens=env.max_observation_tokens,
-            temperature=sampling.temperature,
-            eos_id=task.tokenizer.eos_token_id,
-            pad_id=task.pad_id,
-            perturb=perturb,
-            row_offset=start,
-            prompt_multiple=task.prompt_multiple,
-            member_slots=slots,
-        )
-        if played.tokens_BxL.shape[1] > N:
-            raise ValueError(
-                f"an episode of {played.tokens_BxL.shape[1]} tokens after its prompt does not fit "
-                f"train.max_new_tokens = {N}"
-            )
-        parts.append((c, played))
-    P = max([p.prompt_BxP.shape[1] for _, p in parts] + [task.prompt_multiple])
-    prompt_BxP = np.full((rows, P), task.pad_id, np.int32)
-    prompt_mask_BxP = np.zeros((rows, P), bool)
-    tokens_BxN = np.full((rows, N), task.pad_id, np.int32)
-    logprobs_BxN, loss_BxN = np.zeros((rows, N), np.float32), np.zeros((rows, N), bool)
-    length_B, reward_B, turns_B = np.zeros(rows, np.int32), np.zeros(rows, np.float32), np.zeros(rows, np.float32)
-    solved_B, valid, acted = np.zeros(rows, np.float32), 0, 0
-    T = env.max_turns
-    start_BxT, end_BxT = np.zeros((rows, T), np.int32), np.zeros((rows, T), np.int32)
-    turn_reward_BxT, states = np.zeros((rows, T), np.float32), [[] for _ in range(rows)]
-    for c, p in parts:
-        keep = real_B[c]
-        width, L = p.prompt_BxP.shape[1], p.tokens_BxL.shape[1]
-        prompt_BxP[c, P - width :], prompt_mask_BxP[c, P - width :] = p.prompt_BxP, p.prompt_mask_BxP & keep[:, None]
-        tokens_BxN[c, :L] = np.where(keep[:, None], p.tokens_BxL, task.pad_id)
-        logprobs_BxN[c, :L] = np.where(keep[:, None], p.logprobs_BxL, 0.0)
-        loss_BxN[c, :L] = p.loss_mask_BxL & keep[:, None]
-        length_B[c] = np.where(keep, p.length_B, 0)
-        reward_B[c] = np.where(keep, p.return_B, 0.0)
-        turns_B[c], solved_B[c] = np.where(keep, p.turns_B, 0), np.where(keep, p.solved_B, 0.0)
-        played_BxT = np.arange(p.reward_BxT.shape[1])[None] < p.turns_B[:, None]
-        valid += int((p.valid_BxT & played_BxT)[keep].sum())
-        acted += int(played_BxT[keep].sum())
-        turned, kept = p.turns, keep[:, None]  # play's turn slots are env.max_turns
-        start_BxT[c], end_BxT[c] = turned.start_BxT * kept, turned.end_BxT * kept
-        turn_reward_BxT[c] = np.where(kept, turned.reward_BxT, 0.0)
-        for i, b in enumerate(range(c.start, c.stop)):
-            states[b] = turned.states[i] if keep[i] else []
-    generated_s = time.perf_counter()
-    n = max(int(real_B.sum()), 1)
-    metrics = {
-        "episode_solved": float(solved_B.sum() / n),
-        "episode_turns": float(turns_B.sum() / n),
-        "valid_actions": valid / max(acted, 1),
-    }
-    table = {"accuracy": solved_B, "return": reward_B, "turns": turns_B}
-    return Rollout(
-        example_B=example_B[:B],
-        prompt_BxP=prompt_BxP[:B],
-        prompt_mask_BxP=prompt_mask_BxP[:B],
-        reward_B=reward_B[:B],
-        length_B=length_B[:B],
-        tokens_BxN=tokens_BxN[:B],
-        logprobs_BxN=logprobs_BxN[:B],
-        scores={name: table[name][:B] for name in EPISODE_SCORES} if scores else None,
-        seconds={"generate": generated_s - start_s, "score": 0.0},
-        loss_mask_BxN=loss_BxN[:B],
-        metrics=metrics,
-        turns=Turns(start_BxT[:B], end_BxT[:B], turn_reward_BxT[:B], turns_B[:B].astype(np.int32), states[:B]),
-    )
 
 
 def _with_prefixes(prefixes, prefix_R, idx, cont_RxM, cont_len_R, cont_logp_RxM, N: int, task):
@@ -365,63 +246,6 @@ def _with_prefixes(prefixes, prefix_R, idx, cont_RxM, cont_len_R, cont_logp_RxM,
         logprobs[r, k : k + n] = cont_logp_RxM[r, :n]
         lengths[r] = k + n
     return tokens, lengths, logprobs
-
-
-def _with_steps(out: Rollout, task, examples, cfg: StepsConfig, scored: bool) -> Rollout:
-    """`out` with its completions' steps (`esroll.steps.segment`) and, when `scored`, each step's verifier score."""
-    found = segment(
-        task.tokenizer,
-        out.tokens_BxN,
-        out.length_B,
-        eos_ids=task.eos_ids,
-        boundary=cfg.boundary,
-        max_steps=cfg.max_steps,
-    )
-    scores = None
-    if scored:
-        verifier = STEP_VERIFIERS.lookup(cfg.verifier)
-        scores = np.full((len(out.length_B), cfg.max_steps), np.nan, np.float32)
-        for b, e in enumerate(out.example_B):
-            if e != PAD and found.count_B[b]:
-                scores[b, : found.count_B[b]] = verifier(examples[e], found.text[b])
-    return out._replace(steps=found, step_scores_BxS=scores)
-
-
-def branch(
-    task: Any,
-    mesh: Mesh,
-    params: dict,
-    examples: Sequence[Example],
-    out: Rollout,
-    key: jax.Array,
-    sampling: Sampling,
-    branches: int,
-) -> tuple[Rollout, np.ndarray]:
-    """Branched rollouts: `branches` continuations from the end of each step but the last of each completion of `out`
-    (which carries its steps, `rollout(..., steps=...)`), each a `rollout` with the completion through that step as
-    its prefix. Returns the branches (rows in order of (row, step, branch); their rewards score prefix +
-    continuation) and their origin [R, 2] (row of `out`, step). Every process must pass the same arguments; keyed
-    by `key` and each branch's row, so the result does not depend on the mesh."""
-    if out.steps is None:
-        raise ValueError("branch: the rollout carries no steps (rollout(..., steps=...))")
-    origin = [(b, s) for b in range(len(out.length_B)) for s in range(int(out.steps.count_B[b]) - 1)]
-    origin = [o for o in origin for _ in range(branches)]
-    origin_Rx2 = np.array(origin, np.int64).reshape(-1, 2)
-    if not len(origin):
-        return None, origin_Rx2
-    prefixes = [out.tokens_BxN[b, : out.steps.end[b][s]] for b, s in origin]
-    branched = rollout(
-        task,
-        mesh,
-        params,
-        examples,
-        out.example_B[origin_Rx2[:, 0]],
-        key,
-        sampling,
-        completions=True,
-        prefixes=prefixes,
-    )
-    return branched, origin_Rx2
 
 
 def training_rewards(out: Rollout, label_free: bool) -> tuple[np.ndarray, dict[str, float]]:

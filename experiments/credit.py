@@ -1,6 +1,6 @@
 """Credit accuracy of every step-level estimator (and GRPO, GuAE, `mc_steps` at small K) against Monte Carlo step
 advantages (raw and corrected for the reference's reliability), on groups sampled from one or more fixed models
-(`esroll.credit`); writes results.json, results.md and credit.png to --out.
+(`esroll.grpo.credit`); writes results.json, results.md and credit.png to --out.
 
     python -m experiments.credit --models shipped=assets/tiny-qwen3-steps,grpo50=runs/credit_grpo50/final \
         --out docs/results/credit
@@ -25,7 +25,7 @@ import numpy as np
 
 from esroll import parallel
 from esroll.config import from_config_dict
-from esroll.credit import METHODS, measure
+from esroll.grpo.credit import METHODS, measure
 from esroll.data import make_splits
 from esroll.experiment import check_names
 from esroll.task import load_task

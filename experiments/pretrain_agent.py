@@ -6,11 +6,11 @@ it still fails often, so that ES and policy gradient have headroom.
 
 Episodes: for each training seed of each environment, a planner plays the episode (each turn, the first move of a
 shortest solution from the current state: `FrozenLake.plan`, `Sokoban.plan`), a random move instead with probability
---random_moves, and the episode's text is exactly what `esroll.multiturn.play` writes (`format_prompt`, each action
+--random_moves, and the episode's text is exactly what `esroll.agents.play` writes (`episode_prompt`, each action
 and the end token, `format_observation`). The loss is on the actions' tokens only, as in the multi-turn rollout.
 Training seeds are [0, --episodes); held-out seeds start at 1,000,000, so no held-out level is trained on.
 
-Every --eval_every steps, greedy play (`esroll.multiturn.play`, temperature 0) on --eval_episodes held-out seeds of
+Every --eval_every steps, greedy play (`esroll.agents.play`, temperature 0) on --eval_episodes held-out seeds of
 each environment measures the success rate (FrozenLake: reached G; Sokoban: solved); training stops at the first
 evaluation whose FrozenLake success is at least --stop_at, or after --max_steps. The model's
 `max_position_embeddings` covers the longest episode of either environment. Deterministic from --seed.
@@ -29,9 +29,9 @@ import jax
 import numpy as np
 import optax
 
-from esroll.envs import FrozenLake, FrozenLakeOptions, Sokoban, SokobanOptions
+from esroll.agents import FrozenLake, FrozenLakeOptions, Sokoban, SokobanOptions
 from esroll.models import save_hf
-from esroll.multiturn import format_observation, format_prompt, play
+from esroll.agents.multiturn import format_observation, episode_prompt, play
 from experiments.pretrain_tiny import EOS, build_tokenizer, init_params, model_config, supervised_step
 
 HELD_OUT = 1_000_000  # the first held-out seed
@@ -45,7 +45,7 @@ def planner_episode(name: str, seed: int, rng: np.random.Generator, random_moves
     cls, options = ENVS[name]
     env = cls(options)
     observation = env.reset(seed)
-    pieces = [(format_prompt(env.instructions, observation), False)]
+    pieces = [(episode_prompt(env.instructions, observation), False)]
     for _ in range(options.max_turns):
         plan = env.plan()
         if plan and rng.random() >= random_moves:

@@ -1,4 +1,4 @@
-"""Agent runs (`esroll.agents`, `env.name`): a rollout of an agent task is `esroll.multiturn.play`'s episodes (reward
+"""Agent runs (`esroll.agents`, `env.name`): a rollout of an agent task is `esroll.agents.play`'s episodes (reward
 the return, loss on the actions only, chunking and members as in single-turn rollouts); GRPO's gradient on episodes
 equals a policy gradient written here from a cache-free forward over each whole episode with the action tokens
 picked out by hand (so the environment's tokens are attended to and get no loss); `configs/agents.py:quick` trains,
@@ -21,7 +21,7 @@ from esroll.experiment import check_names, unread_keys
 from esroll.grpo.method import _loss_mask, make_batches, make_gradient
 from esroll.grpo.update import update_config
 from esroll.models import Perturbation, forward
-from esroll.multiturn import play
+from esroll.agents.multiturn import play
 from esroll.rollout import PAD, Sampling, rollout
 from esroll.task import load_task
 

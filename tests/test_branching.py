@@ -16,11 +16,12 @@ from esroll.data import get_batch, make_splits
 from esroll.experiment import check_names, unread_keys
 from esroll.grpo import advantages, make_grpo_method
 from esroll.grpo.estimators.mc_steps import step_values
-from esroll.rollout import Sampling, branch, rollout
+from esroll.rollout import Sampling, rollout
+from esroll.steps import branch, with_steps
 from esroll.sampling import generate, pad_prompts
 from esroll.steps import Steps
 from esroll.task import load_task
-from esroll.verify import equations
+from esroll.steps.verify import equations
 
 from conftest import REPO
 
@@ -45,9 +46,9 @@ def steps_task():
 def test_a_rollouts_steps_and_scores_are_those_of_its_text(steps_task):
     cfg, task, params, examples, mesh = steps_task
     out = rollout(
-        task, mesh, params, examples, np.repeat(np.arange(6), 2), jax.random.key(1), Sampling(N, 1.0),
-        steps=StepsConfig(), step_scores=True,
-    )  # fmt: skip
+        task, mesh, params, examples, np.repeat(np.arange(6), 2), jax.random.key(1), Sampling(N, 1.0), completions=True
+    )
+    out = with_steps(out, task, examples, StepsConfig(), scored=True)
     texts = task.texts(out.tokens_BxN, out.length_B)
     assert out.steps.count_B.sum() > 12 and np.isnan(out.step_scores_BxS[:, out.steps.count_B.max() :]).all()
     for b, text in enumerate(texts):
@@ -66,9 +67,8 @@ def test_a_branch_continues_as_generate_does_with_the_prefix_in_the_prompt(steps
     Greedy, every branch also rewrites its original completion: tokens identical, log-probabilities within 1e-5."""
     cfg, task, params, examples, mesh = steps_task
     sampling = Sampling(N, temperature)
-    out = rollout(
-        task, mesh, params, examples, np.arange(6), jax.random.key(2), sampling, steps=StepsConfig(max_steps=8)
-    )
+    out = rollout(task, mesh, params, examples, np.arange(6), jax.random.key(2), sampling, completions=True)
+    out = with_steps(out, task, examples, StepsConfig(max_steps=8))
     key = jax.random.key(3)
     branched, origin = branch(task, mesh, params, examples, out, key, sampling, branches=2)
     assert len(origin) == 2 * (out.steps.count_B - 1).sum() > 0

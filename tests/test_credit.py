@@ -1,4 +1,4 @@
-"""Credit accuracy (`esroll.credit`, `experiments.credit`): steps read from token advantages, the Monte Carlo reference
+"""Credit accuracy (`esroll.grpo.credit`, `experiments.credit`): steps read from token advantages, the Monte Carlo reference
 and its standard errors, and the scores, on hand-built cases worked out here; the reference's bias, its standard
 errors' calibration and the reliability-corrected correlation on a synthetic policy whose step values are known in
 closed form; the entry script's report names every method."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from esroll.credit import METHODS, per_step, reference, scores, split_half
+from esroll.grpo.credit import METHODS, per_step, reference, scores, split_half
 from esroll.grpo import advantages
 from esroll.grpo.advantages import Group
 from esroll.steps import Steps

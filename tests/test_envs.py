@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from esroll.envs import ENVIRONMENTS, FrozenLake, Level, Sokoban, SokobanOptions, make_env, parse_action, solve
+from esroll.agents import ENVIRONMENTS, FrozenLake, Level, Sokoban, SokobanOptions, make_env, parse_action, solve
 from esroll.errors import InputError
 
 from conftest import lake_path

@@ -1,4 +1,4 @@
-"""Multi-turn episodes in one KV cache (`esroll.multiturn.play`), on the shipped tiny model and FrozenLake: a scripted
+"""Multi-turn episodes in one KV cache (`esroll.agents.play`), on the shipped tiny model and FrozenLake: a scripted
 episode equals the environment stepped by hand (tokens, loss mask, rewards, turn boundaries); every action token's
 recorded log-probability equals a cache-free forward over the whole episode (so each turn saw exactly the episode's
 text before it); environment tokens never get loss; per-member perturbed episodes equal each member's played alone."""
@@ -11,9 +11,9 @@ import optax
 import pytest
 
 from esroll import es
-from esroll.envs import FrozenLake, Sokoban
+from esroll.agents import FrozenLake, Sokoban
 from esroll.models import Perturbation, forward, load_hf
-from esroll.multiturn import format_observation, format_prompt, play
+from esroll.agents.multiturn import format_observation, episode_prompt, play
 from esroll.sampling import pad_prompts
 
 from conftest import SHIPPED_MODEL, lake_path
@@ -72,7 +72,7 @@ def test_a_scripted_episode_equals_the_environment_stepped_by_hand(model):
     for b, (seed, script) in enumerate(zip(seeds, scripts)):
         env = FrozenLake()
         first = env.reset(seed)
-        prompt = tok.encode(format_prompt(env.instructions, first), add_special_tokens=False)
+        prompt = tok.encode(episode_prompt(env.instructions, first), add_special_tokens=False)
         assert list(ep.prompt_BxP[b][ep.prompt_mask_BxP[b]]) == prompt
         tokens, mask, rewards, valid, starts = [], [], [], [], []
         for action in script:

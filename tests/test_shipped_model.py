@@ -40,14 +40,14 @@ def test_shipped_agent_model_loads_in_both_and_plays_as_its_build_log_says():
 
     from experiments.pretrain_agent import MAX_ACTION_TOKENS as ACTION_TOKENS
     from experiments.pretrain_agent import MAX_OBSERVATION_TOKENS as OBSERVATION_TOKENS
-    from esroll.envs import FrozenLake, Sokoban
-    from esroll.multiturn import format_observation, format_prompt, play
+    from esroll.agents import FrozenLake, Sokoban
+    from esroll.agents.multiturn import format_observation, episode_prompt, play
 
     assert sum(f.stat().st_size for f in AGENT.iterdir()) < 25 * 2**20
     tok = transformers.AutoTokenizer.from_pretrained(str(AGENT))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(AGENT), dtype=torch.float32).eval()
     env = FrozenLake()
-    text = format_prompt(env.instructions, env.reset(5)) + "right" + tok.eos_token + format_observation(env.render())
+    text = episode_prompt(env.instructions, env.reset(5)) + "right" + tok.eos_token + format_observation(env.render())
     ids = tok(text, return_tensors="np").input_ids
     cfg, params = load_hf(AGENT)
     ours, _ = forward(cfg, params, ids)
@@ -60,7 +60,7 @@ def test_shipped_agent_model_loads_in_both_and_plays_as_its_build_log_says():
         name = cls.__name__.lower()
         envs = [cls() for _ in range(64)]
         seeds = range(1_000_000, 1_000_064)
-        longest_prompt = max(len(tok.encode(format_prompt(e.instructions, e.reset(s)))) for e, s in zip(envs, seeds))
+        longest_prompt = max(len(tok.encode(episode_prompt(e.instructions, e.reset(s)))) for e, s in zip(envs, seeds))
         turns = envs[0].options.max_turns
         assert longest_prompt + turns * (ACTION_TOKENS + OBSERVATION_TOKENS) <= cfg.max_position_embeddings
         ep = play(

@@ -12,7 +12,7 @@ import pytest
 from esroll.config import ConfigError
 from esroll.grpo.advantages import Group, estimate
 from esroll.grpo.estimators.turns import DiscountedOptions, GigpoOptions, discounted_returns
-from esroll.multiturn import Turns
+from esroll.agents.multiturn import Turns
 
 N = 12
 EPS = 1e-4

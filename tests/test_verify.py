@@ -9,7 +9,7 @@ import pytest
 
 from esroll.data import Example
 from esroll.data.synthetic import make_arith_steps
-from esroll.verify import STEP_VERIFIERS, equations, register_verifier
+from esroll.steps.verify import STEP_VERIFIERS, equations, register_verifier
 
 Q = Example(task="arith_steps", prompt="97-98-44-25=?", answer="-70", solution="", target_text="")
 

@@ -102,7 +102,7 @@ class EnvConfig:
     """A config file's `env` section: train on multi-turn episodes of a text environment instead of single-turn
     prompts (`esroll.agents`, docs/agents.md).
 
-    name: "" (off: prompts from `data`) or an environment of `esroll.envs.ENVIRONMENTS` (frozenlake, sokoban, or one
+    name: "" (off: prompts from `data`) or an environment of `esroll.agents.ENVIRONMENTS` (frozenlake, sokoban, or one
     registered with `register_env`); options: the environments' options by name (`env.options.frozenlake.max_turns`),
     each environment reading its own. An episode's prompt is the environment's instructions and first observation;
     each turn the model writes an action of at most `max_action_tokens` tokens (its end token included) and the
@@ -169,12 +169,12 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class StepsConfig:
     """A config file's `steps` section: how a completion is cut into reasoning steps (`esroll.steps.segment`) and how
-    each step is scored (`esroll.verify`), read when the method asks for steps (an advantage estimator that needs
+    each step is scored (`esroll.steps.verify`), read when the method asks for steps (an advantage estimator that needs
     "steps", "step_scores" or "branches").
 
     boundary: the text that ends a step (it belongs to the step it ends); max_steps: later steps merge into the last;
-    verifier: the step verifier (a name of `esroll.verify.STEP_VERIFIERS`), read for "step_scores"; branches:
-    continuations sampled from the end of each step but the last (branched rollouts, `esroll.rollout.branch`), read
+    verifier: the step verifier (a name of `esroll.steps.verify.STEP_VERIFIERS`), read for "step_scores"; branches:
+    continuations sampled from the end of each step but the last (branched rollouts, `esroll.steps.branch`), read
     for "branches"."""
 
     boundary: str = "\n"

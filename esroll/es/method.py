@@ -27,6 +27,7 @@ from esroll.es import estimators, shaping
 from esroll.es.diagnostics import rank_diagnostics, step_diagnostics
 from esroll.models import abstract_params
 from esroll.rollout import Sampling, prompt_means, rollout, training_rewards
+from esroll.steps import with_steps
 from esroll.task import Method, StepOutput, Task
 
 
@@ -235,10 +236,11 @@ def make_es_method(
             sampling,
             deltas=strategy.ask(state, compute),
             member_B=member_B,
+            completions=bool(step_weight),
             answers=label_free,
-            steps=cfg.steps if step_weight else None,
-            step_scores=bool(step_weight),
         )
+        if step_weight:
+            out = with_steps(out, task, examples, cfg.steps, scored=True)
         del compute  # the decoding copy is not needed by `tell`: free it first
         start = time.perf_counter()
         reward_B, extra = training_rewards(out, label_free)

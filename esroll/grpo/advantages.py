@@ -144,7 +144,7 @@ class Group(NamedTuple):
     states: np.ndarray | None = None  # [X, M, S] int, S the most steps of any completion: the state after each step
     # (`esroll.data.step_states`), ids equal within a prompt's group exactly where the states are; -1 past a
     # completion's steps (`state_ids`)
-    turns: Any = None  # the X·M episodes' turns (`esroll.multiturn.Turns`, rows prompt-major): agent runs
+    turns: Any = None  # the X·M episodes' turns (`esroll.agents.Turns`, rows prompt-major): agent runs
 
 
 def state_ids(keys_per_row: list[list], X: int, M: int, S: int) -> np.ndarray:

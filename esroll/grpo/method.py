@@ -50,7 +50,8 @@ from esroll.grpo.update import (
 )
 from esroll.grpo.advantages import STEP_NEEDS
 from esroll.grpo.variants import Sampled
-from esroll.rollout import Sampling, branch, prompt_means, rollout, training_rewards
+from esroll.rollout import Sampling, prompt_means, rollout, training_rewards
+from esroll.steps import branch, with_steps
 from esroll.task import Method, StepOutput, Task
 
 
@@ -157,7 +158,7 @@ def estimator_group(
 
 
 def branch_rewards(branched, origin_Rx2: np.ndarray, shape: tuple[int, ...], branches: int) -> np.ndarray:
-    """[X, M, S, K] the rewards of the K branches from the end of each step (`esroll.rollout.branch`'s rows and
+    """[X, M, S, K] the rewards of the K branches from the end of each step (`esroll.steps.branch`'s rows and
     origins), NaN where none was sampled."""
     X, M, S = shape
     out = np.full((X * M, S, branches), np.nan, np.float64)
@@ -169,8 +170,18 @@ def branch_rewards(branched, origin_Rx2: np.ndarray, shape: tuple[int, ...], bra
 
 
 def check_config(cfg: ExperimentConfig) -> None:
-    """Raise the one-line ConfigError of the first setting a GRPO run cannot work with: a vote without a group,
+    """Raise the one-line ConfigError of the first setting a GRPO run cannot work with: an estimator of turns
+    without episodes or of reasoning steps with them, a vote without a group,
     minibatches and microbatches that do not divide the step's rows, diagnostics it does not have or cannot split."""
+    needs = advantages.ESTIMATORS[cfg.grpo.advantage].needs if cfg.grpo.advantage in advantages.ESTIMATORS else ()
+    if not cfg.env.name and "turns" in needs:
+        expected = f"an estimator of single-turn completions without env.name ({cfg.grpo.advantage} reads turns)"
+        raise ConfigError("grpo.advantage", cfg.grpo.advantage, expected)
+    if cfg.env.name and set(needs) & set(STEP_NEEDS):
+        expected = (
+            "an estimator that reads no reasoning steps with env.name set (turn-level credit is its own estimator)"
+        )
+        raise ConfigError("grpo.advantage", cfg.grpo.advantage, expected)
     rows = rows_per_step(cfg)
     checks = [
         (
@@ -291,9 +302,9 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             sampling,
             completions=True,
             answers=label_free,
-            steps=steps,
-            step_scores="step_scores" in needs,
         )
+        if steps is not None:
+            out = with_steps(out, task, examples, steps, "step_scores" in needs)
         reward_B, metrics = training_rewards(out, label_free)
         branched, branch_flops, branch_tokens = None, 0.0, 0
         if "branches" in needs:  # K continuations from the end of each step but the last

@@ -2,7 +2,7 @@
 group (`discounted`), and GiGPO's two-level groups (`gigpo`): the episode's group advantage plus, for each turn, the
 turn's discounted return against the turns of the group's episodes that acted from the same state.
 
-Both read `Group.turns` (`esroll.multiturn.Turns`: each episode's per-turn rewards, action spans and the observation
+Both read `Group.turns` (`esroll.agents.Turns`: each episode's per-turn rewards, action spans and the observation
 each action answered) and give each action token its turn's advantage; the environment's tokens get none (the
 rollout's loss mask). Turns are grouped by their state, never by turn index alone: when the policy decides how long
 an episode runs, the t-th turns of different episodes are not comparable (docs/agents.md). What each computes, and

@@ -4,7 +4,7 @@ before.
 
     episodes = play(cfg, params, tokenizer, envs, seeds, key, max_turns=8)
 
-An episode's text is its prompt, `format_prompt(env.instructions, first observation)`, then per turn the model's
+An episode's text is its prompt, `episode_prompt(env.instructions, first observation)`, then per turn the model's
 action (its sampled tokens, up to and including the end token, kept exactly as sampled) and the environment's answer
 (`format_observation`: the observation and a newline, tokenised). The model's tokens get loss (`Episodes.loss_mask`);
 the prompt's and the environment's never do. An episode that ends (solved, failed, or out of turns) stops: its rows
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from esroll.envs.base import TextEnv
+from esroll.agents.base import TextEnv
 from esroll.models import ModelConfig, Perturbation, forward, init_cache
 from esroll.models.layers import table_slots
 from esroll.sampling import draw, pad_prompts
@@ -41,7 +41,7 @@ from esroll.sampling import draw, pad_prompts
 Array = jax.Array
 
 
-def format_prompt(instructions: str, observation: str) -> str:
+def episode_prompt(instructions: str, observation: str) -> str:
     """An episode's first text: the environment's instructions, then its first observation and a newline."""
     return f"{instructions}\n{format_observation(observation)}"
 
@@ -72,7 +72,7 @@ class Episodes:
     action token under the model (temperature 1, as `esroll.sampling.Generation`), 0 elsewhere; length_B: tokens
     after the prompt; prompt_BxP / prompt_mask_BxP: the left-padded prompts. Turn t of row b: its action is
     tokens[b, action_start[b, t] : action_end[b, t]], its answer follows up to the next action's start;
-    reward_BxT, valid_BxT (the action parsed, `esroll.envs.parse_action`), turns_B (turns played); done_B (ended
+    reward_BxT, valid_BxT (the action parsed, `esroll.agents.parse_action`), turns_B (turns played); done_B (ended
     by the environment or its turn limit, not cut by `max_turns`); solved_B (the environment's `solved` at the
     end); observations: each row's observation texts, the first one and one per turn; actions: the action texts as the environment read them. return_B: the sum of the
     rewards."""
@@ -138,7 +138,7 @@ def play(
     B, T, A, O = len(envs), max_turns, max_action_tokens, max_observation_tokens
     first = [env.reset(int(seed)) for env, seed in zip(envs, seeds)]
     prompts = [
-        tokenizer.encode(format_prompt(env.instructions, o), add_special_tokens=False) for env, o in zip(envs, first)
+        tokenizer.encode(episode_prompt(env.instructions, o), add_special_tokens=False) for env, o in zip(envs, first)
     ]
     prompt_BxP, prompt_mask_BxP = pad_prompts(prompts, multiple=prompt_multiple, pad_id=pad_id)
     P = prompt_BxP.shape[1]

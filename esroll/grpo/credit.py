@@ -38,7 +38,8 @@ from esroll.grpo.advantages import Group
 from esroll.grpo.estimators.mc_steps import step_values
 from esroll.grpo.method import branch_rewards, estimator_group
 from esroll.report import paired_test
-from esroll.rollout import Sampling, branch, rollout
+from esroll.rollout import Sampling, rollout
+from esroll.steps import branch, with_steps
 
 METHODS = ("grpo", "sas", "verigate", "guae", "ibpo", "graft", "graft_gae", "progpo")
 Z95 = 1.959963984540054
@@ -204,8 +205,9 @@ def measure(
     key = jax.random.key(seed)
     out = rollout(
         task, mesh, params, examples, np.repeat(np.arange(X), M), jax.random.fold_in(key, 0), sampling,
-        completions=True, steps=steps_cfg, step_scores=True,
+        completions=True,
     )  # fmt: skip
+    out = with_steps(out, task, examples, steps_cfg, scored=True)
     rewards = np.asarray(out.reward_B, np.float64).reshape(X, M)
     mask = np.arange(out.tokens_BxN.shape[1])[None, :] < out.length_B[:, None]
     needs = ("logprobs", "steps", "step_scores", "states")

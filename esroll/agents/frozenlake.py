@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from esroll.envs.base import Turn, parse_action, register_env
+from esroll.agents.base import Turn, parse_action, register_env
 from esroll.errors import check_fields
 
 ACTIONS = ("left", "down", "right", "up")  # gymnasium's action ids 0-3, in its order
@@ -45,7 +45,7 @@ class FrozenLakeOptions:
 
 
 class FrozenLake:
-    """One FrozenLake episode at a time (`esroll.envs.base.TextEnv`)."""
+    """One FrozenLake episode at a time (`esroll.agents.base.TextEnv`)."""
 
     actions = ACTIONS
     instructions = "FrozenLake: walk P to G, never onto H. Actions: left, down, right, up."

@@ -2,7 +2,7 @@
 the evaluation that single-turn tasks use.
 
 An episode is a row. Its prompt is the environment's instructions and first observation; its completion is the rest
-of the episode, the model's actions and the environment's answers interleaved (`esroll.multiturn.play`, in one KV
+of the episode, the model's actions and the environment's answers interleaved (`esroll.agents.play`, in one KV
 cache); its reward is the episode's return. The rows of a rollout (`esroll.rollout.rollout`) carry a loss mask that
 is True on the model's tokens only, so GRPO gives the episode's advantage to every action token and none to the
 environment's, and ES scores each member by the mean return of the episodes it played, every member playing the same
@@ -21,8 +21,9 @@ from typing import Any, NamedTuple
 from esroll.config import ConfigError, ExperimentConfig, check_fields
 from esroll.data import Example
 from esroll.data.build import held_out_splits
-from esroll.envs import ENVIRONMENTS, TextEnv
-from esroll.multiturn import format_prompt
+from esroll.agents.base import ENVIRONMENTS, TextEnv
+from esroll.agents.multiturn import episode_prompt
+from esroll.agents.rollout import episodes
 
 HELD_OUT = 1_000_000  # the first held-out episode's seed
 EPISODE = "episode"  # the `Example.task` of an episode row
@@ -44,6 +45,12 @@ class EnvTask(NamedTuple):
         """A fresh environment (one per row: each holds one episode's state)."""
         return ENVIRONMENTS.lookup(self.name)(self.options)
 
+    def rollout(self, task, params, examples, example_B, key, sampling, mesh, deltas=None, member_B=None,
+                scores: bool = False):  # fmt: skip
+        """The rows' episodes as a `esroll.rollout.Rollout` (`esroll.agents.episodes`): what `esroll.rollout.rollout`
+        returns for an agent task."""
+        return episodes(task, params, examples, example_B, key, sampling, mesh, deltas, member_B, scores)
+
     @property
     def max_episode_tokens(self) -> int:
         """The most tokens an episode can hold after its prompt: per turn an action and an answer."""
@@ -62,19 +69,13 @@ def env_task(cfg: ExperimentConfig) -> EnvTask:
 
 def check_config(cfg: ExperimentConfig) -> None:
     """Raise the one-line ConfigError of the first setting an agent run (`env.name` set) cannot work with: a
-    completion too short for an episode, or a method part that reads single-turn answers (label-free votes, reasoning
-    steps, the curriculum's prefixes and clusters); and, without `env.name`, a turn-level estimator."""
-    from esroll.grpo import advantages  # here: esroll.grpo imports esroll.task, which imports this module
-
-    needs = advantages.ESTIMATORS[cfg.grpo.advantage].needs if cfg.grpo.advantage in advantages.ESTIMATORS else ()
+    completion too short for an episode, or a part of the config that reads single-turn answers (label-free votes,
+    reasoning steps, the curriculum's prefixes and clusters). What a method's estimator reads of episodes is the
+    method's check (`esroll.grpo.method.check_config`)."""
     if not cfg.env.name:
-        if cfg.method == "grpo" and "turns" in needs:
-            expected = f"an estimator of single-turn completions without env.name ({cfg.grpo.advantage} reads turns)"
-            raise ConfigError("grpo.advantage", cfg.grpo.advantage, expected)
         return
     ENVIRONMENTS.check(cfg.env.name)
     need = env_task(cfg).max_episode_tokens
-    step_needs = advantages.STEP_NEEDS
     checks = [
         (
             "train.max_new_tokens",
@@ -86,11 +87,6 @@ def check_config(cfg: ExperimentConfig) -> None:
         ("curriculum.ads", not cfg.curriculum.ads, "False with env.name set (episodes have no clusters)"),
         ("curriculum.prefix", not cfg.curriculum.prefix, "False with env.name set (episodes have no solutions)"),
         ("es.step_weight", cfg.es.step_weight == 0, "0 with env.name set (episodes have no reasoning steps)"),
-        (
-            "grpo.advantage",
-            cfg.method != "grpo" or not set(needs) & set(step_needs),
-            "an estimator that reads no reasoning steps with env.name set (turn-level credit is its own estimator)",
-        ),
     ]
     check_fields(cfg, checks, "config")
 
@@ -111,7 +107,7 @@ def splits(cfg: ExperimentConfig) -> tuple[list[Example], list[Example]]:
 
 
 def prompt_reader(env: EnvTask, tokenizer):
-    """examples -> each episode's prompt token ids (`esroll.multiturn.format_prompt` of its first observation, as
+    """examples -> each episode's prompt token ids (`esroll.agents.episode_prompt` of its first observation, as
     `play` writes it), cached by seed."""
     cache: dict[int, list[int]] = {}
 
@@ -121,7 +117,7 @@ def prompt_reader(env: EnvTask, tokenizer):
             seed = e.meta["seed"]
             if seed not in cache:
                 game = env.make()
-                text = format_prompt(game.instructions, game.reset(seed))
+                text = episode_prompt(game.instructions, game.reset(seed))
                 cache[seed] = tokenizer.encode(text, add_special_tokens=False)
             out.append(cache[seed])
         return out

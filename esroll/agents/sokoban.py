@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from esroll.envs.base import Turn, parse_action, register_env
+from esroll.agents.base import Turn, parse_action, register_env
 from esroll.errors import check_fields
 
 ACTIONS = ("up", "down", "left", "right")
@@ -173,7 +173,7 @@ def solve(walls: frozenset[Pos], targets: frozenset[Pos], boxes: frozenset[Pos],
 
 
 class Sokoban:
-    """One Sokoban episode at a time (`esroll.envs.base.TextEnv`)."""
+    """One Sokoban episode at a time (`esroll.agents.base.TextEnv`)."""
 
     actions = ACTIONS
     instructions = "Sokoban: push every $ onto a . target. Actions: up, down, left, right."

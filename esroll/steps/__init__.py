@@ -1,0 +1,17 @@
+"""Reasoning steps of completions (docs/step_level.md): where each step ends, how each is scored, and rollouts
+branched from the end of each.
+
+    segment  `segment`: completions cut into steps, in characters and whole tokens (`Steps`), the one segmentation
+             every step-level method reads
+    verify   step verifiers (`STEP_VERIFIERS`, `register_verifier`; the built-in `equations`)
+    branch   `with_steps`: a rollout's completions cut and scored; `branch`: continuations from the end of each step
+
+Nothing here imports a training method: the step-level estimators live with the method that uses them
+(`esroll.grpo.estimators`), and credit accuracy with them (`esroll.grpo.credit`).
+"""
+
+from esroll.steps.branch import branch, with_steps
+from esroll.steps.segment import Steps, segment, split_text
+from esroll.steps.verify import STEP_VERIFIERS, equations, register_verifier
+
+__all__ = ["STEP_VERIFIERS", "Steps", "branch", "equations", "register_verifier", "segment", "split_text", "with_steps"]

@@ -1,0 +1,80 @@
+"""Reasoning steps of a rollout's completions: cut and scored (`with_steps`), and branched rollouts that continue
+each completion from the end of each of its steps (`branch`), the Monte Carlo step values' and the credit
+reference's samples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from esroll.config import StepsConfig
+from esroll.data import Example
+from esroll.rollout import PAD, Rollout, Sampling, rollout
+from esroll.steps.segment import segment
+from esroll.steps.verify import STEP_VERIFIERS
+
+
+def with_steps(out: Rollout, task, examples, cfg: StepsConfig, scored: bool = False) -> Rollout:
+    """`out` (a rollout with its completions) with each completion cut into reasoning steps by the config section
+    (`segment`: `Rollout.steps`) and, when `scored`, each step scored by its verifier (`esroll.steps.verify`:
+    `Rollout.step_scores_BxS`, NaN past a completion's steps). Computed on the host from the exchanged tokens, so
+    every process gets the same."""
+    if out.tokens_BxN is None:
+        raise ValueError("with_steps: the rollout carries no completions (rollout(..., completions=True))")
+    found = segment(
+        task.tokenizer,
+        out.tokens_BxN,
+        out.length_B,
+        eos_ids=task.eos_ids,
+        boundary=cfg.boundary,
+        max_steps=cfg.max_steps,
+    )
+    scores = None
+    if scored:
+        verifier = STEP_VERIFIERS.lookup(cfg.verifier)
+        scores = np.full((len(out.length_B), cfg.max_steps), np.nan, np.float32)
+        for b, e in enumerate(out.example_B):
+            if e != PAD and found.count_B[b]:
+                scores[b, : found.count_B[b]] = verifier(examples[e], found.text[b])
+    return out._replace(steps=found, step_scores_BxS=scores)
+
+
+def branch(
+    task: Any,
+    mesh: Mesh,
+    params: dict,
+    examples: Sequence[Example],
+    out: Rollout,
+    key: jax.Array,
+    sampling: Sampling,
+    branches: int,
+) -> tuple[Rollout, np.ndarray]:
+    """Branched rollouts: `branches` continuations from the end of each step but the last of each completion of `out`
+    (which carries its steps, `with_steps`), each a `rollout` with the completion through that step as
+    its prefix. Returns the branches (rows in order of (row, step, branch); their rewards score prefix +
+    continuation) and their origin [R, 2] (row of `out`, step). Every process must pass the same arguments; keyed
+    by `key` and each branch's row, so the result does not depend on the mesh."""
+    if out.steps is None:
+        raise ValueError("branch: the rollout carries no steps (with_steps)")
+    origin = [(b, s) for b in range(len(out.length_B)) for s in range(int(out.steps.count_B[b]) - 1)]
+    origin = [o for o in origin for _ in range(branches)]
+    origin_Rx2 = np.array(origin, np.int64).reshape(-1, 2)
+    if not len(origin):
+        return None, origin_Rx2
+    prefixes = [out.tokens_BxN[b, : out.steps.end[b][s]] for b, s in origin]
+    branched = rollout(
+        task,
+        mesh,
+        params,
+        examples,
+        out.example_B[origin_Rx2[:, 0]],
+        key,
+        sampling,
+        completions=True,
+        prefixes=prefixes,
+    )
+    return branched, origin_Rx2
