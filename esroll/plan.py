@@ -159,9 +159,7 @@ class Target:
 
     def masters(self):
         """The master weights as the trainer holds them: abstract, in `model.master_dtype`, split over every device."""
-        return sharding.with_shardings(
-            self.shapes, sharding.master_shardings(self.mesh, self.shapes), self.cfg.model.master_dtype
-        )
+        return sharding.master_copy(self.mesh, self.shapes, self.cfg.model.master_dtype)
 
     def cast(self, params, beside: int) -> Program:
         """The cast of the masters `params` to the decoding copy, compiled (`beside` bytes live next to it)."""

@@ -156,7 +156,7 @@ def _constrain_cache(cache: KVCache | Perturbation, *, cfg, mesh, rows) -> KVCac
     (`Perturbation.tables`) with their blocks over `rows`, each device holding its own rows' table (the rest of
     each factor's layout left to the compiler, which follows the deltas')."""
     if isinstance(cache, Perturbation):
-        return cache._replace(deltas=_constrain_tables(cache.deltas, mesh, rows))
+        return cache._replace(deltas=constrain_tables(cache.deltas, mesh, rows))
     row_names = rows if isinstance(rows, tuple) else (rows,)
     split = cfg.num_kv_heads % mesh.shape[MODEL_AXIS] == 0 and MODEL_AXIS not in row_names
     heads = MODEL_AXIS if split else None
@@ -165,8 +165,9 @@ def _constrain_cache(cache: KVCache | Perturbation, *, cfg, mesh, rows) -> KVCac
     return KVCache(at(cache.k, *spec), at(cache.v, *spec), valid_BxS=at(cache.valid_BxS, rows, None), index=cache.index)
 
 
-def _constrain_tables(deltas: dict, mesh, rows) -> dict:
-    """Tables [G, U, ...] (layer-stacked [L, G, U, ...]) with G over `rows`, the other axes unconstrained."""
+def constrain_tables(deltas: dict, mesh, rows) -> dict:
+    """Member tables' deltas (`Perturbation.tables`) [G, U, ...] (layer-stacked [L, G, U, ...]) with G over `rows`,
+    the other axes unconstrained: where `generate` places them under GSPMD."""
     free = PartitionSpec.UNCONSTRAINED
 
     def at(path, x):

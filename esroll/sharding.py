@@ -139,6 +139,12 @@ def decoding_copy(mesh: Mesh, params: dict, dtype) -> dict:
     return with_shardings(params, compute_shardings(mesh, params), dtype)
 
 
+def master_copy(mesh: Mesh, params: dict, dtype) -> dict:
+    """ShapeDtypeStructs of the master parameters of `params`' shapes: `dtype` (`model.master_dtype`), laid out by
+    the master rules, as the trainer holds them."""
+    return with_shardings(params, master_shardings(mesh, params), dtype)
+
+
 @functools.cache
 def caster(mesh: Mesh, dtype: str):
     """A jitted map from master parameters to the decoding copy: cast to `dtype` and laid out by the compute rules

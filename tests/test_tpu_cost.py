@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("libtpu")
 
-from experiments.benchmarks import tpu_cost
+from experiments.benchmarks import _tpu_hlo, _tpu_programs, tpu_cost
 
 PROGRAMS = ("decode_plain", "decode_perturbed", "prefill", "tell", "update")
 
@@ -107,14 +107,14 @@ def test_decode_layer_body_reads_each_layers_cache_where_it_lies(perturbed):
     bytes)."""
     import dataclasses
 
-    t = tpu_cost._Target(dataclasses.replace(tpu_cost.CASES["0.6b"], rows_per_device=8))
-    rows = tpu_cost.breakdown(t.lower_decode(4, perturbed).compile().as_text())
+    t = _tpu_programs.CaseTarget(dataclasses.replace(_tpu_programs.CASES["0.6b"], rows_per_device=8))
+    rows = _tpu_hlo.breakdown(t.lower_decode(4, perturbed).compile().as_text())
     layer_kv = t.cache_bytes(t.slots) // (2 * t.model_cfg.num_layers)  # one layer's keys (or values), per chip
 
     def cache_slice(shape: str) -> bool:  # one layer's keys or values: an array [.., S, .., H] of layer_kv bytes
-        found = tpu_cost._SHAPE.search(shape)
+        found = _tpu_hlo.SHAPE.search(shape)
         dims = [int(d) for d in found.group(2).split(",") if d] if found else []
-        return {t.slots, t.model_cfg.head_dim} <= set(dims) and tpu_cost._shapes_bytes(found.group(0)) == layer_kv
+        return {t.slots, t.model_cfg.head_dim} <= set(dims) and _tpu_hlo.shapes_bytes(found.group(0)) == layer_kv
 
     assert max(r["bytes"] for r in rows) >= layer_kv
     copies = [r["name"] for r in rows if "dynamic-slice" in r["ops"] + [r["opcode"]] and cache_slice(r["shape"])]

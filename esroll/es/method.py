@@ -139,7 +139,7 @@ def decode_rows(cfg: ExperimentConfig, model_cfg, prompt_len: int, mesh) -> int:
     """The rows each device decodes at once in an ES step (`esroll.memory.rows_per_device`): beside the masters,
     the optimizer state and the decoding copy, as the config lays them out on `mesh`."""
     shapes = abstract_params(model_cfg)
-    params = sharding.with_shardings(shapes, sharding.master_shardings(mesh, shapes), cfg.model.master_dtype)
+    params = sharding.master_copy(mesh, shapes, cfg.model.master_dtype)
     optimizer = make_optimizer(cfg.optimizer)
     train = es.trainable(cfg.es_config, params)
     state = sharding.with_shardings(

@@ -1,7 +1,11 @@
 """Will an ES step fit? Its five programs compiled for the target's devices (`esroll.plan`): `cast` (master weights
 → the decoding copy), `ask` (this step's low-rank factors), `generate` (one chunk of the population's rows,
 perturbed), `tell` (estimate and optimizer update of the masters, donated), and held-out evaluation's `generate`
-(greedy, unperturbed)."""
+(greedy, unperturbed).
+
+`trainer_strategy`, `abstract_state` and `abstract_deltas` build the step's abstract ES state and member deltas with
+the trainer's shardings; other ahead-of-time compilations of ES programs (`experiments.benchmarks.tpu_cost`) use
+them too."""
 
 from __future__ import annotations
 
@@ -9,11 +13,30 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from esroll import parallel, sharding
+from esroll import es, parallel, sharding
 from esroll.config import ExperimentConfig
 from esroll.es import method as es_method
 from esroll.models import ModelConfig
 from esroll.plan import Plan, Target, compile_program
+
+
+def trainer_strategy(cfg: ExperimentConfig, mesh: Mesh) -> es.Strategy:
+    """The strategy with jitted ask / tell the trainer runs for `cfg` on `mesh` (`es_method.compiled_strategy`)."""
+    return es_method.compiled_strategy(es_method.strategy_config(cfg.es_config), cfg.optimizer, mesh)
+
+
+def abstract_state(cfg: ExperimentConfig, mesh: Mesh, params, key) -> es.ESState:
+    """The ES state the trainer's strategy starts from for the abstract masters `params` and `key`: abstract, laid
+    out as the trainer lays it out (`es_method.state_shardings`)."""
+    state = jax.eval_shape(trainer_strategy(cfg, mesh).init, params, key)
+    return sharding.with_shardings(state, es_method.state_shardings(cfg.es_config, cfg.optimizer, mesh, params))
+
+
+def abstract_deltas(cfg: ExperimentConfig, mesh: Mesh, state: es.ESState, compute) -> dict:
+    """A step's member deltas (the trainer's `ask` of the abstract `state` for the decoding copy `compute`):
+    abstract, laid out as `ask` lays them out (following the weights' compute shardings)."""
+    deltas = jax.eval_shape(trainer_strategy(cfg, mesh).ask, state, compute)
+    return sharding.with_shardings(deltas, sharding.delta_shardings(mesh, deltas, compute))
 
 
 def plan_es(
@@ -32,16 +55,12 @@ def plan_es(
     and, when `shrink` and the compiled step does not fit, halved until it does (down to 1 row).
     """
     t = Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
-    es_cfg = cfg.es_config
     params = t.masters()
-    strategy = es_method.compiled_strategy(es_method.strategy_config(es_cfg), cfg.optimizer, mesh)
-    state = sharding.with_shardings(
-        jax.eval_shape(strategy.init, params, t.key), es_method.state_shardings(es_cfg, cfg.optimizer, mesh, params)
-    )
+    strategy = trainer_strategy(cfg, mesh)
+    state = abstract_state(cfg, mesh, params, t.key)
     resident = t.resident(params, state)
     masters_and_state = resident["masters"] + resident["optimizer state"]
-    deltas = jax.eval_shape(strategy.ask, state, t.compute)
-    deltas = sharding.with_shardings(deltas, sharding.delta_shardings(mesh, deltas, t.compute))
+    deltas = abstract_deltas(cfg, mesh, state, t.compute)
     fitness = jax.ShapeDtypeStruct((cfg.es.population,), jnp.float32, sharding=parallel.replicated(mesh))
     programs = [
         t.cast(params, resident["optimizer state"]),

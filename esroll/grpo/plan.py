@@ -1,7 +1,10 @@
 """Will a GRPO step fit? Its programs compiled for the target's devices (`esroll.plan`): the cast of the sharded
 masters to the decoding copy, sampling the step's X·G completions (`generate`, in chunks as for ES), one optimizer
 update on one minibatch (`esroll.grpo.make_update`: gradient accumulated over its microbatches), and evaluation's
-`generate`."""
+`generate`.
+
+`abstract_state` builds the abstract GRPO state with the trainer's shardings; other ahead-of-time compilations of
+GRPO's update (`experiments.benchmarks.tpu_cost`) use it too."""
 
 from __future__ import annotations
 
@@ -11,11 +14,18 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import parallel, sharding
-from esroll.config import ExperimentConfig, make_optimizer
+from esroll.config import ExperimentConfig, GRPOConfig, OptimConfig, make_optimizer
 from esroll.grpo import method as grpo_method
-from esroll.grpo.update import Rollouts, init_state, make_update, state_shardings, update_config
+from esroll.grpo.update import GRPOState, Rollouts, init_state, make_update, state_shardings, update_config
 from esroll.models import ModelConfig
 from esroll.plan import Plan, Target, compile_program
+
+
+def abstract_state(g: GRPOConfig, optim: OptimConfig, mesh: Mesh, params) -> GRPOState:
+    """The GRPO state `init_state` makes for the abstract masters `params`: abstract, laid out as the trainer lays it
+    out (`state_shardings`)."""
+    state = jax.eval_shape(functools.partial(init_state, g, make_optimizer(optim)), params)
+    return sharding.with_shardings(state, state_shardings(g, optim, mesh, params))
 
 
 def plan_grpo(
@@ -33,8 +43,7 @@ def plan_grpo(
     t = Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
     g = cfg.grpo
     params = t.masters()
-    make_state = functools.partial(init_state, g, make_optimizer(cfg.optimizer))
-    state = sharding.with_shardings(jax.eval_shape(make_state, params), state_shardings(g, cfg.optimizer, mesh, params))
+    state = abstract_state(g, cfg.optimizer, mesh, params)
     resident = t.resident(params, state)
     masters_and_state = resident["masters"] + resident["optimizer state"]
     rows, N = grpo_method.rows_per_step(cfg), cfg.train.max_new_tokens
