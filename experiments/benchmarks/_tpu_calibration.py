@@ -19,6 +19,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from esroll import es, sharding
+from esroll.es import estimators
 from esroll.config import make_optimizer
 from esroll.models import STACKED
 from experiments.benchmarks._tpu_programs import DATA, CaseTarget, sds, tree_shardings
@@ -81,7 +82,7 @@ def lower_tell(t: CaseTarget):
     masters = t.masters(t.model_cfg, t.cfg.model.master_dtype)
     state = t.es_state(masters)
     train = es.trainable(es_cfg, masters)
-    directions, rank = es_cfg.num_directions, es_cfg.rank
+    directions, rank = estimators.num_directions(es_cfg.method, es_cfg.population), es_cfg.rank
     optimizer = make_optimizer(t.cfg.optimizer)
 
     def factor(x, side):  # [L, E, n, r] (stacked) or [E, n, r]: n the master's in (side 0) or out (1) axis

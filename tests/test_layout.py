@@ -1,0 +1,125 @@
+"""The layout's rules, read from the source: no import circle among esroll's modules, no module of `esroll/` or
+`experiments/` over 450 lines, and no environment or reasoning-step module that reaches a training method."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+PACKAGE = REPO / "esroll"
+MAX_LINES = 450
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported(name: str, path: Path) -> set[str]:
+    """The esroll modules `name` imports anywhere in its file (function bodies included: an import deferred into a
+    function still ties the two modules), each resolved to the module itself: `from esroll.grpo import advantages`
+    is the module `esroll.grpo.advantages`, `from esroll.grpo import Group` the package `esroll.grpo`. Imports under
+    `if TYPE_CHECKING:` do not run, and are left out."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for child in node.body
+        for n in ast.walk(child)
+    }
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: imported(name, path) for name, path in MODULES.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` as [a, b, ..., a], or None (depth-first search, iterative)."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    for root in sorted(graph):
+        if state.get(root):
+            continue
+        path, stack = [root], [iter(sorted(graph[root]))]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph[nxt])))
+    return None
+
+
+def reachable(name: str) -> set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        for m in GRAPH[todo.pop()]:
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_graph_sees_the_imports_it_must():
+    """The reader resolves both spellings of an import: `from esroll.grpo import method` is the module, and a name
+    taken from a package is the package."""
+    assert "esroll.grpo.method" in GRAPH["esroll.methods"] and "esroll.es.plan" in GRAPH["esroll.methods"]
+    assert "esroll.agents" in GRAPH["esroll.task"]
+
+
+def test_no_import_cycle_among_esrolls_modules():
+    assert find_cycle(GRAPH) is None, " -> ".join(find_cycle(GRAPH))
+
+
+@pytest.mark.parametrize("package", ["esroll.agents", "esroll.steps"])
+def test_environments_and_steps_reach_no_training_method(package):
+    """Nothing an environment or a reasoning-step module imports, directly or through others, is a training method's
+    code: what an estimator reads of episodes or steps is checked by the method that owns it."""
+    for name in (m for m in MODULES if m == package or m.startswith(package + ".")):
+        methods = sorted(
+            m for m in reachable(name) | {name} if m.split(".")[:2] in (["esroll", "grpo"], ["esroll", "es"])
+        )
+        assert not methods, f"{name} reaches {methods}"
+
+
+def test_no_module_is_over_450_lines():
+    long = {
+        str(p.relative_to(REPO)): n
+        for folder in ("esroll", "experiments")
+        for p in sorted((REPO / folder).rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, long
