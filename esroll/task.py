@@ -71,10 +71,13 @@ class StepOutput(NamedTuple):
 
 class Method(NamedTuple):
     """A training method: its initial state, init(params, key) -> state, and one step,
-    step(params, state, examples, step_index) -> `StepOutput`."""
+    step(params, state, examples, step_index) -> `StepOutput`. `headline` names the metric of every step's
+    `StepOutput.metrics` that sums the step up (what the progress bar shows beside held-out accuracy): ES the mean
+    fitness of its members, GRPO the mean reward of its samples."""
 
     init: Callable[[dict, jax.Array], Any]
     step: Callable[[dict, Any, list[Example], int], StepOutput]
+    headline: str
 
 
 def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Example], mesh=None) -> tuple[Task, dict]:

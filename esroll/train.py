@@ -188,7 +188,7 @@ def train_and_evaluate(
         bar.update(min(dt, budget - bar.n) if budget else 1)
         bar.set_postfix(
             step=step,
-            fitness=f"{m['fitness_mean']:.3f}",
+            **{method.headline: f"{m[method.headline]:.3f}"},
             acc="-" if acc is None else f"{acc:.3f}",
             tok_s=f"{n_tokens / dt:.0f}",
         )

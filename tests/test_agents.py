@@ -300,7 +300,7 @@ def test_agent_comparison_quick_pairs_every_arm_with_grpo(tmp_path):
     run_comparison(comp, tmp_path, mesh_devices=1, progress=False)
     gigpo = json.loads((tmp_path / "gigpo" / "seed1" / "config.json").read_text())
     assert gigpo["grpo"]["advantage"] == "gigpo" and gigpo["data"]["eval_split"] == "test"
-    steps = [r for r in read_metrics(tmp_path / "gigpo" / "seed0" / "metrics.jsonl") if "fitness_mean" in r]
+    steps = [r for r in read_metrics(tmp_path / "gigpo" / "seed0" / "metrics.jsonl") if "reward_mean" in r]
     assert steps and all("gigpo_anchor_share" in r and "episode_solved" in r for r in steps)
     with open(write_report(tmp_path)["results_csv"]) as f:
         results = {r["method"]: r for r in csv.DictReader(f)}

@@ -162,7 +162,7 @@ def test_an_mc_steps_step_counts_its_branches(steps_task):
     assert rows > 0 and rows % cfg.steps.branches == 0
     assert rows <= mc.tokens - plain.tokens <= rows * N  # each branch generates at least one token
     assert mc.metrics["flops_generate"] > plain.metrics["flops_generate"]
-    assert mc.metrics["fitness_mean"] == plain.metrics["fitness_mean"]
+    assert mc.metrics["reward_mean"] == plain.metrics["reward_mean"]
     assert mc.metrics["grad_norm"] != plain.metrics["grad_norm"]
 
 

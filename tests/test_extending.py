@@ -17,6 +17,7 @@ import pytest
 
 from conftest import REPO, SHIPPED_MODEL
 from esroll import rewards
+from esroll.agents import ENVIRONMENTS, make_env
 from esroll.es import estimators, shaping
 from esroll.grpo import advantages
 from esroll.grpo import variants as grpo_variants
@@ -60,7 +61,7 @@ def run_section(title: str, folder) -> dict:
 def registries(tmp_path, monkeypatch):
     """A folder to run in, on sys.path; every registry, and the modules the folder's files become, restored after."""
     registries = (TASKS, rewards.REWARDS, shaping.SHAPINGS, advantages.ESTIMATORS, grpo_variants.VARIANTS)
-    registries += (estimators.ESTIMATORS,)
+    registries += (estimators.ESTIMATORS, ENVIRONMENTS)
     saved = [(registry, dict(registry)) for registry in registries]
     saved += [(registry.options, dict(registry.options)) for registry in registries]
     monkeypatch.chdir(tmp_path)
@@ -94,7 +95,7 @@ def check_trained(folder, run: str) -> list[dict]:
 def test_the_page_has_one_example_per_extension_point():
     found = sections()
     titles = ("A task", "A reward", "A group-advantage estimator (GRPO)", "A GRPO variant", "A fitness shaping (ES)")
-    titles += ("An ES estimator",)
+    titles += ("An ES estimator", "An environment")
     for title in titles:
         assert len(found[title]) == 2, title  # the registration, then a run that uses it
     assert [block_file(b) for b in found["A task"]] == ["my_tasks.py", None]
@@ -221,6 +222,22 @@ def test_es_estimator_example(registries):
     assert int(w.num_dropped) == 2 and int(w.num_nonfinite) == 1
     direction_M, sign_M = estimators.member_directions("ranked_pairs", 4)
     assert direction_M.tolist() == [0, 0, 1, 1] and sign_M.tolist() == [1.0, -1.0, 1.0, -1.0]
+
+
+def test_environment_example(registries):
+    """The page's environment, registered from outside the library, trains by name; its episodes follow the protocol
+    worked by hand: seed 5 on a corridor of 4 starts P on tile 5 mod 3 = 2, one step right stands on G (reward 1,
+    solved, done); a malformed action is a penalised no-op."""
+    run_section("An environment", registries)
+    check_trained(registries, "corridor")
+    env = make_env("corridor", {"length": 4})
+    assert env.reset(5) == "FFPG"
+    turn = env.step("wrong move")
+    assert (turn.observation, turn.reward, turn.done, turn.valid) == ("FFPG", -0.1, False, False)
+    turn = env.step("right")
+    assert (turn.observation, turn.reward, turn.done, turn.valid) == ("FFFP", 1.0, True, True) and env.solved
+    steps = [r for r in metrics(registries / "runs" / "corridor") if "tokens_per_s" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(0 <= r["valid_actions"] <= 1 for r in steps)
 
 
 def test_an_unregistered_task_is_refused_from_the_command_line(registries):

@@ -199,7 +199,7 @@ def test_first_update_has_ratio_exactly_one():
     state = method.init(params, jax.random.key(0))
     examples = get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, 0)
     new_params, state, metrics, *_ = method.step(params, state, examples, 0)
-    assert 0 < metrics["fitness_mean"] < 1 and metrics["frac_groups_all_equal"] < 1  # some advantage is nonzero
+    assert 0 < metrics["reward_mean"] < 1 and metrics["frac_groups_all_equal"] < 1  # some advantage is nonzero
     assert float(metrics["clip_fraction"]) == 0.0 and float(metrics["grad_norm"]) > 0
     assert abs(float(metrics["kl"])) < 1e-6
     for leaf in (new_params["layers"]["gate"], state.opt_state[1][0].mu["layers"]["gate"], state.ref_params["embed"]):
@@ -229,7 +229,7 @@ def test_sharded_equals_unsharded(tmp_path):
         compared += solid.sum()
     assert compared > 0.8 * sum(x.size for x in jax.tree.leaves(initial))
     rec = [json.loads((tmp_path / d / "metrics.jsonl").read_text().splitlines()[1]) for d in ("one", "eight")]
-    assert rec[0]["fitness_mean"] == rec[1]["fitness_mean"] and rec[0]["frac_groups_all_equal"] < 1
+    assert rec[0]["reward_mean"] == rec[1]["reward_mean"] and rec[0]["frac_groups_all_equal"] < 1
     np.testing.assert_allclose(rec[0]["grad_norm"], rec[1]["grad_norm"], rtol=1e-5)
     np.testing.assert_allclose(rec[0]["loss"], rec[1]["loss"], atol=1e-6)  # ≈ 0 at ρ = 1: advantages are centred
     assert rec[1]["clip_fraction"] == 0.0
@@ -254,8 +254,8 @@ def test_resume_is_exact(tmp_path):
     assert steps[0]["bv_blend_weight"] == 0 and steps[-1]["bv_blend_weight"] > 0  # history builds up and is used
     assert [r["stare_open"] for r in steps] == [0, 1, 1, 1] and steps[-1]["stare_tokens"] > 0
     keys = {
-        "fitness_mean",
-        "fitness_std",
+        "reward_mean",
+        "reward_std",
         "loss",
         "kl",
         "clip_fraction",
@@ -504,7 +504,7 @@ def test_stare_switch_in_the_step():
         return jax.device_get((out.params, out.state.opt_state)), out.state.host, metrics
 
     plain, plain_host, plain_m = step()
-    assert plain_host is None and 0 < plain_m["fitness_mean"] < 1 and plain_m["grad_norm"] > 0
+    assert plain_host is None and 0 < plain_m["reward_mean"] < 1 and plain_m["grad_norm"] > 0
     options = StareOptions(quantile=0.5, alpha=1.0, entropy_low=50.0, entropy_high=60.0)
     off, off_host, off_m = step(variant_options=Options(stare=options))
     chex.assert_trees_all_equal(off, plain)

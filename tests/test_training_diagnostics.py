@@ -36,7 +36,7 @@ def run_config(variant: str, method: str | None = None, **train):
 
 def run(tmp_path, name: str, variant: str, method: str | None = None, **train):
     out = train_and_evaluate(run_config(variant, method, **train), tmp_path / name, progress=False)
-    steps = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["step"] > 0 and "fitness_mean" in r]
+    steps = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["step"] > 0 and "tokens_per_s" in r]
     return jax.device_get(out["params"]), steps
 
 
@@ -150,7 +150,7 @@ def test_the_ledger_adds_up_and_survives_a_resume(tmp_path, looroll_off):
     records = {}
     for name, folder in (("full", straight / "off"), ("split", tmp_path / "split")):
         rows = read_metrics(folder / "metrics.jsonl")
-        records[name] = [r for r in rows if r["step"] > 0 and "fitness_mean" in r]
+        records[name] = [r for r in rows if r["step"] > 0 and "tokens_per_s" in r]
     assert [r["step"] for r in records["split"]] == [1, 2]
     assert [r["flops"] for r in records["full"]] == [r["flops"] for r in records["split"]]
     total = 0

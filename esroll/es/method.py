@@ -279,4 +279,4 @@ def make_es_method(
         flops = generate_flops + update_flops
         return StepOutput(params, state, {**metrics, **extra}, int(out.length_B.sum()), prompt_reward, flops)
 
-    return Method(init, step)
+    return Method(init, step, headline="fitness_mean")

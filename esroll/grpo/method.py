@@ -369,8 +369,8 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         generate_flops = ledger.rollout_flops(task.cfg, out.prompt_BxP.shape[1], out.length_B) + branch_flops
         metrics.update(
             update_metrics,
-            fitness_mean=rewards_XxM.mean(),
-            fitness_std=rewards_XxM.std(),
+            reward_mean=rewards_XxM.mean(),
+            reward_std=rewards_XxM.std(),
             advantage_abs=_mean_abs(estimate.advantage, mask_BxN),
             s_rollout=out.seconds["generate"],
             s_scoring=out.seconds["score"],
@@ -389,7 +389,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         flops = generate_flops + update_flops
         return StepOutput(params, state, metrics, int(out.length_B.sum()) + branch_tokens, prompt_reward, flops)
 
-    return Method(init, step)
+    return Method(init, step, headline="reward_mean")
 
 
 def make_policy_gradient(cfg: ExperimentConfig, task: Task, mesh: Mesh):
