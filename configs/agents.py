@@ -22,7 +22,7 @@ wall time (`train.time_budget_s`), evaluation excluded. Every other key starts a
 from esroll.experiment import default_config
 
 ENVS = {"frozenlake": "FrozenLake 4 × 4, 8 turns", "sokoban": "Sokoban 6 × 6, one box, 10 turns"}
-METHODS = {"looroll": "LOO-ROLL", "eggroll": "antithetic EGGROLL", "grpo": "GRPO on the episode return"}
+METHOD_PARTS = {"looroll": "LOO-ROLL", "eggroll": "antithetic EGGROLL", "grpo": "GRPO on the episode return"}
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)"}
 # The room an episode takes in the model's context: per turn an action of at most 4 tokens (the end token included)
 # and an answer of at most 24, the room the agent model was built with (`experiments.pretrain_agent`: its tokenizer
@@ -32,12 +32,12 @@ ACTION_TOKENS, OBSERVATION_TOKENS = 4, 24
 
 def get_config(arg: str | None = None):
     parts = [p.strip() for p in (arg or "frozenlake").split(",") if p.strip()]
-    unknown = [p for p in parts if p not in ENVS and p not in METHODS and p not in MODIFIERS]
-    envs, methods = [p for p in parts if p in ENVS], [p for p in parts if p in METHODS]
+    unknown = [p for p in parts if p not in ENVS and p not in METHOD_PARTS and p not in MODIFIERS]
+    envs, methods = [p for p in parts if p in ENVS], [p for p in parts if p in METHOD_PARTS]
     if unknown or len(envs) > 1 or len(methods) > 1 or len(set(parts)) != len(parts):
         raise ValueError(
             f"configs/agents.py: variant {arg!r} must name at most one environment ({', '.join(ENVS)}), at most one "
-            f"method ({', '.join(METHODS)}) and modifiers ({', '.join(MODIFIERS)}), comma-separated, each once"
+            f"method ({', '.join(METHOD_PARTS)}) and modifiers ({', '.join(MODIFIERS)}), comma-separated, each once"
         )
     env = envs[0] if envs else "frozenlake"
     method = methods[0] if methods else "looroll"

@@ -42,7 +42,7 @@ from ml_collections import ConfigDict
 
 from configs import default, gsm8k_qwen3
 
-METHODS = ("looroll", "eggroll", "grpo")
+METHOD_PARTS = ("looroll", "eggroll", "grpo")
 VARIANTS = {
     "default": "the shipped tiny model on 2-digit addition: 3 methods × 3 seeds × 150 s on 2 CPU cores",
     "quick": "seconds per run, for the test suite (looroll and eggroll, 2 seeds)",
@@ -239,7 +239,7 @@ def get_config(arg: str | None = None) -> ConfigDict:
     task, _, size = arg.partition("_qwen3_")
     if task in ("gsm8k", "countdown") and size in gsm8k_qwen3.SIZES:
         suffix = ",countdown" if task == "countdown" else ""
-        c = _comparison({m: gsm8k_qwen3.get_config(f"{size},{m}{suffix}") for m in METHODS})
+        c = _comparison({m: gsm8k_qwen3.get_config(f"{size},{m}{suffix}") for m in METHOD_PARTS})
         c.time_budget_s = 3600.0 if size in ("0.6b", "1.7b") else 7200.0
         return c
     raise ValueError(

@@ -23,7 +23,7 @@ The measured gains over 3 seeds are in docs/results/step_level.md. Every other k
 
 from esroll.experiment import default_config
 
-METHODS = {
+METHOD_PARTS = {
     "grpo": "GRPO with group-normalised advantages",
     "looroll": "LOO-ROLL",
     "mc_steps": "GRPO with Monte Carlo step values (VinePPO)",
@@ -35,17 +35,17 @@ METHODS = {
     "graft_gae": "GRPO with Graph GAE on GRAFT's state graph",
     "progpo": "GRPO with ProGPO's exact-prefix comparison and transition credit",
 }
-ESTIMATOR_VARIANTS = tuple(m for m in METHODS if m not in ("grpo", "looroll"))  # GRPO, grpo.advantage = m
+ESTIMATOR_VARIANTS = tuple(m for m in METHOD_PARTS if m not in ("grpo", "looroll"))  # GRPO, grpo.advantage = m
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)", "hard": "5 operands instead of 3 or 4"}
 
 
 def get_config(arg: str | None = None):
     parts = [p.strip() for p in (arg or "grpo").split(",") if p.strip()]
-    methods = [p for p in parts if p in METHODS]
-    unknown = [p for p in parts if p not in METHODS and p not in MODIFIERS]
+    methods = [p for p in parts if p in METHOD_PARTS]
+    unknown = [p for p in parts if p not in METHOD_PARTS and p not in MODIFIERS]
     if unknown or len(methods) != 1 or len(set(parts)) != len(parts):
         raise ValueError(
-            f"configs/step_level.py: variant {arg!r} must name one method ({', '.join(METHODS)}) and optionally "
+            f"configs/step_level.py: variant {arg!r} must name one method ({', '.join(METHOD_PARTS)}) and optionally "
             f"modifiers ({', '.join(MODIFIERS)}), comma-separated, each once"
         )
     (method,) = methods

@@ -103,7 +103,10 @@ def check_names(cfg: ExperimentConfig) -> ExperimentConfig:
         ),
     ]
     check_fields(cfg, checks, "config")
-    for prefix, check, section in (("es.", strategy.check_names, cfg.es), ("grpo.", grpo.check_names, cfg.grpo)):
+    for prefix, check, section in (
+        ("es.", strategy.check_es_names, cfg.es),
+        ("grpo.", grpo.check_grpo_names, cfg.grpo),
+    ):
         try:
             check(section)
         except ConfigError as e:

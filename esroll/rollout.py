@@ -76,7 +76,7 @@ class Rollout(NamedTuple):
     seconds: dict[str, float] | None = None  # wall time of the phases: "generate" (decoding), "score" (rewards)
     prefix_B: np.ndarray | None = None  # [B] int32 (with prefixes): tokens of each completion given, not generated
     steps: Any = None  # `esroll.steps.Steps` (`esroll.steps.with_steps`): each completion's reasoning steps
-    step_scores_BxS: np.ndarray | None = None  # [B, S] (with step_scores): each step's verifier score, NaN past them
+    step_scores_BxJ: np.ndarray | None = None  # [B, J] (with step_scores): each step's verifier score, NaN past them
     loss_mask_BxN: np.ndarray | None = None  # [B, N] bool (episodes): the model's own tokens; None: every generated one
     metrics: dict[str, float] | None = None  # what the rollout itself logs (episodes: solved, turns, valid actions)
     turns: Any = None  # `esroll.agents.Turns` (episodes): each episode's turns: action spans, rewards, states
@@ -211,18 +211,18 @@ def rollout(
         columns += [tokens, logprobs]
     scored_s = time.perf_counter()
     table = parallel.gather_to_all(np.concatenate(columns, 1, dtype=np.float64), idx, rows)[:B]
-    S = len(names)
-    A = S + 1 + int(answers)  # where the tokens start
+    n_scores = len(names)
+    at = n_scores + 1 + int(answers)  # where the tokens start
     out = Rollout(
         example_B=example_B[:B],
         prompt_BxP=prompt_BxP[:B],
         prompt_mask_BxP=prompt_mask_BxP[:B],
         reward_B=table[:, 0].astype(np.float32),
-        length_B=table[:, S].astype(np.int32),
-        tokens_BxN=table[:, A : A + N].astype(np.int32) if completions else None,
-        logprobs_BxN=table[:, A + N :].astype(np.float32) if completions else None,
+        length_B=table[:, n_scores].astype(np.int32),
+        tokens_BxN=table[:, at : at + N].astype(np.int32) if completions else None,
+        logprobs_BxN=table[:, at + N :].astype(np.float32) if completions else None,
         scores={name: table[:, i].astype(np.float32) for i, name in enumerate(names)} if scores else None,
-        answer_B=table[:, S + 1].astype(np.int64) if answers else None,
+        answer_B=table[:, n_scores + 1].astype(np.int64) if answers else None,
         seconds={"generate": generated_s - start_s, "score": scored_s - generated_s},
         prefix_B=None if prefixes is None else prefix_B[:B],
     )

@@ -10,7 +10,7 @@ Memory: the output head runs on the completion positions only, `chunk` positions
 no [B, T, V] logits buffer is ever held, in the forward or in the backward pass.
 
 Shape letters (see `esroll`): B rows, P padded prompt length, N completion tokens, T positions (P + N), D model width,
-V vocabulary.
+V vocabulary, C chunks of the completion tokens, Z tokens per chunk.
 """
 
 from __future__ import annotations
@@ -91,35 +91,35 @@ def _completion_logprobs(
     `chunk` positions (a `lax.map`; N is zero-padded up to a multiple, and the padding sliced off). Each chunk runs
     under `jax.checkpoint`, so only its hidden states and outputs outlive it."""
     B, N, D = hidden_BxNxD.shape
-    C = max(1, min(chunk, N))
-    n_chunks = -(-N // C)
-    pad = n_chunks * C - N
+    Z = max(1, min(chunk, N))  # the length of a chunk
+    C = -(-N // Z)  # chunks
+    pad = C * Z - N
     hidden_BxNxD = jnp.pad(hidden_BxNxD, ((0, 0), (0, pad), (0, 0)))
     tokens_BxN = jnp.pad(tokens_BxN, ((0, 0), (0, pad)))
-    hidden_KxBxCxD = hidden_BxNxD.reshape(B, n_chunks, C, D).swapaxes(0, 1)
-    tokens_KxBxC = tokens_BxN.reshape(B, n_chunks, C).swapaxes(0, 1)
+    hidden_CxBxZxD = hidden_BxNxD.reshape(B, C, Z, D).swapaxes(0, 1)
+    tokens_CxBxZ = tokens_BxN.reshape(B, C, Z).swapaxes(0, 1)
 
     @jax.checkpoint
     def one_chunk(xs):
-        h_BxCxD, tokens_BxC = xs
-        logits_BxCxV = head(cfg, params, h_BxCxD, perturb)
-        lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
-        token_logit_BxC = jnp.take_along_axis(logits_BxCxV, tokens_BxC[..., None], -1)[..., 0]
+        h_BxZxD, tokens_BxZ = xs
+        logits_BxZxV = head(cfg, params, h_BxZxD, perturb)
+        lse_BxZ = jax.nn.logsumexp(logits_BxZxV, axis=-1)
+        token_logit_BxZ = jnp.take_along_axis(logits_BxZxV, tokens_BxZ[..., None], -1)[..., 0]
         if not with_entropy:
-            return token_logit_BxC - lse_BxC, None
+            return token_logit_BxZ - lse_BxZ, None
         # H = logsumexp(z) - Σ softmax(z)·z, of the logits without their gradient (a metric).
-        logits_BxCxV = jax.lax.stop_gradient(logits_BxCxV)
-        sg_lse_BxC = jax.lax.stop_gradient(lse_BxC)
-        probs_BxCxV = jnp.exp(logits_BxCxV - sg_lse_BxC[..., None])
-        entropy_BxC = sg_lse_BxC - jnp.sum(probs_BxCxV * logits_BxCxV, axis=-1)
-        return token_logit_BxC - lse_BxC, entropy_BxC
+        logits_BxZxV = jax.lax.stop_gradient(logits_BxZxV)
+        sg_lse_BxZ = jax.lax.stop_gradient(lse_BxZ)
+        probs_BxZxV = jnp.exp(logits_BxZxV - sg_lse_BxZ[..., None])
+        entropy_BxZ = sg_lse_BxZ - jnp.sum(probs_BxZxV * logits_BxZxV, axis=-1)
+        return token_logit_BxZ - lse_BxZ, entropy_BxZ
 
-    if n_chunks == 1:
-        logprobs_KxBxC, entropy_KxBxC = jax.tree.map(lambda y: y[None], one_chunk((hidden_KxBxCxD[0], tokens_KxBxC[0])))
+    if C == 1:
+        logprobs_CxBxZ, entropy_CxBxZ = jax.tree.map(lambda y: y[None], one_chunk((hidden_CxBxZxD[0], tokens_CxBxZ[0])))
     else:
-        logprobs_KxBxC, entropy_KxBxC = jax.lax.map(one_chunk, (hidden_KxBxCxD, tokens_KxBxC))
+        logprobs_CxBxZ, entropy_CxBxZ = jax.lax.map(one_chunk, (hidden_CxBxZxD, tokens_CxBxZ))
 
-    def unchunk(y_KxBxC):
-        return y_KxBxC.swapaxes(0, 1).reshape(B, n_chunks * C)[:, :N]
+    def unchunk(y_CxBxZ):
+        return y_CxBxZ.swapaxes(0, 1).reshape(B, C * Z)[:, :N]
 
-    return unchunk(logprobs_KxBxC), None if entropy_KxBxC is None else unchunk(entropy_KxBxC)
+    return unchunk(logprobs_CxBxZ), None if entropy_CxBxZ is None else unchunk(entropy_CxBxZ)

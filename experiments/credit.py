@@ -25,13 +25,13 @@ import numpy as np
 
 from esroll import parallel
 from esroll.config import from_config_dict
-from esroll.grpo.credit import METHODS, measure
+from esroll.grpo.credit import SCORED, measure
 from esroll.data import make_splits
 from esroll.experiment import check_names
 from esroll.task import load_task
 from experiments._entry import quiet_tpu_probe
 
-ROWS = (*METHODS, "mc_steps_k2", "mc_steps_k4")
+ROWS = (*SCORED, "mc_steps_k2", "mc_steps_k4")
 
 
 def _config(spec: str, model: str):
@@ -79,12 +79,12 @@ def report(results: dict, command: str, meta: dict) -> str:
             "",
             f"{s['prompts']} prompts × {s['group_size']} completions, mean reward {s['mean_reward']:.3f}, "
             f"{s['mean_steps']:.2f} steps per completion, {s['all_equal_groups']} all-equal groups, K_ref = "
-            f"{s['k_ref']} ({s['reference_rows']} reference continuations), {res[METHODS[0]]['steps']} steps scored, "
-            f"{res[METHODS[0]]['significant_steps']} with a Monte Carlo advantage non-zero at 95%; "
+            f"{s['k_ref']} ({s['reference_rows']} reference continuations), {res[SCORED[0]]['steps']} steps scored, "
+            f"{res[SCORED[0]]['significant_steps']} with a Monte Carlo advantage non-zero at 95%; "
             f"{s['prompt_rollouts']} fresh rollouts of the prompts (mean reward {s['prompt_value']:.3f}; per prompt, "
             f"fresh − group {s['prompt_value_gap']:+.3f} [{s['prompt_value_gap_low']:+.3f}, "
             f"{s['prompt_value_gap_high']:+.3f}]); the "
-            f"reference's split-half reliability {_cell(res[METHODS[0]], 'reliability')}.",
+            f"reference's split-half reliability {_cell(res[SCORED[0]], 'reliability')}.",
             "",
             "| method | Spearman | Spearman, corrected | sign agreement | all-equal groups with signal |",
             "|---|---|---|---|---|",

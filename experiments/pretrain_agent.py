@@ -84,7 +84,7 @@ def success_rates(cfg, params, tokenizer, episodes: int) -> dict[str, float]:
         out[f"{name}_success"] = float(ep.solved_B.mean())
         out[f"{name}_turns"] = float(ep.turns_B.mean())
         out[f"{name}_tokens"] = float((ep.length_B + ep.prompt_mask_BxP.sum(1)).mean())
-        out[f"{name}_valid_actions"] = float(ep.valid_BxT[ep.action_end_BxT > 0].mean())
+        out[f"{name}_valid_actions"] = float(ep.valid_BxW[ep.action_end_BxW > 0].mean())
     return out
 
 

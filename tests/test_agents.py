@@ -108,15 +108,15 @@ def test_turns_of_a_rollout_are_the_episodes_turns_and_gigpo_credits_only_action
     key = jax.random.key(7)
     out = rollout(task, mesh, params, held_out, example_B, key, Sampling(cfg.train.max_new_tokens, 1.0))
     ep = play_directly(task, params, [held_out[e].meta["seed"] for e in example_B], key, 1.0)
-    T = ep.turns_B.max()
+    W = ep.turns_B.max()
     np.testing.assert_array_equal(out.turns.count_B, ep.turns_B)
-    np.testing.assert_array_equal(out.turns.start_BxT[:, :T], ep.action_start_BxT[:, :T])
-    np.testing.assert_array_equal(out.turns.reward_BxT[:, :T], ep.reward_BxT[:, :T])
+    np.testing.assert_array_equal(out.turns.start_BxW[:, :W], ep.action_start_BxW[:, :W])
+    np.testing.assert_array_equal(out.turns.reward_BxW[:, :W], ep.reward_BxW[:, :W])
     assert out.turns.states == [obs[:n] for obs, n in zip(ep.observations, ep.turns_B)]
     covered = np.zeros_like(out.loss_mask_BxN)
     for b in range(8):
         for t in range(out.turns.count_B[b]):
-            covered[b, out.turns.start_BxT[b, t] : out.turns.end_BxT[b, t]] = True
+            covered[b, out.turns.start_BxW[b, t] : out.turns.end_BxW[b, t]] = True
     np.testing.assert_array_equal(covered, out.loss_mask_BxN)
     mask = _loss_mask(out)
     group = estimator_group(out, out.reward_B.reshape(2, 4), mask, held_out, 0, 0, ("turns",))
@@ -176,7 +176,7 @@ def test_grpo_gradient_on_episodes_is_the_policy_gradient_on_the_actions(setup):
             [
                 len(prompt) + i
                 for t in range(ep.turns_B[b])
-                for i in range(ep.action_start_BxT[b, t], ep.action_end_BxT[b, t])
+                for i in range(ep.action_start_BxW[b, t], ep.action_end_BxW[b, t])
             ]
         )
     width = max(len(r) for r in rows)

@@ -50,14 +50,14 @@ def test_a_rollouts_steps_and_scores_are_those_of_its_text(steps_task):
     )
     out = with_steps(out, task, examples, StepsConfig(), scored=True)
     texts = task.texts(out.tokens_BxN, out.length_B)
-    assert out.steps.count_B.sum() > 12 and np.isnan(out.step_scores_BxS[:, out.steps.count_B.max() :]).all()
+    assert out.steps.count_B.sum() > 12 and np.isnan(out.step_scores_BxJ[:, out.steps.count_B.max() :]).all()
     for b, text in enumerate(texts):
         assert "".join(out.steps.text[b]) == text and len(out.steps.text[b]) == max(1, text.count("\n") + 1) - (
             text.endswith("\n")
         )
         count = out.steps.count_B[b]
-        np.testing.assert_array_equal(out.step_scores_BxS[b, :count], equations(examples[b // 2], out.steps.text[b]))
-    assert 0 < np.nanmean(out.step_scores_BxS) < 1  # the model makes some errors, and not only errors
+        np.testing.assert_array_equal(out.step_scores_BxJ[b, :count], equations(examples[b // 2], out.steps.text[b]))
+    assert 0 < np.nanmean(out.step_scores_BxJ) < 1  # the model makes some errors, and not only errors
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from esroll.grpo.credit import METHODS, per_step, reference, scores, split_half
+from esroll.grpo.credit import SCORED, per_step, reference, scores, split_half
 from esroll.grpo import advantages
 from esroll.grpo.advantages import Group
 from esroll.steps import Steps
@@ -89,30 +89,30 @@ def _reward(actions: np.ndarray) -> np.ndarray:
     return (actions.sum(-1) >= 2).astype(np.float64)
 
 
-def _continuations(rng, actions_XxMxS: np.ndarray, k: int) -> np.ndarray:
+def _continuations(rng, actions_XxMxJ: np.ndarray, k: int) -> np.ndarray:
     """[X, M, 3, k] the rewards of k continuations sampled from the end of each step but the last; NaN after it."""
-    X, M, S = actions_XxMxS.shape
-    out = np.full((X, M, S, k), np.nan)
-    for s in range(S - 1):
-        rest = (rng.random((X, M, k, S - 1 - s)) < P_ONE[s + 1 :]).astype(int)
-        head = np.broadcast_to(actions_XxMxS[:, :, None, : s + 1], (X, M, k, s + 1))
+    X, M, J = actions_XxMxJ.shape
+    out = np.full((X, M, J, k), np.nan)
+    for s in range(J - 1):
+        rest = (rng.random((X, M, k, J - 1 - s)) < P_ONE[s + 1 :]).astype(int)
+        head = np.broadcast_to(actions_XxMxJ[:, :, None, : s + 1], (X, M, k, s + 1))
         out[:, :, s] = _reward(np.concatenate([head, rest], -1))
     return out
 
 
 @pytest.fixture(scope="module")
 def synthetic():
-    """4000 groups of M = 4 completions, K = 4 reference continuations per boundary and 4 fresh rollouts of the
+    """4000 groups of M = 4 completions, A = 4 reference continuations per boundary and 4 fresh rollouts of the
     prompt, 2 more continuations per boundary for `mc_steps`; the true step advantages from `_value`."""
     rng = np.random.default_rng(0)
-    X, M, K = 4000, 4, 4
+    X, M, A = 4000, 4, 4
     actions = (rng.random((X, M, 3)) < P_ONE).astype(int)
     values = {p: _value(p) for n in range(4) for p in itertools.product((0, 1), repeat=n)}
     true = np.array([[[values[tuple(a[: s + 1])] - values[tuple(a[:s])] for s in range(3)] for a in row]
                      for row in actions])  # fmt: skip
     step_BxN = np.tile(np.arange(3), (X * M, 1))
-    g = _group(_reward(actions), step_BxN, _continuations(rng, actions, K))
-    prompt_rewards = _reward((rng.random((X, K, 3)) < P_ONE).astype(int))
+    g = _group(_reward(actions), step_BxN, _continuations(rng, actions, A))
+    prompt_rewards = _reward((rng.random((X, A, 3)) < P_ONE).astype(int))
     return g, prompt_rewards, true, _continuations(rng, actions, 2)
 
 
@@ -124,7 +124,7 @@ def _slope(estimate: np.ndarray, true: np.ndarray) -> float:
 def test_reference_is_unbiased_at_every_step_with_calibrated_standard_errors(synthetic):
     """E[reference | the step taken] = the true advantage at each step, the first included (V(prompt) from fresh
     rollouts: the group mean would give (M − 1)/M = 0.75 at step 0), and the mean squared standard error equals the
-    mean squared error (ddof 1: ddof 0 at K = 4 gives 0.75)."""
+    mean squared error (ddof 1: ddof 0 at A = 4 gives 0.75)."""
     g, prompt_rewards, true, _ = synthetic
     ref, se = reference(g, prompt_rewards)
     for s in range(3):
@@ -144,7 +144,7 @@ def test_mc_steps_first_step_is_unbiased(synthetic):
 
 
 def test_corrected_correlation_estimates_the_correlation_with_the_truth(synthetic):
-    """Against the noisy reference (K = 4) an exact estimator correlates below 0.8; corrected for the reference's
+    """Against the noisy reference (A = 4) an exact estimator correlates below 0.8; corrected for the reference's
     split-half reliability, each method's correlation is within 0.05 of its correlation with the true advantages
     (exact: 1; GRPO's broadcast; `mc_steps` from 2 continuations of its own)."""
     g, prompt_rewards, true, small = synthetic
@@ -200,7 +200,7 @@ def test_entry_script_writes_the_report(tmp_path):
     text = (tmp_path / "results.md").read_text()
     for name in ROWS:
         assert f"| `{name}` |" in text, name
-    assert set(METHODS) <= set(results["tiny"]) and (tmp_path / "credit.png").stat().st_size > 0
+    assert set(SCORED) <= set(results["tiny"]) and (tmp_path / "credit.png").stat().st_size > 0
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["tiny"]["sample"]["prompts"] == 3 and saved["meta"]["models"] == [["tiny", model]]
     with pytest.raises(SystemExit, match="--models"):

@@ -64,12 +64,12 @@ def test_quadratic_each_antithetic_pair_is_exact(rank):
     J = Quadratic(4, 3)
     cfg = es.ESConfig(method="eggroll", population=12, rank=rank, sigma=1.0, shaping="raw")
     f = jax.jit(es.step_factors, static_argnums=0)(cfg, jax.random.key(0), 0, {"w": J.W}, jnp.arange(6))["w"]
-    E_KxMxN = np.einsum("kir,kor->kio", np.asarray(f.a, np.float64), np.asarray(f.b, np.float64)) / np.sqrt(rank)
-    inner_K = (E_KxMxN * J.grad).sum((1, 2))
+    E_ExIxO = np.einsum("eir,eor->eio", np.asarray(f.a, np.float64), np.asarray(f.b, np.float64)) / np.sqrt(rank)
+    inner_E = (E_ExIxO * J.grad).sum((1, 2))
     for sigma in (0.01, 1.0, 10.0):
-        fitness = np.stack([J(J.W + sigma * E_KxMxN), J(J.W - sigma * E_KxMxN)], 1).reshape(-1)  # members ±
+        fitness = np.stack([J(J.W + sigma * E_ExIxO), J(J.W - sigma * E_ExIxO)], 1).reshape(-1)  # members ±
         w = estimators.direction_weights("eggroll", jnp.asarray(fitness, jnp.float32), sigma, "raw")
-        np.testing.assert_allclose(6 * np.asarray(w.w_E), inner_K, rtol=1e-4, atol=1e-4 * np.abs(inner_K).max())
+        np.testing.assert_allclose(6 * np.asarray(w.w_E), inner_E, rtol=1e-4, atol=1e-4 * np.abs(inner_E).max())
 
 
 @pytest.mark.parametrize("rank, sigma", [(1, 0.5), (4, 2.0)])

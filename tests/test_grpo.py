@@ -552,15 +552,15 @@ def test_acpo_bounds_follow_the_ratio_spread_of_each_probability_group():
     p_old = np.array([[0.05, 0.05, 0.3, 0.3, 0.95], [0.05, 0.3, 0.3, 0.95, 0.95]])
     ratio = np.array([[0.7, 1.3, 1.0, 1.02, 1.0], [1.0, 0.98, 5.0, 1.0, 1.0]])
     mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]], bool)  # the last token's 5.0-free slot is padding
-    eps_BxN, eps_K = acpo_bounds(ratio, np.log(p_old), mask, (0.1, 0.5, 0.9), 2.0, 0.1, 0.4)
+    eps_BxN, eps_Y = acpo_bounds(ratio, np.log(p_old), mask, (0.1, 0.5, 0.9), 2.0, 0.1, 0.4)
 
     def expected(values):
         return float(np.clip(2.0 * np.std(values, ddof=1), 0.1, 0.4)) if len(values) >= 2 else 0.1
 
     groups = [[0.7, 1.3, 1.0], [1.0, 1.02, 0.98, 5.0], [], [1.0, 1.0]]
-    np.testing.assert_allclose(np.asarray(eps_K), [expected(g) for g in groups], rtol=1e-6)
-    assert float(eps_K[1]) == pytest.approx(0.4) and float(eps_K[3]) == pytest.approx(0.1)  # clipped both ways
-    np.testing.assert_allclose(np.asarray(eps_BxN)[0], np.asarray(eps_K)[[0, 0, 1, 1, 3]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(eps_Y), [expected(g) for g in groups], rtol=1e-6)
+    assert float(eps_Y[1]) == pytest.approx(0.4) and float(eps_Y[3]) == pytest.approx(0.1)  # clipped both ways
+    np.testing.assert_allclose(np.asarray(eps_BxN)[0], np.asarray(eps_Y)[[0, 0, 1, 1, 3]], rtol=1e-6)
     # on-policy every ratio is 1: every group at the minimum
     _, on_policy = acpo_bounds(np.ones_like(ratio), np.log(p_old), mask, (0.1, 0.5, 0.9), 2.0, 0.1, 0.4)
     np.testing.assert_allclose(np.asarray(on_policy), 0.1)
@@ -645,14 +645,14 @@ def test_progress_advantage_and_acpo_in_updates(tiny):
     positions = [k for k in range(PROGRESS_BUCKETS) if f"progress_pos_{k}" in first]
     assert positions == list(range(min(PROGRESS_BUCKETS, completion_mask.shape[1])))
     edges = np.linspace(0, completion_mask.shape[1], len(positions) + 1).round().astype(int)
-    tokens_K = [completion_mask[:, lo:hi].sum() for lo, hi in zip(edges[:-1], edges[1:])]
-    assert min(tokens_K) > 0  # every span holds completion tokens: no NaN below
+    span_tokens = [completion_mask[:, lo:hi].sum() for lo, hi in zip(edges[:-1], edges[1:])]
+    assert min(span_tokens) > 0  # every span holds completion tokens: no NaN below
     assert all(float(first[f"progress_pos_{k}"]) == 0.0 for k in positions)
     assert all(float(first[f"acpo_eps_{k}"]) == pytest.approx(0.1) for k in range(4))
     _, _, second = update(moved, state, batch, jnp.asarray(False))
     assert abs(float(second["progress_mean"])) > 1e-6
     # the per-position means recombine, weighted by their tokens, into the token mean (one microbatch)
-    recombined = sum(float(second[f"progress_pos_{k}"]) * n for k, n in zip(positions, tokens_K)) / sum(tokens_K)
+    recombined = sum(float(second[f"progress_pos_{k}"]) * n for k, n in zip(positions, span_tokens)) / sum(span_tokens)
     assert recombined == pytest.approx(float(second["progress_mean"]), rel=1e-5)
     eps = [float(second[f"acpo_eps_{k}"]) for k in range(4)]
     assert all(0.1 - 1e-6 <= e <= 0.4 + 1e-6 for e in eps) and max(eps) > 0.1 + 1e-3  # random π_old: ratios spread

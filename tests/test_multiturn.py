@@ -20,7 +20,7 @@ from conftest import SHIPPED_MODEL, lake_path
 
 pytest.importorskip("gymnasium")
 
-A, O = 10, 32  # actions of the scripted walks take 5-6 tokens: several decode steps after their end
+N, O = 10, 32  # actions of the scripted walks take 5-6 tokens: several decode steps after their end
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def model():
 def play_lake(model, seeds, key=0, **kwargs):
     cfg, params, tok = model
     envs = [FrozenLake() for _ in seeds]
-    kwargs = {"max_turns": 8, "max_action_tokens": A, "max_observation_tokens": O, **kwargs}
+    kwargs = {"max_turns": 8, "max_action_tokens": N, "max_observation_tokens": O, **kwargs}
     eos, pad = tok.eos_token_id, tok.pad_token_id
     return play(cfg, params, tok, envs, seeds, jax.random.key(key), eos_id=eos, pad_id=pad, **kwargs)
 
@@ -93,9 +93,9 @@ def test_a_scripted_episode_equals_the_environment_stepped_by_hand(model):
         assert list(ep.loss_mask_BxL[b, :n]) == mask and not ep.loss_mask_BxL[b, n:].any()
         turns = len(rewards)
         assert ep.turns_B[b] == turns and ep.done_B[b]
-        np.testing.assert_allclose(ep.reward_BxT[b, :turns], rewards)
-        assert list(ep.valid_BxT[b, :turns]) == valid and ep.actions[b] == script[:turns]
-        assert list(ep.action_start_BxT[b, :turns]) == starts
+        np.testing.assert_allclose(ep.reward_BxW[b, :turns], rewards)
+        assert list(ep.valid_BxW[b, :turns]) == valid and ep.actions[b] == script[:turns]
+        assert list(ep.action_start_BxW[b, :turns]) == starts
     assert ep.return_B[0] == 1.0 and ep.return_B[1] == pytest.approx(0.9) and ep.return_B[2] == 0.0
     assert ep.turns_B[2] == 8  # the turn limit
     assert list(ep.solved_B) == [True, True, False]
@@ -111,9 +111,9 @@ def test_sampled_episodes_mask_every_environment_token(model):
         turns = ep.turns_B[b]
         assert turns >= 1 and len(ep.actions[b]) == turns and len(ep.observations[b]) == turns + 1
         for t in range(turns):
-            s, e = ep.action_start_BxT[b, t], ep.action_end_BxT[b, t]
+            s, e = ep.action_start_BxW[b, t], ep.action_end_BxW[b, t]
             assert ep.loss_mask_BxL[b, s:e].all() and e - s >= 1
-            nxt = ep.action_start_BxT[b, t + 1] if t + 1 < turns else ep.length_B[b]
+            nxt = ep.action_start_BxW[b, t + 1] if t + 1 < turns else ep.length_B[b]
             answer = list(ep.tokens_BxL[b, e:nxt])
             assert not ep.loss_mask_BxL[b, e:nxt].any()
             if t + 1 < turns:
@@ -138,7 +138,7 @@ def test_per_member_perturbed_episodes_equal_each_member_alone(model):
         rows = slice(2 * m, 2 * m + 2)
         n = alone.tokens_BxL.shape[1]
         np.testing.assert_array_equal(both.tokens_BxL[rows, :n], alone.tokens_BxL)
-        np.testing.assert_array_equal(both.reward_BxT[rows], alone.reward_BxT)
+        np.testing.assert_array_equal(both.reward_BxW[rows], alone.reward_BxW)
         np.testing.assert_allclose(both.logprobs_BxL[rows, :n], alone.logprobs_BxL, atol=1e-5)
     plain = play_lake(model, seeds, key=1, temperature=1.0)
     assert not np.array_equal(plain.tokens_BxL, both.tokens_BxL)  # the perturbation changes what is sampled

@@ -19,7 +19,7 @@ EPS = 1e-4
 
 
 def hand_group() -> Group:
-    """Two groups of three episodes (rows prompt-major), T = 3 turn slots.
+    """Two groups of three episodes (rows prompt-major), W = 3 turn slots.
 
     Group 0: row 0 plays 3 turns from states A, B, C with rewards 0, 0, 1 (return 1), actions at tokens [0, 2),
     [5, 7), [10, 12); row 1 plays 2 turns from A, D with rewards 0, 0 (return 0), actions at [0, 2), [5, 6); row 2
@@ -42,7 +42,7 @@ def spans(values: dict[tuple[int, int], float]) -> np.ndarray:
     g = hand_group()
     out = np.zeros((6, N))
     for (b, t), v in values.items():
-        out[b, g.turns.start_BxT[b, t] : g.turns.end_BxT[b, t]] = v
+        out[b, g.turns.start_BxW[b, t] : g.turns.end_BxW[b, t]] = v
     return out.reshape(2, 3, N)
 
 
@@ -65,7 +65,7 @@ def gigpo_spans(a_e: np.ndarray, a_A: np.ndarray, a_B: np.ndarray) -> np.ndarray
 def test_discounted_returns_by_hand():
     """γ = 0.5: G_t = r_t + γ·G_{t+1}, 0 past an episode's turns."""
     g = hand_group()
-    G = discounted_returns(g.turns.reward_BxT, g.turns.count_B, 0.5)
+    G = discounted_returns(g.turns.reward_BxW, g.turns.count_B, 0.5)
     np.testing.assert_allclose(G[:3], [[0.25, 0.5, 1.0], [0.0, 0.0, 0.0], [0.5, 1.0, 0.0]])
     np.testing.assert_allclose(G[3], [1.0, 0.0, 0.0])
 

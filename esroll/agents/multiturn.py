@@ -16,9 +16,9 @@ in every forward of every turn. Sampling noise is drawn per (key, turn, global r
 `actions` replaces the model's choice by given texts (a scripted policy, teacher forcing): the texts' tokens and the
 end token go through the same cache, and their log-probabilities under the model are recorded.
 
-The cache holds `P − 1 + T·(O + A)` slots: the padded prompt but its last token, and per turn an input of at most
+The cache holds `P − 1 + W·(O + N)` slots: the padded prompt but its last token, and per turn an input of at most
 O + 1 tokens (the previous action's last token if it is not cached yet, and an observation of at most
-`max_observation_tokens`, O) of which all but the last are cached before decoding, then `max_action_tokens` (A)
+`max_observation_tokens`, O) of which all but the last are cached before decoding, then `max_action_tokens` (N)
 decode steps; unused slots are masked. One program serves every turn (the turn is traced).
 """
 
@@ -52,13 +52,13 @@ def format_observation(observation: str) -> str:
 
 
 class Turns(NamedTuple):
-    """Each episode's turns, B rows and T turn slots, as turn-level credit reads them (`esroll.grpo.estimators.turns`):
-    the span of turn t's action in the episode after its prompt (start_BxT, end_BxT), its reward, the turns played
+    """Each episode's turns, B rows and W turn slots, as turn-level credit reads them (`esroll.grpo.estimators.turns`):
+    the span of turn t's action in the episode after its prompt (start_BxW, end_BxW), its reward, the turns played
     (count_B), and the observation each action answered (states[b][t], the text the environment showed before it)."""
 
-    start_BxT: np.ndarray
-    end_BxT: np.ndarray
-    reward_BxT: np.ndarray
+    start_BxW: np.ndarray
+    end_BxW: np.ndarray
+    reward_BxW: np.ndarray
     count_B: np.ndarray
     states: list[list[str]]
 
@@ -72,7 +72,7 @@ class Episodes:
     action token under the model (temperature 1, as `esroll.sampling.Generation`), 0 elsewhere; length_B: tokens
     after the prompt; prompt_BxP / prompt_mask_BxP: the left-padded prompts. Turn t of row b: its action is
     tokens[b, action_start[b, t] : action_end[b, t]], its answer follows up to the next action's start;
-    reward_BxT, valid_BxT (the action parsed, `esroll.agents.parse_action`), turns_B (turns played); done_B (ended
+    reward_BxW, valid_BxW (the action parsed, `esroll.agents.parse_action`), turns_B (turns played); done_B (ended
     by the environment or its turn limit, not cut by `max_turns`); solved_B (the environment's `solved` at the
     end); observations: each row's observation texts, the first one and one per turn; actions: the action texts as the environment read them. return_B: the sum of the
     rewards."""
@@ -83,10 +83,10 @@ class Episodes:
     loss_mask_BxL: np.ndarray
     logprobs_BxL: np.ndarray
     length_B: np.ndarray
-    action_start_BxT: np.ndarray
-    action_end_BxT: np.ndarray
-    reward_BxT: np.ndarray
-    valid_BxT: np.ndarray
+    action_start_BxW: np.ndarray
+    action_end_BxW: np.ndarray
+    reward_BxW: np.ndarray
+    valid_BxW: np.ndarray
     turns_B: np.ndarray
     done_B: np.ndarray
     solved_B: np.ndarray
@@ -95,13 +95,13 @@ class Episodes:
 
     @property
     def return_B(self) -> np.ndarray:
-        return self.reward_BxT.sum(axis=1)
+        return self.reward_BxW.sum(axis=1)
 
     @property
     def turns(self) -> Turns:
         """The turns as turn-level credit reads them (the observation before each action as its state)."""
         states = [obs[: int(n)] for obs, n in zip(self.observations, self.turns_B)]
-        return Turns(self.action_start_BxT, self.action_end_BxT, self.reward_BxT, self.turns_B, states)
+        return Turns(self.action_start_BxW, self.action_end_BxW, self.reward_BxW, self.turns_B, states)
 
 
 def play(
@@ -135,14 +135,14 @@ def play(
     A member-level `perturb` becomes member tables once, before the first turn (`Perturbation.tables`, of
     `member_slots` entries: by default the rows' distinct members; a caller that plays chunks passes the bound of all
     of them, so that they share one compilation)."""
-    B, T, A, O = len(envs), max_turns, max_action_tokens, max_observation_tokens
+    B, W, N, O = len(envs), max_turns, max_action_tokens, max_observation_tokens
     first = [env.reset(int(seed)) for env, seed in zip(envs, seeds)]
     prompts = [
         tokenizer.encode(episode_prompt(env.instructions, o), add_special_tokens=False) for env, o in zip(envs, first)
     ]
     prompt_BxP, prompt_mask_BxP = pad_prompts(prompts, multiple=prompt_multiple, pad_id=pad_id)
     P = prompt_BxP.shape[1]
-    slots = P - 1 + T * (O + A)  # the prompt but its last token; per turn O of the input's O + 1, then A decoded
+    slots = P - 1 + W * (O + N)  # the prompt but its last token; per turn O of the input's O + 1, then N decoded
     if perturb is not None and perturb.member_B is not None:  # the factors gathered once for every turn
         entries = table_slots(np.asarray(perturb.member_B), B, 1, member_slots, "play")
         perturb = _factors(perturb, entries)
@@ -150,18 +150,18 @@ def play(
     observations = [[o] for o in first]
     acted: list[list[str]] = [[] for _ in range(B)]
     pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(B)]  # (tokens, logprobs, is_action)
-    reward_BxT, valid_BxT = np.zeros((B, T), np.float32), np.zeros((B, T), bool)
+    reward_BxW, valid_BxW = np.zeros((B, W), np.float32), np.zeros((B, W), bool)
     turns_B, live_B = np.zeros(B, np.int32), np.ones(B, bool)
     # The next input of each row: what the cache has not seen yet (left-padded to O + 1; the last column is real).
     input_rows = [[p[-1]] for p in prompts]
-    for turn in range(T):
+    for turn in range(W):
         inputs_BxI, inputs_mask_BxI = _left_pad(input_rows, O + 1, pad_id, live_B)
-        forced_BxA, forced_len_B = np.zeros((B, A), np.int32), np.zeros(B, np.int32)
+        forced_BxN, forced_len_B = np.zeros((B, N), np.int32), np.zeros(B, np.int32)
         if actions is not None:
             texts = actions(turn, [obs[-1] for obs in observations])
             for b in np.flatnonzero(live_B):
-                ids = tokenizer.encode(texts[b], add_special_tokens=False)[: A - 1] + [eos_id]
-                forced_BxA[b, : len(ids)], forced_len_B[b] = ids, len(ids)
+                ids = tokenizer.encode(texts[b], add_special_tokens=False)[: N - 1] + [eos_id]
+                forced_BxN[b, : len(ids)], forced_len_B[b] = ids, len(ids)
         cache, out = _turn(
             cfg,
             params,
@@ -172,25 +172,25 @@ def play(
             perturb,
             jnp.asarray(row_offset, jnp.int32),
             jnp.asarray(live_B),
-            jnp.asarray(forced_BxA),
+            jnp.asarray(forced_BxN),
             jnp.asarray(forced_len_B),
             eos_id=eos_id,
             pad_id=pad_id,
-            max_action_tokens=A,
+            max_action_tokens=N,
             temperature=temperature,
             forced=actions is not None,
         )
-        tokens_BxA, logprobs_BxA, length_B = (np.asarray(x) for x in out)
+        tokens_BxN, logprobs_BxN, length_B = (np.asarray(x) for x in out)
         input_rows = [[] for _ in range(B)]
         for b in np.flatnonzero(live_B):
             n = int(length_B[b])
-            ids = [int(i) for i in tokens_BxA[b, :n]]
-            pieces[b].append((ids, [float(x) for x in logprobs_BxA[b, :n]], True))
+            ids = [int(i) for i in tokens_BxN[b, :n]]
+            pieces[b].append((ids, [float(x) for x in logprobs_BxN[b, :n]], True))
             text = tokenizer.decode([i for i in ids if i != eos_id], skip_special_tokens=False)
             step = envs[b].step(text)
             acted[b].append(text)
             observations[b].append(step.observation)
-            reward_BxT[b, turn], valid_BxT[b, turn], turns_B[b] = step.reward, step.valid, turn + 1
+            reward_BxW[b, turn], valid_BxW[b, turn], turns_B[b] = step.reward, step.valid, turn + 1
             if step.done:
                 live_B[b] = False
                 continue
@@ -201,13 +201,13 @@ def play(
                     f"(turn {turn}, row {b}): raise it"
                 )
             pieces[b].append((answer, [0.0] * len(answer), False))
-            # The decode loop feeds each drawn token back at its next step: an action that used all A steps still
+            # The decode loop feeds each drawn token back at its next step: an action that used all N steps still
             # has its last token to cache; a shorter one ended with the end token, which was fed back.
-            input_rows[b] = ids[-1:] + answer if n == A else answer
+            input_rows[b] = ids[-1:] + answer if n == N else answer
         if not live_B.any():
             break
     solved_B = np.array([bool(env.solved) for env in envs])
-    return _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxT, valid_BxT, turns_B, ~live_B, solved_B, pad_id,
+    return _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxW, valid_BxW, turns_B, ~live_B, solved_B, pad_id,
                      observations, acted)  # fmt: skip
 
 
@@ -219,13 +219,13 @@ def _left_pad(rows: list[list[int]], width: int, pad_id: int, live_B: np.ndarray
     return tokens, mask
 
 
-def _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxT, valid_BxT, turns_B, done_B, solved_B, pad_id, observations,
+def _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxW, valid_BxW, turns_B, done_B, solved_B, pad_id, observations,
               acted):  # fmt: skip
-    B, T = reward_BxT.shape
+    B, W = reward_BxW.shape
     L = max([sum(len(p[0]) for p in row) for row in pieces] + [1])
     tokens = np.full((B, L), pad_id, np.int32)
     loss, logp = np.zeros((B, L), bool), np.zeros((B, L), np.float32)
-    start, end, length = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32), np.zeros(B, np.int32)
+    start, end, length = np.zeros((B, W), np.int32), np.zeros((B, W), np.int32), np.zeros(B, np.int32)
     for b, row in enumerate(pieces):
         at, turn = 0, 0
         for ids, lps, is_action in row:
@@ -237,7 +237,7 @@ def _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxT, valid_BxT, turns_
                 turn += 1
             at += len(ids)
         length[b] = at
-    return Episodes(prompt_BxP, prompt_mask_BxP, tokens, loss, logp, length, start, end, reward_BxT, valid_BxT,
+    return Episodes(prompt_BxP, prompt_mask_BxP, tokens, loss, logp, length, start, end, reward_BxW, valid_BxW,
                     turns_B, done_B, solved_B, observations, acted)  # fmt: skip
 
 
@@ -259,40 +259,40 @@ def _start(cfg, params, prompt_BxP, mask_BxP, perturb, *, slots):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "pad_id", "eos_id", "max_action_tokens", "temperature", "forced"))
-def _turn(cfg, params, cache, inputs_BxI, mask_BxI, key, perturb, row_offset, live_B, forced_BxA, forced_len_B, *,
+def _turn(cfg, params, cache, inputs_BxI, mask_BxI, key, perturb, row_offset, live_B, forced_BxN, forced_len_B, *,
           eos_id, pad_id, max_action_tokens, temperature, forced):  # fmt: skip
     """One turn of every row: cache the row's new input but its last token, then decode its action from that token
     (a live row's last input column is real), at most `max_action_tokens` tokens or through `eos_id`; with
     `forced`, the tokens are the given ones instead of samples. Returns the cache and (tokens, logprobs, lengths)."""
-    B, A = inputs_BxI.shape[0], max_action_tokens
+    B, N = inputs_BxI.shape[0], max_action_tokens
     run = functools.partial(forward, cfg, params, perturb=perturb)
     _, cache = run(inputs_BxI[:, :-1], mask_BxT=mask_BxI[:, :-1], cache=cache)
     rows_B = jnp.arange(B, dtype=jnp.int32) + row_offset
 
     def step(t, state):
-        cache, token_B, real_B, tokens_BxA, logprobs_BxA, length_B, done_B = state
+        cache, token_B, real_B, tokens_BxN, logprobs_BxN, length_B, done_B = state
         logits_Bx1xV, cache = run(token_B[:, None], mask_BxT=real_B[:, None], cache=cache)
-        given_B = forced_BxA[:, t] if forced else None
+        given_B = forced_BxN[:, t] if forced else None
         new_B, logprob_B = draw(logits_Bx1xV[:, 0], jax.random.fold_in(key, t), rows_B, temperature, given_B=given_B)
         new_B = jnp.where(done_B, pad_id, new_B)
-        tokens_BxA = tokens_BxA.at[:, t].set(new_B)
-        logprobs_BxA = logprobs_BxA.at[:, t].set(jnp.where(done_B, 0.0, logprob_B))
+        tokens_BxN = tokens_BxN.at[:, t].set(new_B)
+        logprobs_BxN = logprobs_BxN.at[:, t].set(jnp.where(done_B, 0.0, logprob_B))
         length_B = length_B + ~done_B
         real_B = ~done_B  # the token just drawn is fed back at the next step unless the row had already ended
         ended_B = new_B == eos_id
         if forced:  # the given tokens end with the end token; a shorter row is done at its length
             ended_B = ended_B | (t + 1 >= forced_len_B)
         done_B = done_B | ended_B
-        return cache, new_B, real_B, tokens_BxA, logprobs_BxA, length_B, done_B
+        return cache, new_B, real_B, tokens_BxN, logprobs_BxN, length_B, done_B
 
     state = (
         cache,
         inputs_BxI[:, -1],
         mask_BxI[:, -1] & live_B,
-        jnp.full((B, A), pad_id, jnp.int32),
-        jnp.zeros((B, A), jnp.float32),
+        jnp.full((B, N), pad_id, jnp.int32),
+        jnp.zeros((B, N), jnp.float32),
         jnp.zeros((B,), jnp.int32),
         ~live_B,
     )
-    cache, _, _, tokens_BxA, logprobs_BxA, length_B, _ = jax.lax.fori_loop(0, A, step, state)
-    return cache, (tokens_BxA, logprobs_BxA, length_B)
+    cache, _, _, tokens_BxN, logprobs_BxN, length_B, _ = jax.lax.fori_loop(0, N, step, state)
+    return cache, (tokens_BxN, logprobs_BxN, length_B)

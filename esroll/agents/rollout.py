@@ -77,9 +77,9 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
     logprobs_BxN, loss_BxN = np.zeros((rows, N), np.float32), np.zeros((rows, N), bool)
     length_B, reward_B, turns_B = np.zeros(rows, np.int32), np.zeros(rows, np.float32), np.zeros(rows, np.float32)
     solved_B, valid, acted = np.zeros(rows, np.float32), 0, 0
-    T = env.max_turns
-    start_BxT, end_BxT = np.zeros((rows, T), np.int32), np.zeros((rows, T), np.int32)
-    turn_reward_BxT, states = np.zeros((rows, T), np.float32), [[] for _ in range(rows)]
+    W = env.max_turns
+    start_BxW, end_BxW = np.zeros((rows, W), np.int32), np.zeros((rows, W), np.int32)
+    turn_reward_BxW, states = np.zeros((rows, W), np.float32), [[] for _ in range(rows)]
     for c, p in parts:
         keep = real_B[c]
         width, L = p.prompt_BxP.shape[1], p.tokens_BxL.shape[1]
@@ -90,12 +90,12 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
         length_B[c] = np.where(keep, p.length_B, 0)
         reward_B[c] = np.where(keep, p.return_B, 0.0)
         turns_B[c], solved_B[c] = np.where(keep, p.turns_B, 0), np.where(keep, p.solved_B, 0.0)
-        played_BxT = np.arange(p.reward_BxT.shape[1])[None] < p.turns_B[:, None]
-        valid += int((p.valid_BxT & played_BxT)[keep].sum())
-        acted += int(played_BxT[keep].sum())
+        played_BxW = np.arange(p.reward_BxW.shape[1])[None] < p.turns_B[:, None]
+        valid += int((p.valid_BxW & played_BxW)[keep].sum())
+        acted += int(played_BxW[keep].sum())
         turned, kept = p.turns, keep[:, None]  # play's turn slots are env.max_turns
-        start_BxT[c], end_BxT[c] = turned.start_BxT * kept, turned.end_BxT * kept
-        turn_reward_BxT[c] = np.where(kept, turned.reward_BxT, 0.0)
+        start_BxW[c], end_BxW[c] = turned.start_BxW * kept, turned.end_BxW * kept
+        turn_reward_BxW[c] = np.where(kept, turned.reward_BxW, 0.0)
         for i, b in enumerate(range(c.start, c.stop)):
             states[b] = turned.states[i] if keep[i] else []
     generated_s = time.perf_counter()
@@ -118,5 +118,5 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
         seconds={"generate": generated_s - start_s, "score": 0.0},
         loss_mask_BxN=loss_BxN[:B],
         metrics=metrics,
-        turns=Turns(start_BxT[:B], end_BxT[:B], turn_reward_BxT[:B], turns_B[:B].astype(np.int32), states[:B]),
+        turns=Turns(start_BxW[:B], end_BxW[:B], turn_reward_BxW[:B], turns_B[:B].astype(np.int32), states[:B]),
     )

@@ -22,8 +22,8 @@ class ESSettings:
     steps, the same σ_t in the members' perturbation and in the estimator's 1/σ.
     shaping: a name in `esroll.es.shaping.SHAPINGS`, applied to the fitness before the estimator (raw keeps it
     unbiased; zscore makes the update independent of the reward scale).
-    How rewards become a member's fitness: each member answers each of the step's prompts `samples` times (K; more
-    than 1 needs train.temperature > 0), `sample_reduce` folds the K rewards (mean, or max: max@K, pass@K on 0/1
+    How rewards become a member's fitness: each member answers each of the step's prompts `samples` times (A; more
+    than 1 needs train.temperature > 0), `sample_reduce` folds the A rewards (mean, or max: max@A, pass@A on 0/1
     rewards), `prompt_shaping` (a name in `esroll.es.shaping.SHAPINGS`, across the members, prompt by prompt:
     GRPO's group-relative normalisation, with the population as the group; raw: none) and the mean over prompts.
     A prompt_shaping that divides by or ranks against the members' rewards (zscore, grpo, grpo_population_std,
@@ -133,7 +133,7 @@ class GRPOConfig:
     float32 logits exist at once when scoring (0 = all max_new_tokens at once).
 
     The names (advantage, variants, aggregation, remat), the registered options and the group size an estimator needs
-    are checked by `esroll.grpo.check_names` and `esroll.experiment.check_names`."""
+    are checked by `esroll.grpo.check_grpo_names` and `esroll.experiment.check_names`."""
 
     group_size: int = 8
     advantage: str = "grpo"

@@ -125,8 +125,8 @@ def rows_per_step(cfg: ExperimentConfig) -> int:
 
 
 def member_rows(cfg: ExperimentConfig) -> np.ndarray:
-    """[rows_per_step] int32: each row's member. Rows are member-major, then prompt, then sample: row (m·X + x)·K + k
-    is member m's k-th answer to prompt x."""
+    """[rows_per_step] int32: each row's member. Rows are member-major, then prompt, then sample: row (m·X + x)·A + a
+    is member m's a-th answer to prompt x."""
     return np.repeat(np.arange(cfg.es.population, dtype=np.int32), cfg.train.prompts_per_step * cfg.es.samples)
 
 
@@ -155,9 +155,9 @@ def strategy_config(es_cfg: ESConfig) -> ESConfig:
     return dataclasses.replace(es_cfg, samples=1, sample_reduce="mean", prompt_shaping="raw", step_weight=0.0)
 
 
-def mean_step_scores(step_scores_BxS: np.ndarray) -> np.ndarray:
+def mean_step_scores(step_scores_BxJ: np.ndarray) -> np.ndarray:
     """[B] each row's mean step score over its steps (NaN past them); 0 for a row with no steps."""
-    scores = np.asarray(step_scores_BxS, np.float64)
+    scores = np.asarray(step_scores_BxJ, np.float64)
     counted = np.isfinite(scores)
     n_B = counted.sum(axis=1)
     return np.where(n_B > 0, np.where(counted, scores, 0.0).sum(axis=1) / np.maximum(n_B, 1), 0.0)
@@ -171,18 +171,18 @@ def dense_rewards(reward_B: np.ndarray, step_mean_B: np.ndarray, weight: float) 
 
 def member_fitness(es_settings, reward_B: np.ndarray, M: int, X: int, gold_B: np.ndarray | None = None) -> np.ndarray:
     """Each member's fitness from its rows' training rewards (rows as `make_es_method` lays them out: member, prompt,
-    sample; label-free rewards already voted, `esroll.rollout.training_rewards`): its K samples per prompt reduced by
+    sample; label-free rewards already voted, `esroll.rollout.training_rewards`): its A samples per prompt reduced by
     `sample_reduce`, shaped across members per prompt by `prompt_shaping`, averaged over prompts. A member with a
     non-finite reward (in `gold_B`, the rows' gold rewards, when given: the vote hides them) gets a non-finite
     fitness, which the strategy's non-finite policy drops. The majority vote, and a `prompt_shaping` that divides by
     or ranks against the members' rewards, make each member's fitness depend on the other members' perturbations:
     the estimators' unbiasedness does not hold then (docs/theory.md, and `ESSettings`)."""
-    K = es_settings.samples
-    rewards_MxXxK = np.asarray(reward_B, np.float64).reshape(M, X, K)
-    checked = rewards_MxXxK if gold_B is None else np.asarray(gold_B, np.float64).reshape(M, X, K)
+    A = es_settings.samples
+    rewards_MxXxA = np.asarray(reward_B, np.float64).reshape(M, X, A)
+    checked = rewards_MxXxA if gold_B is None else np.asarray(gold_B, np.float64).reshape(M, X, A)
     broken_M = ~np.isfinite(checked).all(axis=(1, 2))
     reduce = np.max if es_settings.sample_reduce == "max" else np.mean
-    per_prompt_XxM = reduce(rewards_MxXxK, axis=2).T
+    per_prompt_XxM = reduce(rewards_MxXxA, axis=2).T
     shaped_XxM = np.asarray(
         shaping.get(es_settings.prompt_shaping, es_settings.shaping_options)(per_prompt_XxM), np.float64
     )
@@ -205,8 +205,8 @@ def make_es_method(
     es_cfg = cfg.es_config
     strategy = compiled_strategy(strategy_config(es_cfg), cfg.optimizer, mesh)
     to_compute = sharding.caster(mesh, cfg.model.dtype)
-    M, X, K = cfg.es.population, cfg.train.prompts_per_step, cfg.es.samples
-    example_B = np.tile(np.repeat(np.arange(X), K), M)  # prompt x, sample k of member m: as `member_rows`
+    M, X, A = cfg.es.population, cfg.train.prompts_per_step, cfg.es.samples
+    example_B = np.tile(np.repeat(np.arange(X), A), M)  # prompt x, sample a of member m: as `member_rows`
     member_B = member_rows(cfg)
     label_free = cfg.data.label_free
     sample_key = jax.random.key(cfg.seed + 1)
@@ -246,7 +246,7 @@ def make_es_method(
         reward_B, extra = training_rewards(out, label_free)
         outcome_B = reward_B
         if step_weight:
-            step_mean_B = mean_step_scores(out.step_scores_BxS)
+            step_mean_B = mean_step_scores(out.step_scores_BxJ)
             extra["outcome_mean"] = _finite_mean(outcome_B)  # before mixing; reward_mean below is the mixed reward
             extra["step_score_mean"] = float(step_mean_B.mean())
             reward_B = dense_rewards(outcome_B, step_mean_B, step_weight)
@@ -272,7 +272,7 @@ def make_es_method(
         )
         # The prompts whose rows' outcomes are all equal, and those of them the fitness still tells apart.
         by_prompt = [
-            np.asarray(v, np.float64).reshape(M, X, K).swapaxes(0, 1).reshape(X, M * K) for v in (outcome_B, reward_B)
+            np.asarray(v, np.float64).reshape(M, X, A).swapaxes(0, 1).reshape(X, M * A) for v in (outcome_B, reward_B)
         ]
         extra.update(baselines.equal_groups(by_prompt[0], (by_prompt[1] - by_prompt[1][:, :1]).ravel()))
         prompt_reward = prompt_means(example_B, outcome_B, X)  # each prompt's success, as the curriculum reads it

@@ -14,7 +14,7 @@ optimizer state kept): see `estimators`. The optimizer holds state for the pertu
 through untouched.
 
 `ESSettings` and `ESConfig` live in `esroll.config` with every other config (importable from here and from
-`esroll.es`); the names they hold are checked against this package's registries by `check_names`.
+`esroll.es`); the names they hold are checked against this package's registries by `check_es_names`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from esroll.es import estimators, noise, shaping
 Array = jax.Array
 
 
-def check_names(cfg: ESSettings) -> None:
+def check_es_names(cfg: ESSettings) -> None:
     """Raise the one-line ConfigError of the first name in `cfg` that names no implementation: its fitness shapings
     (`esroll.es.shaping.SHAPINGS`) and, in an `ESConfig`, its estimator (`estimators.ESTIMATORS`) and the population it can fill. The dataclasses of
     `esroll.config` check everything else when they are built but cannot see these registries; `make_strategy` runs
@@ -137,9 +137,9 @@ def make_strategy(
     held in float32 (the trainer's master weights) are updated in float32 whatever dtype the rollouts decode in.
     `constrain` (identity by default) is applied to the gradient and the new parameters: the trainer passes a sharding
     constraint so each device computes only its shard of the update (`esroll.sharding.master_shardings`).
-    An estimator or shaping that `cfg` names but no module implements is refused here (`check_names`).
+    An estimator or shaping that `cfg` names but no module implements is refused here (`check_es_names`).
     """
-    check_names(cfg)
+    check_es_names(cfg)
     constrain = constrain or (lambda tree: tree)
 
     def init(params: dict, key: Array) -> ESState:

@@ -15,7 +15,7 @@
 from esroll.config import GRPOConfig
 from esroll.grpo import estimators  # noqa: F401 — registers the built-in estimators
 from esroll.grpo.advantages import STEP_NEEDS, Estimate, Group, register_advantage
-from esroll.grpo.checks import check_names
+from esroll.grpo.checks import check_grpo_names
 from esroll.grpo.loss import AGGREGATIONS, grpo_loss, token_weights
 from esroll.grpo.method import make_batches, make_grpo_method, make_policy_gradient
 from esroll.grpo.update import (
@@ -41,7 +41,7 @@ __all__ = [
     "Group",
     "Rollouts",
     "Variant",
-    "check_names",
+    "check_grpo_names",
     "grpo_loss",
     "host_state",
     "init_state",

@@ -138,25 +138,25 @@ class Group(NamedTuple):
     answers: np.ndarray | None = None  # [X, M] int64 parsed-answer ids (`answer_id`), -1 for no answer
     examples: list[Example] | None = None  # the X prompts' examples (their task, difficulty, meta)
     steps: Steps | None = None  # the X·M completions' reasoning steps (`esroll.steps.Steps`, rows prompt-major)
-    step_scores: np.ndarray | None = None  # [X, M, S] each step's verifier score; NaN past a completion's steps
-    branch_rewards: np.ndarray | None = None  # [X, M, S, K] rewards of K continuations from the end of step s; NaN
+    step_scores: np.ndarray | None = None  # [X, M, J] each step's verifier score; NaN past a completion's steps
+    branch_rewards: np.ndarray | None = None  # [X, M, J, A] rewards of A continuations from the end of step s; NaN
     # where none was sampled (the last step, steps past a completion's count)
-    states: np.ndarray | None = None  # [X, M, S] int, S the most steps of any completion: the state after each step
+    states: np.ndarray | None = None  # [X, M, J] int, J the most steps of any completion: the state after each step
     # (`esroll.data.step_states`), ids equal within a prompt's group exactly where the states are; -1 past a
     # completion's steps (`state_ids`)
     turns: Any = None  # the X·M episodes' turns (`esroll.agents.Turns`, rows prompt-major): agent runs
 
 
-def state_ids(keys_per_row: list[list], X: int, M: int, S: int) -> np.ndarray:
-    """[X, M, S] int64 ids of the rows' state keys (rows prompt-major, `keys_per_row[x·M + j]` the keys of row j of
+def state_ids(keys_per_row: list[list], X: int, M: int, J: int) -> np.ndarray:
+    """[X, M, J] int64 ids of the rows' state keys (rows prompt-major, `keys_per_row[x·M + j]` the keys of row j of
     prompt x after each step): equal ids within a prompt exactly where the keys are equal, numbered 0, 1, ... in
     order of first appearance; -1 past a row's steps. The prompt itself (the state before the first step) has no
     key: an estimator treats "before step 0" as the group's root."""
-    ids = np.full((X, M, S), -1, np.int64)
+    ids = np.full((X, M, J), -1, np.int64)
     for x in range(X):
         seen: dict = {}
         for j in range(M):
-            for s, key in enumerate(keys_per_row[x * M + j][:S]):
+            for s, key in enumerate(keys_per_row[x * M + j][:J]):
                 ids[x, j, s] = seen.setdefault(key, len(seen))
     return ids
 
@@ -202,14 +202,14 @@ def all_equal(g: Group) -> np.ndarray:
 
 
 def step_sums(g: Group, values_XxMxN: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sums [X, M, S], token counts [X, M, S]) of a per-token quantity over each step of each completion: the
-    completion tokens (`g.token_mask`) that `g.steps` puts in step s. S is the most steps of any completion."""
+    """(sums [X, M, J], token counts [X, M, J]) of a per-token quantity over each step of each completion: the
+    completion tokens (`g.token_mask`) that `g.steps` puts in step s. J is the most steps of any completion."""
     X, M, N = g.token_mask.shape
     step = np.where(np.asarray(g.token_mask, bool), np.asarray(g.steps.step_BxN).reshape(X, M, N), -1)
     values = np.asarray(values_XxMxN, np.float64)
-    S = max(int(np.asarray(g.steps.count_B).max(initial=0)), 1)
-    sums, counts = np.zeros((X, M, S)), np.zeros((X, M, S), np.int64)
-    for s in range(S):
+    J = max(int(np.asarray(g.steps.count_B).max(initial=0)), 1)
+    sums, counts = np.zeros((X, M, J)), np.zeros((X, M, J), np.int64)
+    for s in range(J):
         on = step == s
         sums[..., s] = np.where(on, values, 0.0).sum(2)
         counts[..., s] = on.sum(2)
@@ -217,18 +217,18 @@ def step_sums(g: Group, values_XxMxN: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def step_means(g: Group, values_XxMxN: np.ndarray) -> np.ndarray:
-    """[X, M, S]: the mean of a per-token quantity over each step's tokens (`step_sums`); NaN where a step has
+    """[X, M, J]: the mean of a per-token quantity over each step's tokens (`step_sums`); NaN where a step has
     none (past a completion's steps)."""
     sums, counts = step_sums(g, values_XxMxN)
     return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
 
 
-def per_token(g: Group, step_XxMxS: np.ndarray, plus_XxM: np.ndarray | float = 0.0) -> np.ndarray:
+def per_token(g: Group, step_XxMxJ: np.ndarray, plus_XxM: np.ndarray | float = 0.0) -> np.ndarray:
     """[X, M, N] float32: each completion token gets its step's value (NaN counts as 0) plus its completion's
     `plus`; tokens past a completion's end get 0. The inverse of reading a per-step advantage per token."""
     X, M, N = g.token_mask.shape
     step = np.asarray(g.steps.step_BxN).reshape(X, M, N)
-    adv = np.nan_to_num(np.asarray(step_XxMxS, np.float64))
+    adv = np.nan_to_num(np.asarray(step_XxMxJ, np.float64))
     taken = np.take_along_axis(adv, np.clip(step, 0, adv.shape[2] - 1), axis=2)
     total = taken + np.broadcast_to(np.asarray(plus_XxM, np.float64), (X, M))[..., None]
     keep = np.asarray(g.token_mask, bool) & (step >= 0)

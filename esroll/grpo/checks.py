@@ -9,7 +9,7 @@ from esroll.grpo.loss import AGGREGATIONS
 from esroll.models.transformer import REMAT_POLICIES
 
 
-def check_names(g: GRPOConfig) -> None:
+def check_grpo_names(g: GRPOConfig) -> None:
     """Raise the one-line ConfigError of the first name in `g` that names no implementation (its advantage estimator,
     `esroll.grpo.advantages.ESTIMATORS`; its variants, `esroll.grpo.variants.VARIANTS`; its aggregation, `AGGREGATIONS`;
     its remat policy, `esroll.models.transformer.REMAT_POLICIES`), of a group size the estimator cannot use (>= 2,

@@ -7,7 +7,7 @@ within a step for the step-level ones). The reference is the Monte Carlo step ad
 (`esroll.grpo.estimators.mc_steps.step_values`): V(prompt) from K_ref fresh rollouts of the prompt, V(after step s)
 from K_ref fresh continuations from the end of step s, and after the last step the completion's own reward. No
 value shares a sample with the group, so the reference is unbiased at every step and its error is independent of
-each method's estimate. Its standard error is sqrt(var_after / K + var_before / K) from the sample variances
+each method's estimate. Its standard error is sqrt(var_after / K_ref + var_before / K_ref) from the sample variances
 (ddof 1), with var 0 for the completion's own reward. Scores, pooled over the steps of all prompts' valid
 completions:
     spearman            rank correlation of the method's step advantages with the reference's;
@@ -17,11 +17,12 @@ completions:
                         method's advantage has the reference's sign (0 counts as a disagreement);
     equal_signal        the share of the groups whose rewards are all equal that the method gives a non-zero
                         advantage;
-each with a percentile bootstrap interval over prompts. `mc_steps` itself is scored at small K from continuations
-sampled apart from the reference's (its V(prompt) leave-one-out from the group). `experiments.credit` runs it and
-writes the report (docs/step_level.md).
+each with a percentile bootstrap interval over prompts. `mc_steps` itself is scored at a small count of continuations
+(`mc_ks`) sampled apart from the reference's (its V(prompt) leave-one-out from the group). `experiments.credit` runs
+it and writes the report (docs/step_level.md).
 
-Shape letters (see `esroll`): X prompts, M completions per prompt, S steps, K continuations, N tokens.
+Shape letters (see `esroll`): X prompts, M completions per prompt, J steps, A samples (the fresh rollouts of a
+prompt, the continuations from the end of a step), N tokens.
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ from esroll.report import paired_test
 from esroll.rollout import Sampling, rollout
 from esroll.steps import branch, with_steps
 
-METHODS = ("grpo", "sas", "verigate", "guae", "ibpo", "graft", "graft_gae", "progpo")
+SCORED = ("grpo", "sas", "verigate", "guae", "ibpo", "graft", "graft_gae", "progpo")
 Z95 = 1.959963984540054
 
 
 def per_step(adv_XxMxN: np.ndarray, g: Group) -> np.ndarray:
-    """[X, M, S]: a per-token (or per-completion [X, M]) advantage read per step as the mean over the step's tokens
-    (`esroll.grpo.advantages.step_means`); NaN past a completion's steps. S = the most steps of any completion."""
+    """[X, M, J]: a per-token (or per-completion [X, M]) advantage read per step as the mean over the step's tokens
+    (`esroll.grpo.advantages.step_means`); NaN past a completion's steps. J = the most steps of any completion."""
     adv = np.asarray(adv_XxMxN, np.float64)
     if adv.ndim == 2:
         adv = np.broadcast_to(adv[..., None], g.token_mask.shape)
@@ -65,33 +66,33 @@ def _mean_and_variance_of_mean(rewards: np.ndarray) -> tuple[np.ndarray, np.ndar
     return mean, np.where(k >= 2, var, np.nan)
 
 
-def reference(g: Group, prompt_rewards_XxK: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(advantages [X, M, S], standard errors [X, M, S]) of the Monte Carlo step advantages (see the module
-    docstring): V(prompt) from `prompt_rewards_XxK`, the rewards of K fresh rollouts of each prompt (NaN for one that
+def reference(g: Group, prompt_rewards_XxA: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(advantages [X, M, J], standard errors [X, M, J]) of the Monte Carlo step advantages (see the module
+    docstring): V(prompt) from `prompt_rewards_XxA`, the rewards of A fresh rollouts of each prompt (NaN for one that
     is not valid), V(after step s) from `g.branch_rewards`. Neither shares a sample with the group's rewards, so the
     reference's error is independent of every method's estimate. NaN where undefined (past a completion's steps,
     invalid completions); the standard error is NaN where a value it needs has fewer than two samples."""
-    v0, var0 = _mean_and_variance_of_mean(np.asarray(prompt_rewards_XxK, np.float64))
+    v0, var0 = _mean_and_variance_of_mean(np.asarray(prompt_rewards_XxA, np.float64))
     values, adv = step_values(g, v0)
-    _, var_k = _mean_and_variance_of_mean(np.asarray(g.branch_rewards, np.float64))  # [X, M, S]: of V(after s)
-    X, M, S1 = values.shape
-    S = S1 - 1
+    _, var_k = _mean_and_variance_of_mean(np.asarray(g.branch_rewards, np.float64))  # [X, M, J]: of V(after s)
+    X, M, J1 = values.shape
+    J = J1 - 1
     counts = np.asarray(g.steps.count_B).reshape(X, M)
-    var_after = np.full((X, M, S), np.nan)
-    var_after[..., : var_k.shape[2]] = var_k[..., :S]
-    last = np.arange(S)[None, None, :] == (counts - 1)[..., None]
+    var_after = np.full((X, M, J), np.nan)
+    var_after[..., : var_k.shape[2]] = var_k[..., :J]
+    last = np.arange(J)[None, None, :] == (counts - 1)[..., None]
     var_after = np.where(last, 0.0, var_after)  # after the last step: the completion's own reward
     var_before = np.concatenate([np.broadcast_to(var0[:, None, None], (X, M, 1)), var_after[..., :-1]], axis=2)
     se = np.sqrt(var_after + var_before)
     return adv, np.where(np.isnan(adv), np.nan, se)
 
 
-def split_half(g: Group, prompt_rewards_XxK: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Two independent references ([X, M, S] advantages each), from the first and the second half of the
+def split_half(g: Group, prompt_rewards_XxA: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Two independent references ([X, M, J] advantages each), from the first and the second half of the
     continuations at every boundary and of the prompt's fresh rollouts: their agreement measures the full
     reference's reliability (`scores`). Both counts must be even, so that the full reference is exactly the two
     halves' mean, the premise of the Spearman–Brown step-up."""
-    br, pr = np.asarray(g.branch_rewards), np.asarray(prompt_rewards_XxK)
+    br, pr = np.asarray(g.branch_rewards), np.asarray(prompt_rewards_XxA)
     if br.shape[-1] % 2 or pr.shape[-1] % 2 or not br.shape[-1] or not pr.shape[-1]:
         raise ValueError(f"split_half: an even number >= 2 of continuations and of prompt rollouts, got "
                          f"{br.shape[-1]} and {pr.shape[-1]}")  # fmt: skip
@@ -101,14 +102,14 @@ def split_half(g: Group, prompt_rewards_XxK: np.ndarray) -> tuple[np.ndarray, np
     return first, second
 
 
-def prompt_value_gap(prompt_rewards_XxK: np.ndarray, rewards_XxM: np.ndarray) -> dict:
+def prompt_value_gap(prompt_rewards_XxA: np.ndarray, rewards_XxM: np.ndarray) -> dict:
     """The per-prompt difference between the fresh rollouts' mean reward and the group's, its mean over prompts and
     its 95% t interval (`prompt_value_gap`, `_low`, `_high`; `esroll.report.paired_test`): both estimate V(prompt)
     from the same policy, so the interval should contain 0; a check that the fresh rollouts sample as the group
     does."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a prompt with no valid reward
-        gap = np.nanmean(prompt_rewards_XxK, axis=1) - np.nanmean(rewards_XxM, axis=1)
+        gap = np.nanmean(prompt_rewards_XxA, axis=1) - np.nanmean(rewards_XxM, axis=1)
     test = paired_test(gap[~np.isnan(gap)])
     return {
         "prompt_value_gap": test["mean"],
@@ -133,10 +134,10 @@ def reliability(first: np.ndarray, second: np.ndarray) -> float:
 
 
 def scores(
-    method_XxMxS: np.ndarray,
+    method_XxMxJ: np.ndarray,
     token_adv: np.ndarray,
-    ref_XxMxS: np.ndarray,
-    se_XxMxS: np.ndarray,
+    ref_XxMxJ: np.ndarray,
+    se_XxMxJ: np.ndarray,
     equal_X: np.ndarray,
     *,
     halves: tuple[np.ndarray, np.ndarray] | None = None,
@@ -149,15 +150,15 @@ def scores(
     with a noise-free reference (Spearman's correction for attenuation; valid because the reference's error is
     independent of the method's), each computed within every resample. The correction is an estimate: with a noisy
     reliability it can exceed 1."""
-    X = method_XxMxS.shape[0]
-    S = min(method_XxMxS.shape[2], ref_XxMxS.shape[2])
-    m, ref, se = method_XxMxS[..., :S], ref_XxMxS[..., :S], se_XxMxS[..., :S]
+    X = method_XxMxJ.shape[0]
+    J = min(method_XxMxJ.shape[2], ref_XxMxJ.shape[2])
+    m, ref, se = method_XxMxJ[..., :J], ref_XxMxJ[..., :J], se_XxMxJ[..., :J]
     known = ~np.isnan(ref) & ~np.isnan(m)
     significant = known & (np.abs(ref) > Z95 * se)
     signal = np.abs(np.asarray(token_adv, np.float64)).reshape(X, -1).max(1) > 1e-9
 
     if halves is not None:
-        first, second = (np.asarray(h, np.float64)[..., :S] for h in halves)
+        first, second = (np.asarray(h, np.float64)[..., :J] for h in halves)
     names = ("spearman", "sign_agreement", "equal_signal") + (("reliability", "spearman_corrected") if halves else ())
 
     def one(prompts: np.ndarray) -> tuple[float, ...]:
@@ -196,7 +197,7 @@ def measure(
     boot: int = 1000,
     rows_per_call: int = 512,
 ) -> dict:
-    """Sample the groups, the reference and the small-K continuations, and score every method of `METHODS` and
+    """Sample the groups, the reference and the small-count continuations, and score every method of `SCORED` and
     `mc_steps` at each of `mc_ks`. Returns {method: scores} and the sample's figures under "sample". The
     continuations are decoded `rows_per_call` rows at a time (a memory bound; the tokens do not depend on it)."""
     X, M = len(examples), group_size
@@ -221,7 +222,7 @@ def measure(
     halves = split_half(g_ref, prompt_rewards)
     equal = advantages.all_equal(g)
     results = {}
-    for i, name in enumerate(METHODS):
+    for i, name in enumerate(SCORED):
         est = advantages.estimate(name, g, None, advantages.init_state(name))
         results[name] = scores(
             per_step(est.advantage, g), est.advantage, ref, se, equal, halves=halves, boot=boot, seed=seed + i

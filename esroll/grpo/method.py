@@ -32,7 +32,7 @@ from esroll.config import ConfigError, ExperimentConfig, check_fields, make_opti
 from esroll.data import Example, step_states
 from esroll.grpo import advantages
 from esroll.grpo import variants as grpo_variants
-from esroll.grpo.checks import check_names
+from esroll.grpo.checks import check_grpo_names
 from esroll.grpo.diagnostics import split_half_diagnostics
 from esroll.grpo.loss import token_weights
 from esroll.grpo.update import (
@@ -148,7 +148,7 @@ def estimator_group(
     if step_needs:
         fields["steps"] = out.steps
     if "step_scores" in needs:
-        fields["step_scores"] = out.step_scores_BxS.reshape(X, M, -1)
+        fields["step_scores"] = out.step_scores_BxJ.reshape(X, M, -1)
     if "turns" in needs:
         fields["turns"] = out.turns
     if "states" in needs:
@@ -158,15 +158,15 @@ def estimator_group(
 
 
 def branch_rewards(branched, origin_Rx2: np.ndarray, shape: tuple[int, ...], branches: int) -> np.ndarray:
-    """[X, M, S, K] the rewards of the K branches from the end of each step (`esroll.steps.branch`'s rows and
+    """[X, M, J, A] the rewards of the A branches from the end of each step (`esroll.steps.branch`'s rows and
     origins), NaN where none was sampled."""
-    X, M, S = shape
-    out = np.full((X * M, S, branches), np.nan, np.float64)
+    X, M, J = shape
+    out = np.full((X * M, J, branches), np.nan, np.float64)
     if branched is not None:
         rewards_R = np.asarray(branched.reward_B, np.float64)
         for r, (b, s) in enumerate(origin_Rx2):
             out[b, s, r % branches] = rewards_R[r]
-    return out.reshape(X, M, S, branches)
+    return out.reshape(X, M, J, branches)
 
 
 def check_config(cfg: ExperimentConfig) -> None:
@@ -255,10 +255,10 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     else `parallel.rows_per_device` (0: all of a device's share). `step` expects the masters as `esroll.task.load_task`
     places them on `mesh` and the state as `init` (or a restore into its layout) leaves it; the update returns both in
     that layout, so it compiles once. A name in `cfg.grpo` that no module implements is refused first
-    (`check_names`, naming the key as a config file spells it)."""
+    (`check_grpo_names`, naming the key as a config file spells it)."""
     g = cfg.grpo
     try:
-        check_names(g)
+        check_grpo_names(g)
     except ConfigError as e:
         raise e.under("grpo.") from None
     X, M, N = cfg.train.prompts_per_step, g.group_size, cfg.train.max_new_tokens
@@ -307,7 +307,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             out = with_steps(out, task, examples, steps, "step_scores" in needs)
         reward_B, metrics = training_rewards(out, label_free)
         branched, branch_flops, branch_tokens = None, 0.0, 0
-        if "branches" in needs:  # K continuations from the end of each step but the last
+        if "branches" in needs:  # A continuations from the end of each step but the last
             branched, origin = branch(
                 task, mesh, compute, examples, out, jax.random.fold_in(branch_key, step_index), sampling, steps.branches
             )

@@ -32,7 +32,7 @@ from esroll import parallel, sharding
 from esroll.config import GRPOConfig, OptimConfig, Options, make_optimizer
 from esroll.grpo import advantages
 from esroll.grpo import variants as grpo_variants
-from esroll.grpo.checks import check_names
+from esroll.grpo.checks import check_grpo_names
 from esroll.grpo.loss import grpo_loss
 from esroll.grpo.variants import LossTerms
 from esroll.models import STACKED
@@ -247,9 +247,9 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
     gradient arrives in it). The variants with loss hooks (`Variant.in_loss`) change the per-token advantages and
     clip ranges and add metrics. Parameters and state come out FSDP-sharded, whatever their input sharding. One per
     (model, GRPO config, optimizer config, mesh) in a process, so that runs of one process share their compilation.
-    A name in `grpo` that no module implements is refused first (`check_names`).
+    A name in `grpo` that no module implements is refused first (`check_grpo_names`).
     """
-    check_names(grpo)
+    check_grpo_names(grpo)
     optimizer = make_optimizer(optim)
     gradient = _minibatch_gradient(model_cfg, grpo, mesh, compute_dtype)
 
@@ -275,7 +275,7 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
 def make_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: str | None = None):
     """The jitted gradient of the loss on one minibatch, no optimizer step: gradient(params, ref_params, batch,
     on_policy) -> (grads, metrics), grads in the masters' layout (what the estimator diagnostics compare)."""
-    check_names(grpo)
+    check_grpo_names(grpo)
     gradient = _minibatch_gradient(model_cfg, grpo, mesh, compute_dtype)
 
     @jax.jit

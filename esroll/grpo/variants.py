@@ -209,22 +209,22 @@ def acpo_bounds(
     low: float,
     high: float,
 ) -> tuple[Array, Array]:
-    """ACPO's clip half-widths: (ε per token [B, N], ε per group [K]). Tokens are grouped by their old probability
-    π_old at `edges` (K = len(edges) + 1 groups, lowest probabilities first); a group's ε_k is scale × the sample std
+    """ACPO's clip half-widths: (ε per token [B, N], ε per group [Y]). Tokens are grouped by their old probability
+    π_old at `edges` (Y = len(edges) + 1 groups, lowest probabilities first); a group's ε_k is scale × the sample std
     of its tokens' ratios, clipped to [low, high] (a group with fewer than 2 tokens gets `low`). No gradient flows
     through the bounds."""
     ratio = jax.lax.stop_gradient(ratio_BxN)
     mask = jnp.asarray(mask_BxN, bool)
     group_BxN = jnp.searchsorted(jnp.asarray(edges, jnp.float32), jnp.exp(logp_old_BxN), side="right")
-    K = len(edges) + 1
-    member_KxBxN = (group_BxN[None] == jnp.arange(K)[:, None, None]) & mask[None]
-    n_K = member_KxBxN.sum((1, 2))
-    mean_K = jnp.where(member_KxBxN, ratio[None], 0.0).sum((1, 2)) / jnp.maximum(n_K, 1)
-    var_K = jnp.where(member_KxBxN, (ratio[None] - mean_K[:, None, None]) ** 2, 0.0).sum((1, 2)) / jnp.maximum(
-        n_K - 1, 1
+    Y = len(edges) + 1
+    member_YxBxN = (group_BxN[None] == jnp.arange(Y)[:, None, None]) & mask[None]
+    n_Y = member_YxBxN.sum((1, 2))
+    mean_Y = jnp.where(member_YxBxN, ratio[None], 0.0).sum((1, 2)) / jnp.maximum(n_Y, 1)
+    var_Y = jnp.where(member_YxBxN, (ratio[None] - mean_Y[:, None, None]) ** 2, 0.0).sum((1, 2)) / jnp.maximum(
+        n_Y - 1, 1
     )
-    eps_K = jnp.where(n_K >= 2, jnp.clip(scale * jnp.sqrt(var_K), low, high), low)
-    return eps_K[group_BxN], eps_K
+    eps_Y = jnp.where(n_Y >= 2, jnp.clip(scale * jnp.sqrt(var_Y), low, high), low)
+    return eps_Y[group_BxN], eps_Y
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,8 +271,8 @@ class Acpo(Variant):
         return terms._replace(eps_low=eps_BxN, eps_high=eps_BxN)
 
     def loss_metrics(self, g, terms):
-        _, eps_K = self._bounds(g, terms)
-        return {f"acpo_eps_{k}": eps_K[k] for k in range(eps_K.shape[0])}
+        _, eps_Y = self._bounds(g, terms)
+        return {f"acpo_eps_{k}": eps_Y[k] for k in range(eps_Y.shape[0])}
 
 
 # ---- the progress advantage: + η·(log π_θ − log π_ref) per token

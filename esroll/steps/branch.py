@@ -21,7 +21,7 @@ from esroll.steps.verify import STEP_VERIFIERS
 def with_steps(out: Rollout, task, examples, cfg: StepsConfig, scored: bool = False) -> Rollout:
     """`out` (a rollout with its completions) with each completion cut into reasoning steps by the config section
     (`segment`: `Rollout.steps`) and, when `scored`, each step scored by its verifier (`esroll.steps.verify`:
-    `Rollout.step_scores_BxS`, NaN past a completion's steps). Computed on the host from the exchanged tokens, so
+    `Rollout.step_scores_BxJ`, NaN past a completion's steps). Computed on the host from the exchanged tokens, so
     every process gets the same."""
     if out.tokens_BxN is None:
         raise ValueError("with_steps: the rollout carries no completions (rollout(..., completions=True))")
@@ -40,7 +40,7 @@ def with_steps(out: Rollout, task, examples, cfg: StepsConfig, scored: bool = Fa
         for b, e in enumerate(out.example_B):
             if e != PAD and found.count_B[b]:
                 scores[b, : found.count_B[b]] = verifier(examples[e], found.text[b])
-    return out._replace(steps=found, step_scores_BxS=scores)
+    return out._replace(steps=found, step_scores_BxJ=scores)
 
 
 def branch(

@@ -130,20 +130,20 @@ def lower_update(t: CaseTarget, depth: int, rows: int):
         w = jax.lax.with_sharding_constraint(w, sharding.master_shardings(mesh, w, layer=True))
         return jax.lax.with_sharding_constraint(w, sharding.compute_shardings(mesh, w, layer=True))
 
-    def loss(masters, tokens_BxS, advantage_B):
+    def loss(masters, tokens_BxT, advantage_B):
         p = jax.tree.map(lambda x: x.astype(dtype), masters)
         top = {k: v for k, v in p.items() if k != STACKED}
         top = jax.lax.with_sharding_constraint(top, sharding.compute_shardings(mesh, top))
-        x = top["embed"][tokens_BxS[:, :-1]]
+        x = top["embed"][tokens_BxT[:, :-1]]
         x, _ = _bare_layers(t, cfg, x, p[STACKED], gather_layer)
         head = top["embed"].T if cfg.tie_word_embeddings else top["lm_head"]
         logits = jnp.einsum("bnd,dv->bnv", x[:, P - 1 :], head, preferred_element_type=jnp.float32)
-        chosen = jnp.take_along_axis(logits, tokens_BxS[:, P:, None], axis=-1)[..., 0]
+        chosen = jnp.take_along_axis(logits, tokens_BxT[:, P:, None], axis=-1)[..., 0]
         logp = chosen - jax.nn.logsumexp(logits, axis=-1)
         return -(logp * advantage_B[:, None]).sum()
 
-    def update(masters, opt_state, tokens_BxS, advantage_B):
-        grads = jax.grad(loss)(masters, tokens_BxS, advantage_B)
+    def update(masters, opt_state, tokens_BxT, advantage_B):
+        grads = jax.grad(loss)(masters, tokens_BxT, advantage_B)
         grads = jax.lax.with_sharding_constraint(grads, sharding.master_shardings(mesh, grads))
         updates, opt_state = optimizer.update(grads, opt_state, masters)
         return optax.apply_updates(masters, updates), opt_state

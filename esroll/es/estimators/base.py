@@ -18,7 +18,8 @@ Non-finite fitness never reaches the parameters:
   (`strategy.tell`) then leaves parameters and optimizer state untouched and only advances the step.
 `num_nonfinite` counts the non-finite members, `num_dropped` every member left out (partners included).
 
-Shape letters (see `esroll`): M population members, E directions, C chunks of directions, L layers.
+Shape letters (see `esroll`): M population members, E directions, C chunks of directions, Z directions per chunk,
+L layers.
 """
 
 from __future__ import annotations
@@ -136,15 +137,15 @@ def weighted_sum(
     E = w_E.shape[0]
     if chunk_size is None or chunk_size >= E:
         return chunk_sum(jnp.arange(E), w_E)
-    C = -(-E // chunk_size)  # C chunks of chunk_size directions each
-    w_CxE = jnp.pad(w_E, (0, C * chunk_size - E)).reshape(C, chunk_size)
-    directions_CxE = jnp.arange(C * chunk_size).reshape(C, chunk_size)
-    zeros = jax.eval_shape(chunk_sum, directions_CxE[0], w_CxE[0])
+    C = -(-E // chunk_size)  # C chunks of Z = chunk_size directions each
+    w_CxZ = jnp.pad(w_E, (0, C * chunk_size - E)).reshape(C, chunk_size)
+    directions_CxZ = jnp.arange(C * chunk_size).reshape(C, chunk_size)
+    zeros = jax.eval_shape(chunk_sum, directions_CxZ[0], w_CxZ[0])
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zeros)
 
     def body(total, xs):
         part = chunk_sum(*xs)
         return jax.tree.map(jnp.add, total, part), None
 
-    total, _ = jax.lax.scan(body, zeros, (directions_CxE, w_CxE))
+    total, _ = jax.lax.scan(body, zeros, (directions_CxZ, w_CxZ))
     return total

@@ -16,7 +16,7 @@ MAX_SWEEPS = 1000  # at most; a graph without cycles is exact after as many swee
 
 
 def node_values(g: Group) -> tuple[list[dict], np.ndarray, np.ndarray]:
-    """(values, before [X, M, S], after [X, M, S]): for each prompt, a dict from each state id (and `ROOT`) to its
+    """(values, before [X, M, J], after [X, M, J]): for each prompt, a dict from each state id (and `ROOT`) to its
     value on the graph of the group's valid completions. A node's value is the visit-weighted mean over what leaves
     it: each step out of it (an edge, weighted by the completions that took it) contributes its target's value, and
     each completion that ends there contributes its reward, V(n) = (Σ_ends r + Σ_edges n_e·V(target_e)) /
@@ -26,7 +26,7 @@ def node_values(g: Group) -> tuple[list[dict], np.ndarray, np.ndarray]:
     solution of these linear equations, since from every node some completion's path leads to where it ends."""
     r, valid = valid_rewards(g)
     before, after = transitions(g)
-    X, M, S = after.shape
+    X, M, J = after.shape
     values = []
     for x in range(X):
         edges: dict[tuple[int, int], int] = {}
@@ -58,7 +58,7 @@ def node_values(g: Group) -> tuple[list[dict], np.ndarray, np.ndarray]:
 
 
 def _edge_values(g: Group) -> tuple[list[dict], np.ndarray, np.ndarray, np.ndarray]:
-    """(`node_values`' values, V(before) [X, M, S], V(after) [X, M, S], valid [X, M]) of every step of the valid
+    """(`node_values`' values, V(before) [X, M, J], V(after) [X, M, J], valid [X, M]) of every step of the valid
     completions; NaN elsewhere."""
     values, before, after = node_values(g)
     _, valid = valid_rewards(g)
@@ -107,8 +107,8 @@ def graft_gae(g: Group, o: GraftGaeOptions, state=None) -> Estimate:
     completions and tokens past a completion's end get 0. Logs `graft_gae_root_value` (as `graft_root_value`)."""
     r, _ = valid_rewards(g)
     values, v_before, v_after, valid = _edge_values(g)
-    X, M, S = v_before.shape
-    adv = np.zeros((X, M, S))
+    X, M, J = v_before.shape
+    adv = np.zeros((X, M, J))
     for x, j in zip(*np.nonzero(valid)):
         steps = np.flatnonzero(~np.isnan(v_before[x, j]))
         running = 0.0

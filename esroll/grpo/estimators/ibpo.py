@@ -27,17 +27,17 @@ class IbpoOptions:
 
 
 def sibling_advantages(g: Group) -> tuple[np.ndarray, np.ndarray]:
-    """(step advantages [X, M, S], has_sibling [X, M, S]). For step s of valid completion j, its siblings are the
+    """(step advantages [X, M, J], has_sibling [X, M, J]). For step s of valid completion j, its siblings are the
     steps of the group's other valid completions that start from the same state and reach a different one. They are
     grouped by the state they reach, a: Q(a) is the mean reward of the completions that took it from there, and π(a)
     the mean of the sampling policy's probabilities of those steps. The step's advantage is r_j − Σ π(a)Q(a) / Σ π(a);
     0 where there is no sibling, NaN past a completion's steps and on invalid completions."""
     r, valid = valid_rewards(g)
     before, after = transitions(g)
-    X, M, S = after.shape
+    X, M, J = after.shape
     lp = step_sums(g, g.token_logp)[0]  # each step's log-probability: its tokens' sum
-    adv = np.full((X, M, S), np.nan)
-    has = np.zeros((X, M, S), bool)
+    adv = np.full((X, M, J), np.nan)
+    has = np.zeros((X, M, J), bool)
     for x in range(X):
         j_E, s_E = np.nonzero((after[x] >= 0) & valid[x][:, None])
         b_E, a_E, lp_E, r_E = before[x, j_E, s_E], after[x, j_E, s_E], lp[x, j_E, s_E], r[x, j_E]

@@ -60,17 +60,17 @@ def potentials(texts: list[tuple[str, ...]], rewards: list[float], depths: int) 
 
 
 def progpo_steps(g: Group, o: ProgpoOptions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(peer [X, M, S], transition [X, M, S], has_peers [X, M, S]) per step of the valid completions (NaN elsewhere).
+    """(peer [X, M, J], transition [X, M, J], has_peers [X, M, J]) per step of the valid completions (NaN elsewhere).
 
     peer: from the exact text before step s, the mean reward of the completions that took this same step less the
     mean reward of all completions from that prefix; 0 where every completion from the prefix took the same step (no
     comparison). transition: Φ(after step s) − Φ(before), Φ from `potentials`, Φ(prompt) = the group's mean reward."""
     r, valid = valid_rewards(g)
     X, M = r.shape
-    S = max(int(np.asarray(g.steps.count_B).max(initial=0)), 1)
-    peer = np.full((X, M, S), np.nan)
-    transition = np.full((X, M, S), np.nan)
-    has_peers = np.zeros((X, M, S), bool)
+    J = max(int(np.asarray(g.steps.count_B).max(initial=0)), 1)
+    peer = np.full((X, M, J), np.nan)
+    transition = np.full((X, M, J), np.nan)
+    has_peers = np.zeros((X, M, J), bool)
     for x in range(X):
         rows = [j for j in np.flatnonzero(valid[x]) if g.steps.count_B[x * M + j] > 0]
         texts = [tuple(g.steps.text[x * M + j][: g.steps.count_B[x * M + j]]) for j in rows]

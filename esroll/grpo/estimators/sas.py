@@ -34,8 +34,8 @@ class SasOptions:
 
 
 def step_confidence(g: Group) -> np.ndarray:
-    """[X, M, S]: the mean log-probability (under the sampling policy) of each step's tokens; NaN past a completion's
-    steps. S is the most steps of any completion."""
+    """[X, M, J]: the mean log-probability (under the sampling policy) of each step's tokens; NaN past a completion's
+    steps. J is the most steps of any completion."""
     return step_means(g, g.token_logp)
 
 

@@ -11,7 +11,7 @@ ROOT = -2  # the state before a completion's first step: the prompt (state ids a
 
 
 def transitions(g: Group) -> tuple[np.ndarray, np.ndarray]:
-    """(before [X, M, S], after [X, M, S]): the state each step starts from (`ROOT` for the first) and reaches
+    """(before [X, M, J], after [X, M, J]): the state each step starts from (`ROOT` for the first) and reaches
     (`Group.states`); both -1 past a completion's steps."""
     after = np.asarray(g.states, np.int64)
     before = np.concatenate([np.full(after.shape[:2] + (1,), ROOT, np.int64), after[..., :-1]], axis=2)

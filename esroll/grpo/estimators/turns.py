@@ -21,13 +21,13 @@ from esroll.grpo.advantages import Estimate, Group, register_advantage, valid_re
 EPS = 1e-4  # as GRPO's group std (TRL)
 
 
-def discounted_returns(reward_BxT: np.ndarray, count_B: np.ndarray, gamma: float) -> np.ndarray:
-    """[B, T] each turn's discounted return, G_t = r_t + γ·G_{t+1} over the episode's `count` turns; 0 past them."""
-    B, T = reward_BxT.shape
-    inside = np.arange(T)[None, :] < np.asarray(count_B)[:, None]
-    rewards = np.where(inside, np.asarray(reward_BxT, np.float64), 0.0)
-    returns, later = np.zeros((B, T)), np.zeros(B)
-    for t in range(T - 1, -1, -1):
+def discounted_returns(reward_BxW: np.ndarray, count_B: np.ndarray, gamma: float) -> np.ndarray:
+    """[B, W] each turn's discounted return, G_t = r_t + γ·G_{t+1} over the episode's `count` turns; 0 past them."""
+    B, W = reward_BxW.shape
+    inside = np.arange(W)[None, :] < np.asarray(count_B)[:, None]
+    rewards = np.where(inside, np.asarray(reward_BxW, np.float64), 0.0)
+    returns, later = np.zeros((B, W)), np.zeros(B)
+    for t in range(W - 1, -1, -1):
         later = rewards[:, t] + gamma * later
         returns[:, t] = later
     return np.where(inside, returns, 0.0)
@@ -45,7 +45,7 @@ def normalise(values: np.ndarray, std: bool, eps: float = EPS, counts: np.ndarra
     return centred / (np.sqrt(np.sum(weights * centred**2) / (n - 1)) + eps) if std else centred
 
 
-def turn_tokens(g: Group, value_BxT: np.ndarray, plus_B: np.ndarray | float = 0.0) -> np.ndarray:
+def turn_tokens(g: Group, value_BxW: np.ndarray, plus_B: np.ndarray | float = 0.0) -> np.ndarray:
     """[X, M, N] float32: the action tokens of turn t of row b get value[b, t] + plus[b]; every other token 0."""
     X, M = g.rewards.shape
     N = g.token_mask.shape[2]
@@ -54,7 +54,7 @@ def turn_tokens(g: Group, value_BxT: np.ndarray, plus_B: np.ndarray | float = 0.
     plus = np.broadcast_to(np.asarray(plus_B, np.float64), (X * M,))
     for b in range(X * M):
         for t in range(int(turns.count_B[b])):
-            out[b, turns.start_BxT[b, t] : turns.end_BxT[b, t]] = value_BxT[b, t] + plus[b]
+            out[b, turns.start_BxW[b, t] : turns.end_BxW[b, t]] = value_BxW[b, t] + plus[b]
     return out.reshape(X, M, N).astype(np.float32)
 
 
@@ -76,7 +76,7 @@ def discounted(g: Group, o: DiscountedOptions, state=None) -> Estimate:
     _, valid = valid_rewards(g)
     X, M = valid.shape
     turns = g.turns
-    returns = discounted_returns(turns.reward_BxT, turns.count_B, o.gamma)
+    returns = discounted_returns(turns.reward_BxW, turns.count_B, o.gamma)
     played = (np.arange(returns.shape[1])[None, :] < np.asarray(turns.count_B)[:, None]) & valid.reshape(-1, 1)
     value = np.zeros_like(returns)
     for x in range(X):
@@ -123,7 +123,7 @@ def gigpo(g: Group, o: GigpoOptions, state=None) -> Estimate:
     r, valid = valid_rewards(g)
     X, M = r.shape
     turns = g.turns
-    returns = discounted_returns(turns.reward_BxT, turns.count_B, o.gamma)
+    returns = discounted_returns(turns.reward_BxW, turns.count_B, o.gamma)
     episode = np.zeros((X, M))
     step = np.zeros_like(returns)
     shared, sizes, total = 0, [], 0

@@ -27,15 +27,15 @@ class VerigateOptions:
         check_fields(self, [("gamma", 0 <= self.gamma <= 1, "in [0, 1]")], "VerigateOptions")
 
 
-def step_returns(scores_XxMxS: np.ndarray, count_XxM: np.ndarray, gamma: float) -> np.ndarray:
-    """[X, M, S]: each step's future-cumulated verifier score, G_s = score_s + γ·G_{s+1} over the completion's
+def step_returns(scores_XxMxJ: np.ndarray, count_XxM: np.ndarray, gamma: float) -> np.ndarray:
+    """[X, M, J]: each step's future-cumulated verifier score, G_s = score_s + γ·G_{s+1} over the completion's
     `count` steps (a non-finite score counts as 0); NaN past them."""
-    X, M, S = scores_XxMxS.shape
-    inside = np.arange(S) < count_XxM[..., None]
-    scores = np.where(inside, np.nan_to_num(np.asarray(scores_XxMxS, np.float64), nan=0.0, posinf=0.0, neginf=0.0), 0)
-    returns = np.zeros((X, M, S))
+    X, M, J = scores_XxMxJ.shape
+    inside = np.arange(J) < count_XxM[..., None]
+    scores = np.where(inside, np.nan_to_num(np.asarray(scores_XxMxJ, np.float64), nan=0.0, posinf=0.0, neginf=0.0), 0)
+    returns = np.zeros((X, M, J))
     later = np.zeros((X, M))
-    for s in range(S - 1, -1, -1):
+    for s in range(J - 1, -1, -1):
         later = scores[..., s] + gamma * later
         returns[..., s] = later
     return np.where(inside, returns, np.nan)
