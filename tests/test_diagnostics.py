@@ -3,7 +3,7 @@ given gradient (sign and value), and the split-half SNR against its Monte-Carlo 
 gradient; effective ranks against a dense SVD.
 
 Monte-Carlo checks compare two estimates within Z standard errors of their difference, at fixed seeds and sample
-sizes (as tests/test_es_theory.py does).
+sizes (as tests/es/test_es_theory.py does).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import transformers
 from esroll.data import PLAIN_TEMPLATE
 from esroll.models import forward, load_hf
 
-ASSET = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen3-arith"
+ASSET = Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen3-arith"
 
 
 def test_shipped_model_loads_in_both():
