@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test test-fast bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,10 @@ run: $(RUN_STAMP)
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile tests
+
+# The inner loop: every test but the end-to-end ones (the `e2e` marker, pyproject.toml).
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not e2e" tests
 
 bench: $(TEST_STAMP)
 	$(BIN)/python -m experiments.bench --quick --json runs/bench.json

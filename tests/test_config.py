@@ -103,6 +103,7 @@ def test_the_report_imports_one_way():
         assert not later, f"{path.relative_to(REPO)} imports {sorted(later)}, later in esroll.report"
 
 
+@pytest.mark.e2e
 def test_config_and_errors_do_not_import_jax():
     """What reads only configs, errors and workdirs (`esroll.report`) imports them without JAX."""
     code = "import sys, esroll.config, esroll.errors; assert 'jax' not in sys.modules, sorted(sys.modules)"
@@ -110,6 +111,7 @@ def test_config_and_errors_do_not_import_jax():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+@pytest.mark.e2e
 def test_every_module_imports_in_one_interpreter():
     """A fresh interpreter imports every module of esroll/ one after another: no module's import breaks another's.
     (Import cycles, which show in some orders only, are what `test_every_module_imports_first` finds: it enters
@@ -120,6 +122,7 @@ def test_every_module_imports_in_one_interpreter():
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.e2e
 def test_every_module_imports_first():
     """Each module imported into an interpreter that holds no esroll module yet (the rest dropped from sys.modules
     between imports): whichever module of a cycle comes first, its import must complete."""
@@ -210,6 +213,7 @@ def test_the_shipped_configs_name_registered_implementations(variant):
     assert type(default.grpo.adv["agrae"]).__name__ == "AgraeOptions" and default.grpo.adv["agrae"].positive == 1.0
 
 
+@pytest.mark.e2e
 def test_the_trainer_refuses_a_bad_name_before_writing(tmp_path):
     from esroll.train import train_and_evaluate
 
@@ -231,6 +235,7 @@ def test_a_comparison_refuses_a_bad_name():
         comparison_from_dict(d)
 
 
+@pytest.mark.e2e
 def test_the_factories_refuse_configs_built_by_hand():
     """ESConfig and GRPOConfig built directly skip check_names: their factories look the names up."""
     with pytest.raises(ConfigError, match=r"^ESConfig: invalid value for 'method': 'bogus' \(expected one of "):

@@ -116,6 +116,7 @@ def adaprefix_grpo():
     return cfg, train, held_out, task, params, mesh, Curriculum(cfg, train, task.tokenizer)
 
 
+@pytest.mark.e2e
 def test_adaprefix_prefix_is_prompt_and_outside_the_grpo_loss(adaprefix_grpo, monkeypatch):
     """One GRPO step on a batch of AdaPrefix examples (k_e > 0 tokens of each solution): `generate` decodes from the
     plain prompt followed by exactly those k_e tokens, and the update is conditioned on that same prompt while what
@@ -213,6 +214,7 @@ def test_adaprefix_reward_scores_prefix_and_completion_as_one_answer(adaprefix_g
     assert ids[3] == ids[0] == answer_id("153") and ids[4] == answer_id("154") and ids[1] == -1
 
 
+@pytest.mark.e2e
 def test_evaluation_is_unaided_while_adaprefix_is_on(adaprefix_grpo, tmp_path, monkeypatch):
     """A 2-step GRPO run with AdaPrefix giving the whole direct answer (prefix_init 1): every training rollout is
     assisted, yet every held-out evaluation (step 0, 1 and 2) decodes the held-out questions exactly as the data

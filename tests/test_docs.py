@@ -105,6 +105,7 @@ def test_readme_has_commands():
     assert {"experiments.train", "experiments.plan"} <= modules
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("argv", readme_commands(), ids=lambda a: " ".join(a[1:4]))
 def test_readme_command_parses(argv):
     """`--help` with the command's own flags exits 0, and every flag it passes is one the script (or, for

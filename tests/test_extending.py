@@ -111,6 +111,7 @@ def test_the_refusal_the_page_shows_is_the_one_check_names_gives():
     assert str(e.value) == line
 
 
+@pytest.mark.e2e
 def test_task_example(registries):
     namespace = run_section("A task", registries)
     assert namespace["summary"]["final_eval_accuracy"] is not None
@@ -124,6 +125,7 @@ def test_task_example(registries):
     assert spec.parse_answer(example, "it is 0052") == "52"
 
 
+@pytest.mark.e2e
 def test_reward_example(registries):
     run_section("A reward", registries)
     check_trained(registries, "close_enough")
@@ -145,6 +147,7 @@ def _ema_baseline_used(folder, run: str, decay: float) -> None:
     check_trained(folder, run)
 
 
+@pytest.mark.e2e
 def test_advantage_example(registries):
     """The page's estimator with its own option: set in a config in-process (0.8), then overridden on the command
     line of a config file that imports the module (0.5); each run's logged baseline follows the decay it was given."""
@@ -184,6 +187,7 @@ def test_advantage_example(registries):
     assert typo.stderr.strip().splitlines()[-1] == expected
 
 
+@pytest.mark.e2e
 def test_variant_example(registries):
     """The capped run logs its metric each step; the cap acts on the loss exactly as written: advantages beyond the
     limit are clipped, the others unchanged, and the metric counts the capped completion tokens."""
@@ -200,6 +204,7 @@ def test_variant_example(registries):
     assert float(variant.loss_metrics(None, terms)["capped_tokens"]) == pytest.approx(2 / 3)  # 2.5 and -1.5
 
 
+@pytest.mark.e2e
 def test_shaping_example(registries):
     run_section("A fitness shaping (ES)", registries)
     check_trained(registries, "above_median")
@@ -208,6 +213,7 @@ def test_shaping_example(registries):
     assert "above_median" not in advantages.ESTIMATORS  # ES's registry only: GRPO's estimators are registered apart
 
 
+@pytest.mark.e2e
 def test_es_estimator_example(registries):
     """The page's estimator is a training method: it trains by name, and its weights are the centred ranks of the
     pairs' differences, worked by hand: fitness (1, 0), (0, 1), (3, 0), (nan, 2) at σ = 1 gives differences 1, −1, 3
@@ -224,6 +230,7 @@ def test_es_estimator_example(registries):
     assert direction_M.tolist() == [0, 0, 1, 1] and sign_M.tolist() == [1.0, -1.0, 1.0, -1.0]
 
 
+@pytest.mark.e2e
 def test_environment_example(registries):
     """The page's environment, registered from outside the library, trains by name; its episodes follow the protocol
     worked by hand: seed 5 on a corridor of 4 starts P on tile 5 mod 3 = 2, one step right stands on G (reward 1,
@@ -240,6 +247,7 @@ def test_environment_example(registries):
     assert [r["step"] for r in steps] == [1, 2] and all(0 <= r["valid_actions"] <= 1 for r in steps)
 
 
+@pytest.mark.e2e
 def test_an_unregistered_task_is_refused_from_the_command_line(registries):
     """Without the page's config file (which imports the task module) the name `larger` is unknown: one line. The
     registered name trains from the command line in `test_advantage_example`."""

@@ -13,6 +13,7 @@ from conftest import xla_flags
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["variance_analysis.ipynb", "training_dynamics.ipynb", "training_variance.ipynb"])
 def test_notebook_runs(name, monkeypatch):
     monkeypatch.setenv("ESROLL_NOTEBOOK_FAST", "1")

@@ -248,6 +248,7 @@ def test_cpu_cores_one_device_for_a_large_model(fake_jax, no_device_count_flag, 
     assert fake_jax.config.updates == [("jax_num_cpu_devices", 2)]
 
 
+@pytest.mark.e2e
 def test_entry_counts_the_parameters_of_a_local_model_folder(tmp_path):
     from experiments._entry import _model_params
 

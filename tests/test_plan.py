@@ -27,6 +27,7 @@ def test_model_shapes_come_from_a_local_config_or_a_preset():
         model_shapes("someone/else")
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (pip install -e '.[plan]')")
 def test_plan_compiles_the_es_step_for_a_tpu_slice_without_one(tmp_path):
     out = tmp_path / "plan.json"

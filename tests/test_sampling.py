@@ -259,6 +259,7 @@ print(cache, lowered.compile().memory_analysis().temp_size_in_bytes)
 """
 
 
+@pytest.mark.e2e
 def test_decode_phases_share_one_cache_of_every_slot():
     """`generate` allocates its KV cache once, with every slot the call can fill, and each decode phase reads the
     slots it can have filled, in place: compiled for a TPU v5e 2x2 slice that is not there (libtpu, deviceless; in a

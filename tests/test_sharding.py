@@ -18,6 +18,7 @@ from esroll.models import ModelConfig, Perturbation, forward, model_config
 from esroll.models import abstract_params as param_shapes_tree
 
 from conftest import quick_config
+import pytest
 
 # hidden 64, 8 heads / 4 kv heads of 16, MLP 128, vocab 128: every split of the 2x4 mesh divides.
 CFG = ModelConfig(
@@ -102,6 +103,7 @@ def test_tensor_parallel_perturbed_logits_and_es_update_equal_one_device():
         assert mu["layers"]["up"].addressable_shards[0].data.size * 8 == mu["layers"]["up"].size
 
 
+@pytest.mark.e2e
 def test_bf16_model_with_float32_masters_resumes_exactly(tmp_path):
     """The shipped model decoded in bf16, its masters in float32: resumed after 2 of 4 ES steps it ends bit-identical,
     and the 4 steps at Adam 1e-4 move >= 99% of the master entries of every perturbed matrix (in bf16 most such

@@ -31,6 +31,7 @@ def quick(**train_overrides):
 TWO_STEPS = quick(steps=2, eval_every=100, checkpoint_every=100, export=False)
 
 
+@pytest.mark.e2e
 def test_quick_run_writes_everything(tmp_path):
     import torch
     import transformers
@@ -80,6 +81,7 @@ def scheduled_run(tmp_path_factory):
     return jax.device_get(out["params"])
 
 
+@pytest.mark.e2e
 def test_resume_is_exact(tmp_path, scheduled_run):
     """2 steps, interrupted, then resumed for 2 more: bit-identical to the 4 steps straight through. The learning-rate
     warm-up and cosine decay and the linear σ schedule continue exactly, and so does the curriculum's state."""
@@ -102,6 +104,7 @@ def one_device(tmp_path_factory):
     return jax.device_get(out["params"])
 
 
+@pytest.mark.e2e
 def test_sharded_equals_unsharded(tmp_path, one_device):
     """8 fake CPU devices split the population; the parameters after two steps match one device to 1e-6. (A model axis,
     each model's weights split over two devices, against one device: test_two_processes_equal_one, whose mesh is 2 × 2
@@ -126,6 +129,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.e2e
 def test_two_processes_equal_one(tmp_path, one_device):
     """Two processes with two CPU devices each (gloo collectives on localhost), each process's two devices one model
     axis (the weights split over them, the rows over the processes), match one process on one device."""
@@ -215,6 +219,7 @@ def test_es_refuses_the_grpo_variants(method):
     assert check_names(from_config_dict(cd.to_dict())).method == method
 
 
+@pytest.mark.e2e
 def test_failed_start_leaves_nothing_then_runs_and_a_finished_run_is_left_alone(tmp_path):
     """A run that cannot start (no model folder) writes nothing; the corrected command then trains in the same
     workdir; rerunning the finished run reports it complete and changes no file."""
@@ -249,6 +254,7 @@ def test_workdir_with_other_config_is_refused(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text()) == {"a": 1, "es": {"sigma": 0.2}}
 
 
+@pytest.mark.e2e
 def test_entry_scripts_use_one_cpu_device_per_core():
     """`parallel.use_cpu_cores_as_devices` (called first by the entry scripts) gives one CPU device per available core,
     and leaves an explicit --xla_force_host_platform_device_count alone."""
@@ -283,6 +289,7 @@ def test_a_workdir_without_a_run_is_written_into_not_moved(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine\n" and not (tmp_path / "replaced-1").exists()
 
 
+@pytest.mark.e2e
 def test_a_step_that_cannot_fit_the_devices_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     """Where devices report their memory, the trainer compiles the ES step for them first (as experiments.plan does)
     and refuses one that cannot fit, naming the largest buffer; here the CPU devices are said to hold 1 MiB."""
@@ -299,6 +306,7 @@ def test_a_step_that_cannot_fit_the_devices_is_refused_before_anything_is_writte
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.e2e
 def test_raising_steps_continues_a_finished_run_exactly(tmp_path, capsys, scheduled_run):
     """A finished 2-step run rerun with train.steps = 4 continues from its last checkpoint and ends bit-identical to the
     4-step run (its schedules' horizons shorter than the new length; the curriculum's state carried over); the old
@@ -331,6 +339,7 @@ def test_raising_steps_continues_a_finished_run_exactly(tmp_path, capsys, schedu
     assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.e2e
 def test_raising_the_time_budget_continues_a_run(tmp_path):
     """A run stopped by its time budget (a budget so small that one step exceeds it) continues when rerun without a
     budget, to the same parameters as a run that never had one."""

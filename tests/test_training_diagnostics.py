@@ -55,6 +55,7 @@ def looroll_off(tmp_path_factory):
     return folder, run(folder, "off", "quick", "looroll")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("method", ["eggroll", "looroll"])
 def test_es_diagnostics_leave_the_run_unchanged(tmp_path, method, request):
     """LOO-ROLL and EGGROLL with every diagnostic on (the policy-gradient cosine too) against off: bit-identical
@@ -77,6 +78,7 @@ def test_es_diagnostics_leave_the_run_unchanged(tmp_path, method, request):
             assert r["diag_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
 
 
+@pytest.mark.e2e
 def test_grpo_diagnostics_leave_the_run_unchanged(tmp_path):
     """GRPO: the same, and the two halves' mean is the step's on-policy gradient (one pass, one minibatch), so the
     norm of their mean is the update's gradient norm."""
@@ -89,6 +91,7 @@ def test_grpo_diagnostics_leave_the_run_unchanged(tmp_path):
         assert {"diag_snr", "diag_cosine_attention", "diag_snr_embed"} <= set(r)
 
 
+@pytest.mark.e2e
 def test_policy_gradient_is_the_ascent_direction_of_its_completions(monkeypatch):
     """The policy gradient an ES run's diag_pg_cosine compares with (`grpo.make_policy_gradient`, as the trainer
     builds it for `diagnostics_pg`) is the ascent direction of the reward on the completions it sampled: equal, leaf
@@ -139,6 +142,7 @@ def test_policy_gradient_is_the_ascent_direction_of_its_completions(monkeypatch)
         np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-4 * scale)
 
 
+@pytest.mark.e2e
 def test_the_ledger_adds_up_and_survives_a_resume(tmp_path, looroll_off):
     """Every step logs its rollout's and update's FLOPs and the phases' seconds; the cumulative `flops` is their
     sum, the same after a stop and a resume as straight through (`looroll_off`, 2 steps with a checkpoint after

@@ -146,6 +146,7 @@ def test_members_play_the_same_episodes_with_their_own_weights(setup):
     np.testing.assert_array_equal(out.reward_B, np.concatenate(returns))
 
 
+@pytest.mark.e2e
 def test_grpo_gradient_on_episodes_is_the_policy_gradient_on_the_actions(setup):
     """GRPO's minibatch gradient (`make_batches` + `make_gradient`, on-policy, no KL) on sampled episodes equals the
     gradient of −Σ_b A_b Σ_{action tokens t} log π(x_t | x_<t) / (action tokens), written here from the cache-free
@@ -201,6 +202,7 @@ def test_grpo_gradient_on_episodes_is_the_policy_gradient_on_the_actions(setup):
     assert (ep.length_B > np.array([len(p) for p in positions])).any()
 
 
+@pytest.mark.e2e
 def test_es_on_episodes_resumes_exactly(tmp_path):
     """`configs/agents.py:quick` (LOO-ROLL) killed after 2 of 4 steps and restarted ends bit-identical to an
     uninterrupted run: every member's episodes depend only on the run's seed and the step. Its steps log the
@@ -278,6 +280,7 @@ def test_agent_configs_fit_the_agent_model(env):
     assert longest + cfg.train.max_new_tokens <= positions
 
 
+@pytest.mark.e2e
 def test_agent_comparison_quick_pairs_every_arm_with_grpo(tmp_path):
     """configs/agents_compare.py:quick through the tuned protocol: GiGPO starts from GRPO's chosen setting and trains
     with the turn-level advantage (its steps log the anchor groups), LOO-ROLL trains on the same episodes, and the

@@ -24,6 +24,7 @@ def _rows(examples):
     return [[e.task, e.prompt, e.answer, e.solution, e.target_text, dict(e.meta)] for e in examples]
 
 
+@pytest.mark.e2e
 @needs_reasoning_gym
 def test_same_seed_same_examples_across_processes():
     """Bit-identical rows in this process and in a fresh one with another hash seed; another seed differs."""

@@ -187,6 +187,7 @@ def test_non_string_completion_is_zero():
     assert rewards.countdown_reward(b"1", [1], 1) == 0.0  # type: ignore[arg-type]
 
 
+@pytest.mark.e2e
 def test_does_not_import_jax():
     code = "import sys, esroll.rewards; assert 'jax' not in sys.modules, 'rewards imported jax'"
     subprocess.run([sys.executable, "-c", code], check=True)

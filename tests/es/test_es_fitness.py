@@ -74,6 +74,7 @@ def test_es_prompt_shaping_by_a_common_shift_leaves_the_estimate_as_raw(method):
         assert not np.allclose(w * (w @ raw) / (w @ w), raw, rtol=1e-3), name  # not even proportional to raw
 
 
+@pytest.mark.e2e
 def test_es_label_free_with_two_samples_per_prompt_trains(tmp_path):
     """LOO-ROLL label-free (the majority answer over the population's samples) with 2 samples per prompt and max@2
     fitness: it takes its step (rows laid out member, prompt, sample) and logs how often the vote agrees with gold.

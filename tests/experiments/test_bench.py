@@ -3,8 +3,10 @@
 import json
 
 from experiments.bench import main
+import pytest
 
 
+@pytest.mark.e2e
 def test_bench_quick_writes_figures(tmp_path):
     # A subset keeps the suite inside its time budget: the entry point, the ES speedup figure (a timing figure like the
     # others) and every phase of realshape_step (es_generate_vs_plain and generate_vs_hf share their timing code).
@@ -20,6 +22,7 @@ def test_bench_quick_writes_figures(tmp_path):
         )
 
 
+@pytest.mark.e2e
 def test_peer_benchmarks_esroll_side(tmp_path):
     """Every peer benchmark runs its esroll side at the tiny shape (--no_peers: the peers, optional extras, are not
     needed), so a change to the trainer's step or to `generate` that breaks a peer benchmark fails here."""

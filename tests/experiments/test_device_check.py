@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from conftest import REPO
+import pytest
 
 # The entry point, run with the two modules made unimportable (a None entry in sys.modules makes `import` fail).
 BLOCKED = ("ml_collections", "tensorboardX")
@@ -20,6 +21,7 @@ RUN = (
 )
 
 
+@pytest.mark.e2e
 def test_device_check_quick(tmp_path):
     out = tmp_path / "device_check.json"
     proc = subprocess.run(

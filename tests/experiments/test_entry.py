@@ -34,6 +34,7 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "args, expected",
     [
@@ -64,6 +65,7 @@ def test_expected_errors_are_one_line(tmp_path, args, expected):
     assert not workdir.exists() or not any(workdir.iterdir())  # a failed start claims nothing
 
 
+@pytest.mark.e2e
 def test_print_config_resolves_and_marks_what_the_run_does_not_read(tmp_path):
     """--print_config shows the file's values with the overrides applied, marks the overrides and the keys the run
     does not read, and exits 0 without a workdir; an override the run would not read is still refused."""
@@ -92,6 +94,7 @@ def test_print_config_resolves_and_marks_what_the_run_does_not_read(tmp_path):
     assert "--config.data.path: not read by this run" in one_line_error(proc) and not (tmp_path / "run").exists()
 
 
+@pytest.mark.e2e
 def test_help_lists_variants_and_keys():
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.train", "--help", "--config=configs/default.py:grpo"],
@@ -166,6 +169,7 @@ def kill_when(workdir: Path, step: int, checkpoint: int | None = None) -> int:
     return proc.wait()
 
 
+@pytest.mark.e2e
 def test_sigkill_before_and_after_first_checkpoint_then_resume(tmp_path):
     """Killed after step 2 (before the first checkpoint, at 4) and after step 5 (once it is saved), then run to the end: every
     step is logged once in metrics.jsonl and TensorBoard, and the exported model is bit-identical to an uninterrupted
@@ -206,6 +210,7 @@ def readme_example() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.e2e
 def test_readme_library_example_runs(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", readme_example()], cwd=REPO, capture_output=True, text=True, timeout=600

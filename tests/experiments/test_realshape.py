@@ -49,6 +49,7 @@ def run_cpu_variant(method: str, model: Path, workdir: Path, export: bool = True
     return records
 
 
+@pytest.mark.e2e
 def test_es_and_grpo_steps_at_real_width_and_vocabulary(qwen3_06b_2layers, tmp_path):
     run_cpu_variant("looroll", qwen3_06b_2layers, tmp_path / "es", export=False)  # GRPO's export is checked below
     grpo = run_cpu_variant("grpo", qwen3_06b_2layers, tmp_path / "grpo")
@@ -67,6 +68,7 @@ def test_es_and_grpo_steps_at_real_width_and_vocabulary(qwen3_06b_2layers, tmp_p
     assert np.abs(np.asarray(ours) - ref).max() < 1e-3
 
 
+@pytest.mark.e2e
 def test_random_model_loads_in_transformers_and_esroll(qwen3_06b_2layers):
     out = qwen3_06b_2layers  # written by `python -m experiments.make_random_model --like qwen3-0.6b --layers 2`
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
@@ -85,6 +87,7 @@ def test_random_model_loads_in_transformers_and_esroll(qwen3_06b_2layers):
     assert float(jnp.abs(params[STACKED]["q_norm"] - 1).max()) == 0.0
 
 
+@pytest.mark.e2e
 def test_random_model_with_tokenizer(qwen3_06b_2layers):
     out = qwen3_06b_2layers
     tok = transformers.AutoTokenizer.from_pretrained(str(out))

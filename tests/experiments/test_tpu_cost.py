@@ -24,6 +24,7 @@ def quick():
     return tpu_cost.measure(quick=True, log=lambda *args, **kwargs: None)
 
 
+@pytest.mark.e2e
 def test_every_program_has_finite_positive_figures(quick):
     case = quick["cases"]["quick"]
     assert case["topology"] == "v5e:2x2" and case["device_kind"] == "TPU v5 lite"
@@ -36,6 +37,7 @@ def test_every_program_has_finite_positive_figures(quick):
             assert math.isfinite(p[field]) and p[field] > 0, (name, field, p[field])
 
 
+@pytest.mark.e2e
 def test_roofline_fields_are_the_quotients_of_the_reported_numbers(quick):
     case = quick["cases"]["quick"]
     hbm, peak = quick["hbm_bytes_per_s"], quick["peak_flops"]
@@ -56,6 +58,7 @@ def test_roofline_fields_are_the_quotients_of_the_reported_numbers(quick):
     assert quick["tpu_cost"] == min(c["perturbed_over_plain"] for c in quick["cases"].values())
 
 
+@pytest.mark.e2e
 def test_calibration_programs_count_the_must_do_products(quick):
     """The prefill's and update's calibration programs do the products counted by hand from the shapes (2·m·n·k
     FLOPs each, over the 4 chips): the prefill's within 1% (the rest is the residual adds and the gating product),
@@ -85,6 +88,7 @@ def test_calibration_programs_count_the_must_do_products(quick):
         assert close(p["over_calibration"], p["optimal_seconds"] / p["calibration"]["optimal_seconds"]), name
 
 
+@pytest.mark.e2e
 def test_layer_figures_resolve_the_scan_by_depth(quick):
     """Each figure is a + b·L + c·L from the programs compiled at depths 0, d and D (the module docstring)."""
     for name in ("decode_plain", "decode_perturbed", "prefill", "update"):

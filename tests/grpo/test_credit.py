@@ -189,6 +189,7 @@ def test_scores_on_a_hand_built_case():
     assert math.isnan(scores(ref, token, ref, se, np.zeros(3, bool), boot=0)["equal_signal"])
 
 
+@pytest.mark.e2e
 def test_entry_script_writes_the_report(tmp_path):
     from experiments.credit import ROWS, main
 

@@ -185,6 +185,7 @@ def test_kl_is_zero_when_policy_equals_reference():
     np.testing.assert_array_equal(np.asarray(g_kl), np.asarray(g))
 
 
+@pytest.mark.e2e
 def test_first_update_has_ratio_exactly_one():
     """μ = 1, one minibatch: nothing clips even at ε = 0, the gradient flows, the KL to the (equal) reference is zero,
     and parameters, optimizer state and reference come back split over the 8 devices of a 4 × 2 mesh. (Taking π_old from
@@ -206,6 +207,7 @@ def test_first_update_has_ratio_exactly_one():
         assert {"data", "model"} <= set(leaf.sharding.spec) and leaf.addressable_shards[0].data.size * 8 == leaf.size
 
 
+@pytest.mark.e2e
 def test_sharded_equals_unsharded(tmp_path):
     """One step on 8 fake CPU devices as a 4 × 2 data × model mesh (masters and optimizer state split over both axes,
     sampling and the update tensor-parallel over "model", rows split over "data"; 2 microbatches, remat, chunked
@@ -235,6 +237,7 @@ def test_sharded_equals_unsharded(tmp_path):
     assert rec[1]["clip_fraction"] == 0.0
 
 
+@pytest.mark.e2e
 def test_resume_is_exact(tmp_path):
     """On the 4 × 2 mesh of test_sharded_equals_unsharded (its compiled programs), with an advantage estimator that
     keeps a running state (BV-Blend's per-cluster history, checkpointed with the optimizer state), STARE, whose
@@ -266,6 +269,7 @@ def test_resume_is_exact(tmp_path):
     assert all(keys <= set(r) for r in steps)
 
 
+@pytest.mark.e2e
 def test_config_errors():
     cd = get_config("grpo_quick")
     cd.grpo.minibatches = 3  # 4 prompts × 4 completions = 16 rows
@@ -368,6 +372,7 @@ def test_entropy_is_that_of_the_full_softmax(tiny, chunk):
     np.testing.assert_allclose(np.asarray(logp), np.asarray(ref_logp), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("tiny", ["untied"], indirect=True)  # one model will do
 @pytest.mark.parametrize("data,model", [(8, 1), (2, 4)])  # the 4 × 2 mesh: test_sharded_equals_unsharded
 def test_update_on_any_mesh_equals_one_device(tiny, data, model):
@@ -412,6 +417,7 @@ def test_update_on_any_mesh_equals_one_device(tiny, data, model):
     assert float(metrics["grad_norm"]) > 0 and float(metrics["kl"]) > 0 and float(metrics["entropy"]) > 0
 
 
+@pytest.mark.e2e
 def test_float32_masters_keep_small_updates_of_a_bf16_model():
     """The shipped model decoded in bfloat16: 3 GRPO steps of AdamW at lr 1e-6 (no weight decay) move >= 99% of the
     float32 master entries that received a non-zero gradient (Adam's second moment > 0: embedding rows of tokens never
@@ -481,6 +487,7 @@ def test_stare_off_and_progress_off_leave_the_loss_bit_identical():
     assert float(plain) == float(stare_off)
 
 
+@pytest.mark.e2e
 def test_stare_switch_in_the_step():
     """STARE through its config switch ("stare" in `grpo.variants`, read by the GRPO step on the host): off, with
     every STARE option changed, the step is plain GRPO's bit for bit (parameters, optimizer state, metrics; no gate
@@ -617,6 +624,7 @@ def test_acpo_off_is_plain_grpo_and_on_clips_per_token():
     assert float(scalar) == float(tokenwise)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("tiny", ["untied"], indirect=True)
 def test_progress_advantage_and_acpo_in_updates(tiny):
     """The progress advantage η·(log π_θ − log π_ref) is exactly 0 while θ is the reference and non-zero once θ has
@@ -658,6 +666,7 @@ def test_progress_advantage_and_acpo_in_updates(tiny):
     assert all(0.1 - 1e-6 <= e <= 0.4 + 1e-6 for e in eps) and max(eps) > 0.1 + 1e-3  # random π_old: ratios spread
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("tiny", ["untied"], indirect=True)
 def test_acpo_switch_in_updates(tiny):
     """ACPO through its config switch (`grpo.acpo`) in the real update (β > 0): off, the acpo_* knobs are ignored (the

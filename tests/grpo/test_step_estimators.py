@@ -212,6 +212,7 @@ def steps_task():
     return cfg, task, params, get_batch(train, cfg.train.prompts_per_step, cfg.data.seed, 0), mesh
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", ["sas", "verigate", "guae", "ibpo", "graft", "graft_gae", "progpo"])
 def test_a_training_step_by_name(steps_task, name):
     """`configs/step_level.py:<name>,quick` takes a GRPO step with the estimator: the same completions as plain GRPO

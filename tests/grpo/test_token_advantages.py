@@ -92,6 +92,7 @@ def _per_token(name: str):
     return fn
 
 
+@pytest.mark.e2e
 def test_a_per_token_estimator_constant_per_completion_takes_grpos_step_exactly(estimators):
     """One GRPO step with `grpo` and with an estimator returning grpo's advantages on every token: parameters,
     optimizer state and metrics bit-identical (the logged mean |A| to rounding), also with STARE's token factors applied (gate open); an estimator

@@ -133,6 +133,7 @@ def test_random_params_deterministic_and_dtype_rounding():
     assert not a[STACKED]["q_bias"].any() and (a[STACKED]["attn_norm"] == 1).all()
 
 
+@pytest.mark.e2e
 def test_cli_errors(tmp_path, capsys):
     with pytest.raises(SystemExit, match="0"):
         main(["--help"])
@@ -149,6 +150,7 @@ def test_cli_errors(tmp_path, capsys):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.e2e
 def test_cli_checks_before_writing_and_a_failed_run_leaves_nothing(tmp_path, capsys, monkeypatch):
     """Without the tokenizer's package the command stops before writing, naming the extra; a run that fails while
     writing leaves --out absent (no partial folder either), so the same command succeeds when rerun."""

@@ -219,6 +219,7 @@ def test_missing_package_is_one_line(monkeypatch):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.e2e
 def test_script(tmp_path, monkeypatch, tok):
     from experiments import make_qwen_tokenizer
 

@@ -80,6 +80,7 @@ def _tiny_qwen3_with_qwen_tokenizer(folder):
     save_qwen_tokenizer(folder)
 
 
+@pytest.mark.e2e
 def test_readme_real_model_command_with_the_base_install(tmp_path):
     model = tmp_path / "model"
     _tiny_qwen3_with_qwen_tokenizer(model)

@@ -183,6 +183,7 @@ def _write_run(directory: Path, method: str, evals: list[tuple[int, float, float
     (directory / "metrics.jsonl").write_text("".join(line + "\n" for line in lines) + tail)
 
 
+@pytest.mark.e2e
 def test_report_reads_the_workdir_only_and_skips_unfinished_runs(tmp_path):
     spec = {"methods": ["looroll", "eggroll"], "seeds": [0, 1], "time_budget_s": 10.0, "reference": "looroll"}
     (tmp_path / "comparison.json").write_text(json.dumps(spec))
@@ -204,6 +205,7 @@ def test_report_reads_the_workdir_only_and_skips_unfinished_runs(tmp_path):
     assert float(results["looroll"]["evaluations_mean"]) == 8 * 5
 
 
+@pytest.mark.e2e
 def test_reporting_does_not_import_jax():
     code = "import sys, esroll.report; assert 'jax' not in sys.modules, 'esroll.report imported jax'"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -243,6 +245,7 @@ def quick_comparison(tmp_path_factory):
     return comp, workdir, statuses
 
 
+@pytest.mark.e2e
 def test_tuning_chooses_on_validation_from_the_runs_on_disk_and_never_evaluates_on_a_tuning_seed(quick_comparison):
     from esroll.compare import candidates, choose, tuning_dir
     from esroll.data import make_splits
@@ -279,6 +282,7 @@ def test_tuning_chooses_on_validation_from_the_runs_on_disk_and_never_evaluates_
     assert not {e.prompt for e in validation} & {e.prompt for e in test}
 
 
+@pytest.mark.e2e
 def test_quick_comparison_tables_match_the_runs(quick_comparison):
     comp, workdir, statuses = quick_comparison
     assert statuses == [(m, s, "ran") for i, s in enumerate(comp.seeds) for m in comp.order(i)]
@@ -332,6 +336,7 @@ def test_quick_comparison_tables_match_the_runs(quick_comparison):
     assert egg["final_accuracy_diff_p_holm"] == egg["final_accuracy_diff_p_t"]
 
 
+@pytest.mark.e2e
 def test_rerun_skips_finished_runs_and_resumes_an_interrupted_one(quick_comparison):
     comp, workdir, _ = quick_comparison
     files = sorted(workdir.glob("*/seed*/metrics.jsonl"))
@@ -351,6 +356,7 @@ def test_rerun_skips_finished_runs_and_resumes_an_interrupted_one(quick_comparis
     assert resumed[: len(kept)] == kept and "eval_accuracy" in read_metrics(interrupted)[-1]
 
 
+@pytest.mark.e2e
 def test_entry_script_writes_the_report(quick_comparison):
     _, workdir, _ = quick_comparison
     (workdir / "results.md").unlink(missing_ok=True)
@@ -374,6 +380,7 @@ def test_entry_script_writes_the_report(quick_comparison):
     assert (workdir / "results.md").read_text() in out.stdout
 
 
+@pytest.mark.e2e
 def test_advantage_estimator_comparison_quick(tmp_path):
     """configs/advantages.py:quick through the comparison: plain GRPO, ntf (one completion per prompt) and DDRL
     (label-free: majority-vote rewards), paired against GRPO, with the fraction of all-equal groups in the report
@@ -412,6 +419,7 @@ def test_shared_draws_give_methods_with_one_space_the_same_candidates():
     assert comparison_from_dict(get_config("tuned_hard").to_dict()).tuning.shared_draws
 
 
+@pytest.mark.e2e
 def test_step_level_comparison_quick_inherits_grpo_s_tuned_learning_rate(tmp_path):
     """configs/step_level_compare.py:quick through the tuned protocol: plain GRPO tunes its learning rate, VeriGate
     starts from GRPO's chosen setting (`tuning.inherit`) and tunes only its own γ, LOO-ROLL with the dense step

@@ -146,6 +146,7 @@ def _num(x: str) -> float:
 # ---- the tests
 
 
+@pytest.mark.e2e
 def test_counters_are_read_and_old_runs_fall_back(workdir):
     run = load_run(workdir / "grpo" / "seed2", "grpo", 2)
     steps = np.array([r["step"] for r in read_metrics(workdir / "grpo/seed2/metrics.jsonl") if "eval_accuracy" in r])
@@ -172,6 +173,7 @@ def test_counters_are_read_and_old_runs_fall_back(workdir):
         view_x(apart, "steps")
 
 
+@pytest.mark.e2e
 def test_view_aucs_ranges_and_pairs_match_the_metrics(workdir):
     paths = write_report(workdir)
     for key in ("figure", "views"):

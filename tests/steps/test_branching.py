@@ -145,6 +145,7 @@ def test_mc_steps_on_a_hand_built_case():
     np.testing.assert_array_equal([given[0, 0, 0], given[0, 1, 0], given[1, 0, 0]], [0.25, -0.25, 0.75])
 
 
+@pytest.mark.e2e
 def test_an_mc_steps_step_counts_its_branches(steps_task):
     """One GRPO step with mc_steps against plain GRPO on the same completions (sampling keyed by seed and step): the
     branches' rows are K per step boundary, their generated tokens are counted in the step's tokens and FLOPs, and
@@ -206,6 +207,7 @@ def test_equal_groups_by_hand():
     assert equal_groups(np.array([[0.0, 1.0]]), np.ones(2)) == {"frac_groups_all_equal": 0.0}
 
 
+@pytest.mark.e2e
 def test_an_es_step_with_the_dense_step_fitness(steps_task):
     """One LOO-ROLL step at es.step_weight 0 and 0.5 from the same state on the same prompts: the members decode the
     same completions (greedy), the outcome is the plain step's reward, the mixed reward is (outcome + mean step
