@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,49 @@ def test_no_module_is_over_450_lines():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, long
+
+
+# ---- the e2e marker
+
+TESTS = REPO / "tests"
+RUNS = re.compile(r"\b(?:train_and_evaluate|subprocess\.|Popen|check_exact_resume|NotebookClient)\b")
+
+
+def test_every_test_that_trains_or_spawns_a_process_is_marked_e2e():
+    """A test that runs the trainer or spawns a process, itself or through a fixture or helper of its file or of
+    conftest.py, carries the `e2e` marker, so that `pytest -m "not e2e"` stays the fast loop."""
+    shared = {
+        n.name: n for n in ast.walk(ast.parse((TESTS / "conftest.py").read_text())) if isinstance(n, ast.FunctionDef)
+    }
+    unmarked = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        if path.resolve() == Path(__file__).resolve():  # this file names what it looks for, and runs none of it
+            continue
+        tree = ast.parse(path.read_text())
+        module_marks = "pytest.mark.e2e" in "".join(
+            ast.unparse(n) for n in tree.body if isinstance(n, ast.Assign) and "pytestmark" in ast.unparse(n)
+        )
+        # what a name of the file stands for: a function (a test, fixture or helper) or a module-level value (a
+        # table of cases), searched for what it runs and for the names it uses
+        functions = {**shared, **{n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}}
+        for n in tree.body:
+            if isinstance(n, ast.Assign):
+                functions.update({t.id: n.value for t in n.targets if isinstance(t, ast.Name)})
+        memo: dict[str, bool] = {}
+
+        def runs(name: str, seen: tuple = ()) -> bool:
+            if name not in memo:
+                f = functions[name]
+                used = {a.arg for a in f.args.args} if isinstance(f, ast.FunctionDef) else set()
+                used |= {n.id for n in ast.walk(f) if isinstance(n, ast.Name)}
+                memo[name] = bool(RUNS.search(ast.unparse(f))) or any(
+                    runs(u, (*seen, name)) for u in used if u in functions and u not in (*seen, name)
+                )
+            return memo[name]
+
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and runs(node.name):
+                marked = any("pytest.mark.e2e" in ast.unparse(d) for d in node.decorator_list)
+                if not (marked or module_marks):
+                    unmarked.append(f"{path.relative_to(REPO)}::{node.name}")
+    assert not unmarked, unmarked

@@ -18,7 +18,6 @@ from esroll.models import ModelConfig, Perturbation, forward, model_config
 from esroll.models import abstract_params as param_shapes_tree
 
 from conftest import quick_config
-import pytest
 
 # hidden 64, 8 heads / 4 kv heads of 16, MLP 128, vocab 128: every split of the 2x4 mesh divides.
 CFG = ModelConfig(
@@ -101,29 +100,3 @@ def test_tensor_parallel_perturbed_logits_and_es_update_equal_one_device():
         mu = new_state.opt_state[0].mu
         assert set(mu) == {"layers"}, "no optimizer state for frozen leaves (embed, lm_head, norms)"
         assert mu["layers"]["up"].addressable_shards[0].data.size * 8 == mu["layers"]["up"].size
-
-
-@pytest.mark.e2e
-def test_bf16_model_with_float32_masters_resumes_exactly(tmp_path):
-    """The shipped model decoded in bf16, its masters in float32: resumed after 2 of 4 ES steps it ends bit-identical,
-    and the 4 steps at Adam 1e-4 move >= 99% of the master entries of every perturbed matrix (in bf16 most such
-    updates round away); the embedding, not perturbed, stays as loaded. (Evaluated only before and after the 4 steps,
-    on 8 held-out questions: the evaluation, greedy decoding of the held-out set, does not touch the training.)"""
-    from conftest import check_exact_resume
-    from esroll.models import load_hf
-
-    cfg = quick_config("quick", steps=4, eval_every=4, checkpoint_every=2)
-    cfg = dataclasses.replace(
-        cfg,
-        data=dataclasses.replace(cfg.data, eval_size=8),
-        model=dataclasses.replace(cfg.model, dtype="bfloat16", master_dtype="float32"),
-        optimizer=dataclasses.replace(cfg.optimizer, lr=1e-4),
-        train=dataclasses.replace(cfg.train, export=False),
-    )
-    _, initial = load_hf(cfg.model.path, dtype=jnp.float32)
-    _, final = check_exact_resume(cfg, tmp_path)
-    assert final["layers"]["q"].dtype == np.float32
-    for name in ("q", "k", "v", "o", "gate", "up", "down"):
-        changed = np.mean(np.asarray(final["layers"][name]) != np.asarray(initial["layers"][name], np.float32))
-        assert changed >= 0.99, (name, changed)
-    np.testing.assert_array_equal(final["embed"], np.asarray(initial["embed"]))  # frozen

@@ -21,7 +21,7 @@ from esroll.experiment import check_names
 from esroll.metrics import read_metrics
 from esroll.train import train_and_evaluate
 
-from conftest import REPO, check_exact_resume, quick_config, xla_flags
+from conftest import REPO, assert_params_match, quick_config, xla_flags
 
 
 def quick(**train_overrides):
@@ -61,7 +61,7 @@ def test_quick_run_writes_everything(tmp_path):
 def scheduled():
     """4 quick steps with a learning-rate warm-up and cosine decay and a linear σ schedule, both of horizon 3 (shorter
     than the run), and the training-loop curriculum (ADS and AdaPrefix, whose controller ES drives from the shared
-    prompts). Resumed (test_resume_is_exact) and extended (test_raising_steps_continues_a_finished_run_exactly) runs of
+    prompts). Extended (test_raising_steps_continues_a_finished_run_exactly) runs of
     it must end where `scheduled_run`, the run straight through, ends."""
     from esroll.curriculum import CurriculumConfig
 
@@ -81,46 +81,11 @@ def scheduled_run(tmp_path_factory):
     return jax.device_get(out["params"])
 
 
-@pytest.mark.e2e
-def test_resume_is_exact(tmp_path, scheduled_run):
-    """2 steps, interrupted, then resumed for 2 more: bit-identical to the 4 steps straight through. The learning-rate
-    warm-up and cosine decay and the linear σ schedule continue exactly, and so does the curriculum's state."""
-    cfg = scheduled()
-    steps, _ = check_exact_resume(cfg, tmp_path, full_params=scheduled_run)
-    assert steps[0]["prefix_tokens"] > 0 and steps[0]["prefix_assistance"] == 1.0
-    assert any(key.startswith("ads_weight[difficulty=") for key in steps[-1])
-    lr = cfg.optimizer.lr
-    cosine = [1e-4 + (lr - 1e-4) * (1 + np.cos(np.pi * k / 2)) / 2 for k in (1, 2)]  # after the warm-up step
-    np.testing.assert_allclose([r["lr"] for r in steps], [0.0, lr, *cosine], rtol=1e-6)
-    assert steps[-1]["lr"] == pytest.approx(1e-4, rel=1e-6)  # the end of the decay
-    sigma = cfg.es.sigma
-    np.testing.assert_allclose([r["sigma"] for r in steps], [sigma, sigma * 5 / 6, sigma * 4 / 6, sigma / 2], rtol=1e-6)
-
-
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
-    """The parameters of 2 steps of the quick config on one device: what the sharded runs below must match."""
+    """The parameters of 2 steps of the quick config on one device: what the two processes below must match."""
     out = train_and_evaluate(TWO_STEPS, tmp_path_factory.mktemp("one"), mesh_devices=1, progress=False)
     return jax.device_get(out["params"])
-
-
-@pytest.mark.e2e
-def test_sharded_equals_unsharded(tmp_path, one_device):
-    """8 fake CPU devices split the population; the parameters after two steps match one device to 1e-6. (A model axis,
-    each model's weights split over two devices, against one device: test_two_processes_equal_one, whose mesh is 2 × 2
-    over two processes.)"""
-    eight = train_and_evaluate(TWO_STEPS, tmp_path / "eight", mesh_devices=8, progress=False)
-    assert len(jax.devices()) == 8
-    assert_params_match(one_device, eight["params"])
-
-
-def assert_params_match(x, y):
-    """Equal within float tolerance: every entry to 1e-4 (a tenth of the learning rate) and 99.9% of them to 1e-6.
-    Adam's first steps move an entry by about lr·g/(|g| + ε), so an entry whose gradient is within a few ε of zero
-    turns the last-bit rounding of g (a sharded sum adds in another order) into a visible difference."""
-    for a, b in zip(jax.tree.leaves(jax.device_get(x)), jax.tree.leaves(jax.device_get(y))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4)
-        assert np.mean(np.abs(np.asarray(a) - np.asarray(b)) <= 1e-6) >= 0.999
 
 
 def _free_port() -> int:
@@ -312,7 +277,7 @@ def test_raising_steps_continues_a_finished_run_exactly(tmp_path, capsys, schedu
     4-step run (its schedules' horizons shorter than the new length; the curriculum's state carried over); the old
     config is kept beside the new one. Lowering train.steps, or changing anything else, is refused with the remedy,
     and changes no file. (The loop's extension is the same for every method; GRPO's state, reference model included,
-    resumes exactly: test_grpo.py::test_resume_is_exact.)"""
+    resumes exactly: tests/test_resume.py::test_a_resumed_run_ends_bit_identical[grpo].)"""
     four = scheduled()
     two = dataclasses.replace(four, train=dataclasses.replace(four.train, steps=2))
     workdir = tmp_path / "extended"

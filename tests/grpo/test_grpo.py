@@ -7,7 +7,6 @@ bit-identical to plain GRPO."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 
 import chex
@@ -50,9 +49,8 @@ from esroll.grpo.variants import (
 from esroll.models import forward, load_hf
 from esroll.scoring import sequence_logprobs
 from esroll.task import load_task
-from esroll.train import train_and_evaluate
 
-from conftest import build_tiny_hf, check_exact_resume, quick_config
+from conftest import build_tiny_hf, quick_config
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.1
 grpo_loss = jax.jit(_grpo_loss, static_argnames=("eps_low", "eps_high", "beta", "aggregation"))
@@ -208,68 +206,6 @@ def test_first_update_has_ratio_exactly_one():
 
 
 @pytest.mark.e2e
-def test_sharded_equals_unsharded(tmp_path):
-    """One step on 8 fake CPU devices as a 4 × 2 data × model mesh (masters and optimizer state split over both axes,
-    sampling and the update tensor-parallel over "model", rows split over "data"; 2 microbatches, remat, chunked
-    log-probabilities) against
-    1 device (1 microbatch, no remat): the same completions and rewards, the gradient norm to 1e-5 relative, and the
-    parameters to 1e-7 wherever the gradient is not float noise. AdamW's first step is lr·g/(|g| + 1e-8), so an entry
-    whose gradient is ~1e-8 (tied-embedding rows of tokens the model never predicts, cancellations) moves by a
-    fraction of lr that depends on the summation order; the comparison covers the entries whose 1-device step is at
-    least 0.99·lr (|g| ≳ 1e-6), about 90% of them."""
-    train = dict(steps=1, eval_every=100, checkpoint_every=100, export=False)
-    cfg = strict_quick(ONE, **train)
-    one = train_and_evaluate(cfg, tmp_path / "one", mesh_devices=1, progress=False)
-    eight = train_and_evaluate(strict_quick(EIGHT, 2, **train), tmp_path / "eight", mesh_devices=8, progress=False)
-    assert eight["params"]["layers"]["up"].sharding.spec == PartitionSpec(None, "data", "model")
-    _, initial = load_hf(cfg.model.path)
-    compared = 0
-    for before, x, y in zip(*(jax.tree.leaves(p) for p in (initial, one["params"], eight["params"]))):
-        before, x, y = np.asarray(before), np.asarray(x), np.asarray(y)
-        solid = np.abs(before - x) >= 0.99 * cfg.optimizer.lr
-        np.testing.assert_allclose(x[solid], y[solid], rtol=0, atol=1e-7)
-        compared += solid.sum()
-    assert compared > 0.8 * sum(x.size for x in jax.tree.leaves(initial))
-    rec = [json.loads((tmp_path / d / "metrics.jsonl").read_text().splitlines()[1]) for d in ("one", "eight")]
-    assert rec[0]["reward_mean"] == rec[1]["reward_mean"] and rec[0]["frac_groups_all_equal"] < 1
-    np.testing.assert_allclose(rec[0]["grad_norm"], rec[1]["grad_norm"], rtol=1e-5)
-    np.testing.assert_allclose(rec[0]["loss"], rec[1]["loss"], atol=1e-6)  # ≈ 0 at ρ = 1: advantages are centred
-    assert rec[1]["clip_fraction"] == 0.0
-
-
-@pytest.mark.e2e
-def test_resume_is_exact(tmp_path):
-    """On the 4 × 2 mesh of test_sharded_equals_unsharded (its compiled programs), with an advantage estimator that
-    keeps a running state (BV-Blend's per-cluster history, checkpointed with the optimizer state), STARE, whose
-    gate (state too) opens after the first step: its entropy thresholds sit above the policy's entropy, and the
-    curriculum (ADS and AdaPrefix with the direct answer's tokens, withdrawn over 6 steps; its state replicated on
-    the mesh in the checkpoint)."""
-    from esroll.curriculum import CurriculumConfig
-
-    stare = dict(
-        variants=("stare",), variant_options={"stare": {"quantile": 0.8, "entropy_low": 5.0, "entropy_high": 6.0}}
-    )
-    cfg = strict_quick({**EIGHT, "advantage": "bv_blend", **stare}, 2, steps=4, checkpoint_every=2, eval_every=2)
-    cur = CurriculumConfig(ads=True, prefix=True, prefix_source="target", prefix_init=0.5, prefix_horizon=6)
-    steps, _ = check_exact_resume(dataclasses.replace(cfg, curriculum=cur), tmp_path)
-    assert steps[0]["prefix_tokens"] > 0 and steps[0]["prefix_assistance"] == 1.0
-    assert any(key.startswith("ads_weight[difficulty=") for key in steps[-1])
-    assert steps[0]["bv_blend_weight"] == 0 and steps[-1]["bv_blend_weight"] > 0  # history builds up and is used
-    assert [r["stare_open"] for r in steps] == [0, 1, 1, 1] and steps[-1]["stare_tokens"] > 0
-    keys = {
-        "reward_mean",
-        "reward_std",
-        "loss",
-        "kl",
-        "clip_fraction",
-        "frac_groups_all_equal",
-        "grad_norm",
-        "entropy",
-    }
-    assert all(keys <= set(r) for r in steps)
-
-
-@pytest.mark.e2e
 def test_config_errors():
     cd = get_config("grpo_quick")
     cd.grpo.minibatches = 3  # 4 prompts × 4 completions = 16 rows
@@ -374,7 +310,7 @@ def test_entropy_is_that_of_the_full_softmax(tiny, chunk):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("tiny", ["untied"], indirect=True)  # one model will do
-@pytest.mark.parametrize("data,model", [(8, 1), (2, 4)])  # the 4 × 2 mesh: test_sharded_equals_unsharded
+@pytest.mark.parametrize("data,model", [(8, 1), (2, 4)])  # the 4 × 2 mesh: tests/test_sharded.py
 def test_update_on_any_mesh_equals_one_device(tiny, data, model):
     """6 rows per microbatch (2 microbatches) on a data × model mesh of fake devices, padded by `pad_rows` to a
     multiple of the data axis (8 on 8 devices; none on 2, whose model axis of 4 exceeds the 2 key-value heads),
@@ -382,7 +318,7 @@ def test_update_on_any_mesh_equals_one_device(tiny, data, model):
     parameters after one optimizer step, loss and metrics (β > 0, off-policy ratios). The masters and the optimizer
     state come out split over "data" and, on a model axis, tensor-parallel over it (the decoding layout).
     Plain SGD at lr 1, so that the parameters' difference is the gradients' (AdamW's first step lr·g/(|g| + 1e-8)
-    would magnify float noise in near-zero gradient entries, see test_sharded_equals_unsharded). They agree to 1e-5
+    would magnify float noise in near-zero gradient entries, see tests/test_sharded.py). They agree to 1e-5
     of the largest gradient entry: the float32 noise of splitting rows over devices at all (6 unpadded rows on 2
     devices differ from 1 device by as much, 3e-6 of it: measured once, by hand)."""
     cfg, params = tiny
