@@ -1,10 +1,12 @@
 """The check of an experiment config's names against the registries of the modules that implement them.
 
-`esroll.config` imports nothing from esroll, so `from_config_dict` checks a config's structure and ranges but cannot
-see which ES methods, fitness shapings, advantage estimators, aggregations, remat policies, tasks, rewards, prompt
-templates or prefix sources exist: each registry lives with its implementation, where later code can add to it (the
-public `register_*` functions of `esroll.data`, `esroll.rewards`, `esroll.es.shaping` and `esroll.grpo`), so a name registered by
-the user's own module before the config is checked is accepted like a built-in one. `check_names`
+`esroll.config` imports nothing from esroll but its leaves (`esroll.errors`, `esroll.schedules`), so `from_config_dict`
+checks a config's structure and ranges but cannot see which methods, ES estimators, fitness shapings, advantage
+estimators, aggregations, remat policies, tasks, rewards, prompt templates, environments, step verifiers or prefix
+sources exist: each registry lives with its implementation, where later code can add to it (the public `register_*`
+functions of `esroll.data`, `esroll.rewards`, `esroll.es.shaping`, `esroll.es.estimators`, `esroll.grpo`,
+`esroll.agents` and `esroll.steps`), so a name registered by the user's own module before the config is checked is
+accepted like a built-in one. `check_names`
 checks those keys, and the options whose meaning depends on what a name implements, once the config is built. The
 trainer runs it first thing (`esroll.train.train_and_evaluate`), and so does every entry point right after
 `from_config_dict`, so that a bad name is refused with one line naming its key before anything runs or is written.

@@ -77,7 +77,7 @@ METHODS.add(
 
 
 def names() -> tuple[str, ...]:
-    """Every name a config's `method` may take: the ES estimators registered (`esroll.es.register_estimator`),
+    """Every name a config's `method` may take: the ES estimators registered (`esroll.es.estimators.register_estimator`),
     then the other methods."""
     return (*estimators.ESTIMATORS, *METHODS)
 

@@ -1,5 +1,5 @@
-"""The one mechanism behind every registry of named implementations (tasks, rewards, fitness shapings, advantage
-estimators, GRPO variants): a dict from name to implementation that knows what it holds and which config key names
+"""The one mechanism behind every registry of named implementations (tasks, rewards, fitness shapings, ES
+estimators, advantage estimators, GRPO variants, environments, step verifiers): a dict from name to implementation that knows what it holds and which config key names
 it, so that registering and checking a name are the same code, and the same messages, everywhere.
 
     TASKS = Registry("task", "data.task")

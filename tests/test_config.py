@@ -1,6 +1,7 @@
-"""esroll.config is a leaf: it imports nothing from esroll, and no order of importing the package's modules meets a
-cycle. Structure and ranges are checked when a config is built; registered names by `esroll.experiment.check_names`
-(and the factories of configs built by hand), each refusal one line naming the key."""
+"""esroll.config is a leaf: it imports nothing from esroll but the leaves esroll.errors and esroll.schedules, and no
+order of importing the package's modules meets a cycle. Structure and ranges are checked when a config is built;
+registered names by `esroll.experiment.check_names` (and the factories of configs built by hand), each refusal one
+line naming the key."""
 
 from __future__ import annotations
 

@@ -141,7 +141,7 @@ def _ema_baseline_used(folder, run: str, decay: float) -> None:
     one step from 0), so the decay the run read is the one its config set."""
     records = [r for r in metrics(folder / "runs" / run) if "ema_baseline" in r]
     assert [r["step"] for r in records] == [1, 2] and records[0]["ema_baseline"] == 0.0
-    assert records[1]["ema_baseline"] == pytest.approx((1 - decay) * records[0]["fitness_mean"], rel=1e-5, abs=1e-7)
+    assert records[1]["ema_baseline"] == pytest.approx((1 - decay) * records[0]["reward_mean"], rel=1e-5, abs=1e-7)
     saved = json.loads((folder / "runs" / run / "config.json").read_text())
     assert saved["grpo"]["adv"]["ema_baseline"] == {"decay": decay}
     check_trained(folder, run)

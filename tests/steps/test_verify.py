@@ -1,4 +1,4 @@
-"""esroll.verify: the `equations` step verifier on hand-written right, wrong and hostile steps, in the arith_steps
+"""esroll.steps.verify: the `equations` step verifier on hand-written right, wrong and hostile steps, in the arith_steps
 format and in GSM-Symbolic's wording, and on the reference solutions of both tasks."""
 
 from __future__ import annotations
