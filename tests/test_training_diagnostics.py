@@ -1,8 +1,8 @@
-"""The estimator diagnostics and the compute ledger in the trainer: diagnostics never feed the update (a run with
-them on ends with the parameters, and every other metric, of the run with them off, which logs none), the halves
-add up to the step's own estimate where the algebra says they must (EGGROLL's and GRPO's), the policy gradient the
-ES diagnostics compare with is the gradient of its definition on the completions it sampled, the ledger's cumulative
-FLOPs are the sum of its steps' and survive a resume, and the settings are checked."""
+"""The estimator diagnostics in the trainer: diagnostics never feed the update (a run with them on ends with the
+parameters, and every other metric, of the run with them off, which logs none), the halves add up to the step's own
+estimate where the algebra says they must (EGGROLL's and GRPO's), the policy gradient the ES diagnostics compare with
+is the gradient of its definition on the completions it sampled, and the settings are checked. (The ledger's
+cumulative FLOPs, the sum of its steps' and the same resumed: tests/test_resume.py.)"""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def same_except_diagnostics(off: list[dict], on: list[dict]) -> None:
 @pytest.fixture(scope="module")
 def looroll_off(tmp_path_factory):
     """(folder, (params, step records)) of the quick LOO-ROLL run with diagnostics off: the reference of
-    test_es_diagnostics_leave_the_run_unchanged[looroll] and the run straight through of the ledger's test."""
+    test_es_diagnostics_leave_the_run_unchanged[looroll]."""
     folder = tmp_path_factory.mktemp("looroll")
     return folder, run(folder, "off", "quick", "looroll")
 
