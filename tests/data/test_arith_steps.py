@@ -70,6 +70,7 @@ def test_options_shape_the_chains_and_are_checked():
     assert unread_keys(other)["data.options.arith_steps.ops"].startswith("only data.task 'arith_steps' reads it")
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not STEPS_MODEL.is_dir(), reason="assets/tiny-qwen3-steps is built by experiments.pretrain_tiny")
 def test_the_shipped_steps_model_writes_worked_solutions_at_partial_accuracy():
     """Greedy held-out accuracy of the shipped model, by the task's scorer through the trainer's evaluation, lies in

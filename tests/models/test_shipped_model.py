@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -29,6 +30,7 @@ def test_shipped_model_loads_in_both():
 AGENT = ASSET.parent / "tiny-qwen3-agent"
 
 
+@pytest.mark.e2e
 def test_shipped_agent_model_loads_in_both_and_plays_as_its_build_log_says():
     """The agent model: the same logits in transformers and esroll on an episode's text; room for the longest
     episode in either environment at the builder's action and answer room; and greedy play on the builder's 64 held-out seeds of
