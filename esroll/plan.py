@@ -5,9 +5,10 @@ This module knows no method: each method package plans its own step from the pie
 `esroll.grpo.plan`; `esroll.methods.MethodSpec.plan`), as it builds its own step. A `Target` holds what every plan
 shares (the config, the devices, the decoding copy's abstract shards, the chunked `generate`); `compile_program`
 compiles one program and reads its memory; `Target.plan` gathers the programs into a `Plan`. Each program is compiled
-exactly as the trainer runs it — from the same functions, shardings and settings, on the target's devices — and its per-device memory is read from the compiler (`memory_analysis`: arguments, outputs, temporaries,
-aliased donations). Buffers that live through the step but are not a program's arguments (the masters and optimizer
-state while decoding) are added to that program's figure; the step's peak is the largest sum.
+exactly as the trainer runs it — from the same functions, shardings and settings, on the target's devices — and its
+per-device memory is read from the compiler (`memory_analysis`: arguments, outputs, temporaries, aliased donations).
+Buffers that live through the step but are not a program's arguments (the masters and optimizer state while decoding)
+are added to that program's figure; the step's peak is the largest sum.
 
 Shapes: the model's from its config (a local config.json or `esroll.models.presets`), the step's from the experiment
 config, the prompt length from the caller (the trainer knows it from the data: its one prompt bucket).

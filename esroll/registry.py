@@ -1,6 +1,7 @@
-"""The one mechanism behind every registry of named implementations (tasks, rewards, fitness shapings, ES
-estimators, advantage estimators, GRPO variants, environments, step verifiers): a dict from name to implementation that knows what it holds and which config key names
-it, so that registering and checking a name are the same code, and the same messages, everywhere.
+"""The one mechanism behind every registry of named implementations (tasks, rewards, fitness shapings, ES estimators,
+advantage estimators, GRPO variants, environments, step verifiers): a dict from name to implementation that knows what
+it holds and which config key names it, so that registering and checking a name are the same code, and the same
+messages, everywhere.
 
     TASKS = Registry("task", "data.task")
     TASKS.add("larger", spec)                  # ValueError if taken, unless replace=True

@@ -1,4 +1,5 @@
-"""esroll.baselines through esroll.es.shaping: hand-computed values for every shaping, the invariances each claims, masking, errors.
+"""esroll.baselines through esroll.es.shaping: hand-computed values for every shaping, the invariances each claims,
+masking, errors.
 
 GRPO follows TRL: (r − mean) / (std + 1e-4) with the sample std (ddof = 1; a group of one valid entry has std 0);
 `grpo_population_std` keeps the population std (ddof = 0).

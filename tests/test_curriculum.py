@@ -1,8 +1,9 @@
 """esroll.curriculum: AdaPrefix's controller holds a simulated problem at its target success rate and its schedule
-withdraws the prefix; ADS's weights move toward the clusters at the policy's boundary on a simulated success table
-and its choice is deterministic in (seed, step, state). In the trainer, AdaPrefix's forced tokens end the GRPO
-prompt (outside the completion mask and token weights), the reward scores prefix + completion as one answer, and
-held-out evaluation gets no prefix. (A run with both resumes bit-identically: tests/test_resume.py::test_a_resumed_run_ends_bit_identical[grpo].)"""
+withdraws the prefix; ADS's weights move toward the clusters at the policy's boundary on a simulated success table and
+its choice is deterministic in (seed, step, state). In the trainer, AdaPrefix's forced tokens end the GRPO prompt
+(outside the completion mask and token weights), the reward scores prefix + completion as one answer, and held-out
+evaluation gets no prefix. (A run with both resumes bit-identically:
+tests/test_resume.py::test_a_resumed_run_ends_bit_identical[grpo].)"""
 
 from __future__ import annotations
 

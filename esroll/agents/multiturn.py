@@ -72,10 +72,10 @@ class Episodes:
     action token under the model (temperature 1, as `esroll.sampling.Generation`), 0 elsewhere; length_B: tokens
     after the prompt; prompt_BxP / prompt_mask_BxP: the left-padded prompts. Turn t of row b: its action is
     tokens[b, action_start[b, t] : action_end[b, t]], its answer follows up to the next action's start;
-    reward_BxW, valid_BxW (the action parsed, `esroll.agents.parse_action`), turns_B (turns played); done_B (ended
-    by the environment or its turn limit, not cut by `max_turns`); solved_B (the environment's `solved` at the
-    end); observations: each row's observation texts, the first one and one per turn; actions: the action texts as the environment read them. return_B: the sum of the
-    rewards."""
+    reward_BxW, valid_BxW (the action parsed, `esroll.agents.parse_action`), turns_B (turns played); done_B (ended by
+    the environment or its turn limit, not cut by `max_turns`); solved_B (the environment's `solved` at the end);
+    observations: each row's observation texts, the first one and one per turn; actions: the action texts as the
+    environment read them. return_B: the sum of the rewards."""
 
     prompt_BxP: np.ndarray
     prompt_mask_BxP: np.ndarray

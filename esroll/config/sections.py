@@ -61,9 +61,9 @@ class DataConfig:
     only for evaluation) | a reward function registered with `esroll.rewards.register_reward`. Held-out evaluation
     always scores the task's own reward. In ES the majority vote is over every member's completions, so a member's
     fitness depends on the other members' perturbations and the estimators are no longer unbiased (docs/theory.md).
-    options: the options of the tasks that registered some, by name (`data.options.arith_steps.max_operands`); a
-    task reads its own. task, reward and template are names of `esroll.data.TASKS`, `esroll.rewards.REWARDS` (and majority) and
-    `esroll.data.TEMPLATES`, checked by `esroll.experiment.check_names`."""
+    options: the options of the tasks that registered some, by name (`data.options.arith_steps.max_operands`); a task
+    reads its own. task, reward and template are names of `esroll.data.TASKS`, `esroll.rewards.REWARDS` (and majority)
+    and `esroll.data.TEMPLATES`, checked by `esroll.experiment.check_names`."""
 
     task: str = "arithmetic"
     path: str = ""

@@ -55,8 +55,8 @@ def compiled_strategy(es_cfg: ESConfig, optim: OptimConfig, mesh) -> es.Strategy
 @functools.cache
 def _diagnostics(es_cfg: ESConfig, model_cfg):
     """The jitted diagnostics of an ES step (`esroll.es.diagnostics`): the split-half figures, on the mesh, and the
-    update's effective ranks, on one device. One pair per (ES config, model) in a process, as `compiled_strategy`, so that
-    the runs of one process compile them once."""
+    update's effective ranks, on one device. One pair per (ES config, model) in a process, as `compiled_strategy`, so
+    that the runs of one process compile them once."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_params(model_cfg))
     return jax.jit(functools.partial(step_diagnostics, es_cfg)), jax.jit(
         functools.partial(rank_diagnostics, es_cfg, shapes)
@@ -71,7 +71,8 @@ def state_shardings(es_cfg: ESConfig, optim: OptimConfig, mesh, params) -> es.ES
 
 def check_config(cfg: ExperimentConfig) -> None:
     """Raise the one-line ConfigError of the first setting an ES run cannot work with: GRPO's variants, several samples
-    of greedy decoding, an estimator's population (eggroll: even, `estimators.check_population`), the split-half diagnostics' directions."""
+    of greedy decoding, an estimator's population (eggroll: even, `estimators.check_population`), the split-half
+    diagnostics' directions."""
     checks = [
         ("method", not cfg.grpo.variants, "grpo for grpo.variants (they change GRPO's step and loss; ES has neither)"),
         (
@@ -99,7 +100,8 @@ def check_config(cfg: ExperimentConfig) -> None:
 
 
 def unread(cfg: ExperimentConfig) -> dict[str, str]:
-    """{key or section ending in ".": why} for what an ES run of `cfg` does not read (`esroll.experiment.unread_keys`)."""
+    """{key or section ending in ".": why} for what an ES run of `cfg` does not read
+    (`esroll.experiment.unread_keys`)."""
     if cfg.es.step_weight:
         rules = {"steps.branches": f"method {cfg.method!r} samples no branches (es.step_weight scores the steps only)"}
     else:

@@ -34,9 +34,9 @@ Array = jax.Array
 
 def check_es_names(cfg: ESSettings) -> None:
     """Raise the one-line ConfigError of the first name in `cfg` that names no implementation: its fitness shapings
-    (`esroll.es.shaping.SHAPINGS`) and, in an `ESConfig`, its estimator (`estimators.ESTIMATORS`) and the population it can fill. The dataclasses of
-    `esroll.config` check everything else when they are built but cannot see these registries; `make_strategy` runs
-    this, so that a config built by hand is refused before anything runs."""
+    (`esroll.es.shaping.SHAPINGS`) and, in an `ESConfig`, its estimator (`estimators.ESTIMATORS`) and the population it
+    can fill. The dataclasses of `esroll.config` check everything else when they are built but cannot see these
+    registries; `make_strategy` runs this, so that a config built by hand is refused before anything runs."""
     checks = [
         ("shaping", cfg.shaping in shaping.SHAPINGS, shaping.SHAPINGS.expected()),
         ("prompt_shaping", cfg.prompt_shaping in shaping.SHAPINGS, shaping.SHAPINGS.expected()),

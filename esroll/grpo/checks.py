@@ -12,11 +12,11 @@ from esroll.models.transformer import REMAT_POLICIES
 def check_grpo_names(g: GRPOConfig) -> None:
     """Raise the one-line ConfigError of the first name in `g` that names no implementation (its advantage estimator,
     `esroll.grpo.advantages.ESTIMATORS`; its variants, `esroll.grpo.variants.VARIANTS`; its aggregation, `AGGREGATIONS`;
-    its remat policy, `esroll.models.transformer.REMAT_POLICIES`), of a group size the estimator cannot use (>= 2,
-    but for the single-rollout estimators, `EstimatorSpec.single_rollout`), of options the estimator or a variant
-    refuses (its options dataclass, and its `check`), or of settings a variant refuses (`Variant.check`). `GRPOConfig` (in `esroll.config`) checks everything else when it is built but cannot see these
-    registries; `make_update` and `make_grpo_method` run this, so that a config built by hand is refused before
-    anything runs."""
+    its remat policy, `esroll.models.transformer.REMAT_POLICIES`), of a group size the estimator cannot use (>= 2, but
+    for the single-rollout estimators, `EstimatorSpec.single_rollout`), of options the estimator or a variant refuses
+    (its options dataclass, and its `check`), or of settings a variant refuses (`Variant.check`). `GRPOConfig` (in
+    `esroll.config`) checks everything else when it is built but cannot see these registries; `make_update` and
+    `make_grpo_method` run this, so that a config built by hand is refused before anything runs."""
     spec = advantages.ESTIMATORS.get(g.advantage)
     single = spec is not None and spec.single_rollout
     unknown = [v for v in g.variants if v not in grpo_variants.VARIANTS]

@@ -100,9 +100,9 @@ VARIANTS: Registry[Variant] = Registry("GRPO variant", "grpo.variants", options_
 
 def register_variant(name: str, variant: Variant | None = None, *, replace: bool = False):
     """Register `variant` (a `Variant` instance) as the GRPO variant `grpo.variants` names `name`, with its options
-    (`variant.options`: keys `grpo.variant_options.<name>.<field>`). Its running state is checkpointed under its
-    name (`GRPOState.host["variants"][name]`). A name already registered is refused unless `replace` is set. Returns the variant; without it, a class
-    decorator that registers an instance of the class it decorates."""
+    (`variant.options`: keys `grpo.variant_options.<name>.<field>`). Its running state is checkpointed under its name
+    (`GRPOState.host["variants"][name]`). A name already registered is refused unless `replace` is set. Returns the
+    variant; without it, a class decorator that registers an instance of the class it decorates."""
     if variant is None:
         return lambda cls: (register_variant(name, cls(), replace=replace), cls)[1]
     VARIANTS.check_new(name, replace=replace)

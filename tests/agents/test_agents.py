@@ -1,9 +1,9 @@
-"""Agent runs (`esroll.agents`, `env.name`): a rollout of an agent task is `esroll.agents.play`'s episodes (reward
-the return, loss on the actions only, chunking and members as in single-turn rollouts); GRPO's gradient on episodes
-equals a policy gradient written here from a cache-free forward over each whole episode with the action tokens
-picked out by hand (so the environment's tokens are attended to and get no loss); `configs/agents.py:quick` trains,
-logging the episodes' metrics, and resumes exactly, and `configs/agents_compare.py:quick` trains GRPO, GiGPO and LOO-ROLL end to end; a config
-agents cannot run with is refused with one line naming its key."""
+"""Agent runs (`esroll.agents`, `env.name`): a rollout of an agent task is `esroll.agents.play`'s episodes (reward the
+return, loss on the actions only, chunking and members as in single-turn rollouts); GRPO's gradient on episodes equals a
+policy gradient written here from a cache-free forward over each whole episode with the action tokens picked out by hand
+(so the environment's tokens are attended to and get no loss); `configs/agents.py:quick` trains, logging the episodes'
+metrics (its exact resumption: tests/test_resume.py), and `configs/agents_compare.py:quick` trains GRPO, GiGPO and
+LOO-ROLL end to end; a config agents cannot run with is refused with one line naming its key."""
 
 from __future__ import annotations
 

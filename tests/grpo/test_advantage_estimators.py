@@ -1,9 +1,9 @@
 """The completion-level estimators of esroll.grpo.estimators (A-GRAE, BV-Blend, GMAE, MaxPO, LamPO, negative token
 filtering, DDRL) and the label-free majority reward: hand-computed small groups, the invariances each claims,
-unbiasedness by exhaustive enumeration (MaxPO), exact centring, and their reductions to GRPO / RLOO when their knobs
-are off. The other registered estimators are tested elsewhere: the group-relative built-ins in tests/test_baselines.py,
-the step-level ones and GuAE in tests/grpo/test_step_estimators.py (`mc_steps` in tests/steps/test_branching.py), the turn-level
-ones in tests/grpo/test_turn_credit.py."""
+unbiasedness by exhaustive enumeration (MaxPO), exact centring, and their reductions to GRPO / RLOO when their knobs are
+off. The other registered estimators are tested elsewhere: the group-relative built-ins in tests/test_baselines.py, the
+step-level ones and GuAE in tests/grpo/test_step_estimators.py (`mc_steps` in tests/steps/test_branching.py), the
+turn-level ones in tests/grpo/test_turn_credit.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Credit accuracy (`esroll.grpo.credit`, `experiments.credit`): steps read from token advantages, the Monte Carlo reference
-and its standard errors, and the scores, on hand-built cases worked out here; the reference's bias, its standard
-errors' calibration and the reliability-corrected correlation on a synthetic policy whose step values are known in
+"""Credit accuracy (`esroll.grpo.credit`, `experiments.credit`): steps read from token advantages, the Monte Carlo
+reference and its standard errors, and the scores, on hand-built cases worked out here; the reference's bias, its
+standard errors' calibration and the reliability-corrected correlation on a synthetic policy whose step values are known
+in
 closed form; the entry script's report names every method."""
 
 from __future__ import annotations
