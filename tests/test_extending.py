@@ -342,7 +342,7 @@ def test_a_registered_advantage_is_estimated_with_its_state(registries):
         return advantages.Estimate(np.zeros(np.shape(group.rewards), np.float32), state={"n": state["n"] + 1})
 
     advantages.register_advantage("counting", counting, lambda options: {"n": np.zeros((), np.int32)})
-    state = advantages.init_state("counting")
+    state = advantages.init_estimator_state("counting")
     out = advantages.estimate("counting", advantages.Group(np.ones((2, 3))), None, state)
     assert int(out.state["n"]) == 1 and out.advantage.shape == (2, 3)
     assert "counting" not in shaping.SHAPINGS and not advantages.ESTIMATORS["counting"].single_rollout

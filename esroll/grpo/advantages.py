@@ -168,7 +168,7 @@ class Estimate(NamedTuple):
     metrics: dict | None = None  # logged (None: nothing)
 
 
-def init_state(name: str, options: Any = None) -> dict | None:
+def init_estimator_state(name: str, options: Any = None) -> dict | None:
     """The running state estimator `name` starts from (None if it keeps none); `options`: its options (None: its
     defaults)."""
     spec = ESTIMATORS.lookup(name)
@@ -177,7 +177,7 @@ def init_state(name: str, options: Any = None) -> dict | None:
 
 def estimate(name: str, group: Group, options: Any = None, state: dict | None = None) -> Estimate:
     """Estimator `name` on one step's groups with its `options` (None: its defaults); `state` is what the previous
-    call returned (or `init_state`)."""
+    call returned (or `init_estimator_state`)."""
     return ESTIMATORS.lookup(name).fn(group, _options(name, options), state)
 
 

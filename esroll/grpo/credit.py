@@ -223,7 +223,7 @@ def measure(
     equal = advantages.all_equal(g)
     results = {}
     for i, name in enumerate(SCORED):
-        est = advantages.estimate(name, g, None, advantages.init_state(name))
+        est = advantages.estimate(name, g, None, advantages.init_estimator_state(name))
         results[name] = scores(
             per_step(est.advantage, g), est.advantage, ref, se, equal, halves=halves, boot=boot, seed=seed + i
         )

@@ -70,10 +70,10 @@ class GRPOState(NamedTuple):
 
 def host_state(g: GRPOConfig) -> dict | None:
     """The running state kept on the host between steps, nested by owner: {"advantage": the estimator's
-    (`esroll.grpo.advantages.init_state`), "variants": {name: each variant's (`Variant.init_state`)}}, each part only
-    when it holds something; None when nothing does."""
+    (`esroll.grpo.advantages.init_estimator_state`), "variants": {name: each variant's (`Variant.init_state`)}}, each
+    part only when it holds something; None when nothing does."""
     return join_host(
-        advantages.init_state(g.advantage, advantages.options_of(g)),
+        advantages.init_estimator_state(g.advantage, advantages.options_of(g)),
         {name: variant.init_state(g) for name, variant in grpo_variants.active(g)},
     )
 

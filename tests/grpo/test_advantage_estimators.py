@@ -23,7 +23,7 @@ from esroll.errors import ConfigError
 def est(name, rewards, options=None, state=None, **fields):
     g = A.Group(np.asarray(rewards, np.float64), **fields)
     if state is None:
-        state = A.init_state(name, options)
+        state = A.init_estimator_state(name, options)
     return A.estimate(name, g, options, state)
 
 

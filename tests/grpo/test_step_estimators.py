@@ -159,7 +159,7 @@ def test_guae_tempers_toward_its_anchor_and_carries_it_across_steps():
     ±0.5 / (√(1/2) + 1e-4): 1/2 of it plus 1/2 of 1 − 0.75 and of 0 − 0.75 clipped to −0.5. The anchor after: 0.9·0.75 + 0.1·0.75.
     Step 2, all zero: weight 0, every entry r − b = −0.75, clipped to −0.5 by bound 0.5; anchor 0.9·0.75."""
     o = GuaeOptions(rate=0.1, tau=0.25, bound=0.5)
-    state = A.init_state("guae", o)
+    state = A.init_estimator_state("guae", o)
     one = A.estimate("guae", A.Group(np.array([[1.0, 1.0], [1.0, 0.0]])), o, state)
     a = 0.5 / (math.sqrt(0.5) + 1e-4)
     np.testing.assert_allclose(one.advantage, [[0.25, 0.25], [a / 2 + 0.125, -a / 2 - 0.25]], rtol=1e-6)
