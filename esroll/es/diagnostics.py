@@ -24,6 +24,12 @@ from esroll.models import LowRank
 Array = jax.Array
 
 
+def least_split_directions(method: str) -> int:
+    """The fewest directions a split into two halves needs: each half an estimate of its own, so twice the
+    estimator's `min_directions` (LOO-ROLL's leave-one-out baseline needs a second direction in each half)."""
+    return 2 * estimators.ESTIMATORS.lookup(method).min_directions
+
+
 def half_of_direction(method: str, population: int) -> np.ndarray:
     """[E] int: the half (0 or 1) of each direction, direction k in half k mod 2.
 
@@ -33,7 +39,7 @@ def half_of_direction(method: str, population: int) -> np.ndarray:
     (the leave-one-out baseline of a half needs another member of that half).
     """
     E = estimators.num_directions(method, population)
-    least = 2 * estimators.ESTIMATORS.lookup(method).min_directions
+    least = least_split_directions(method)
     if E % 2 or E < least:
         raise ValueError(
             f"{method} with population {population} has {E} directions: a split into two halves needs an even "

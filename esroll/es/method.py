@@ -24,7 +24,7 @@ from esroll import baselines, es, ledger, memory, parallel, sharding
 from esroll.config import ConfigError, ESConfig, ExperimentConfig, OptimConfig, check_fields, make_optimizer
 from esroll.data import Example
 from esroll.es import estimators, shaping
-from esroll.es.diagnostics import rank_diagnostics, step_diagnostics
+from esroll.es.diagnostics import least_split_directions, rank_diagnostics, step_diagnostics
 from esroll.models import abstract_params
 from esroll.rollout import Sampling, prompt_means, rollout, training_rewards
 from esroll.steps import with_steps
@@ -89,7 +89,7 @@ def check_config(cfg: ExperimentConfig) -> None:
     check_fields(cfg, checks, "config")
     estimators.check_population(cfg.method, cfg.es.population, "es.population")
     directions = estimators.num_directions(cfg.method, cfg.es.population)
-    least = 2 * estimators.ESTIMATORS[cfg.method].min_directions  # the fewest directions of each half, twice
+    least = least_split_directions(cfg.method)
     if cfg.train.diagnostics_every and (directions % 2 or directions < least):
         raise ConfigError(
             "es.population",
