@@ -4,6 +4,7 @@ folders; quick configs of the shipped model; the exact-resumption check shared b
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 
 # 8 fake CPU devices for the sharding tests; cheaper XLA passes, since compile time dominates these tiny models.
@@ -184,3 +185,17 @@ def assert_params_match(x, y):
     for a, b in zip(jax.tree.leaves(jax.device_get(x)), jax.tree.leaves(jax.device_get(y))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4)
         assert np.mean(np.abs(np.asarray(a) - np.asarray(b)) <= 1e-6) >= 0.999
+
+
+# GRPO's 8-device runs accumulate gradients over 2 microbatches and rematerialise ("dots", chunked log-probabilities),
+# so that comparing them with 1 device (1 microbatch, no remat, one chunk: ONE) checks all of it; the 8-device tests
+# share one config, hence their compiled steps.
+EIGHT = dict(microbatches=2, remat="dots", logprob_chunk=2)
+ONE = dict(remat="none", logprob_chunk=0)
+
+
+def strict_quick(grpo: dict | None = None, model: int = 1, **train_overrides):
+    """grpo_quick with ε_low = ε_high = 0, so that any ratio ρ ≠ 1 clips. With μ = 1 and one minibatch every update
+    is on-policy, so training is unchanged. `model`: the mesh's model axis (`parallel.model`)."""
+    cfg = quick_config("grpo_quick", grpo={"epsilon_low": 0.0, "epsilon_high": 0.0, **(grpo or {})}, **train_overrides)
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, model=model))

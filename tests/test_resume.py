@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, check_exact_resume, quick_config
+from conftest import EIGHT, REPO, check_exact_resume, quick_config, strict_quick
 from esroll import ledger
 from esroll.curriculum import CurriculumConfig
 from esroll.config import from_config_dict
@@ -65,18 +65,12 @@ def grpo_case():
     """GRPO on 8 devices as a 4 × 2 mesh, 2 microbatches with remat; BV-Blend's per-cluster history (checkpointed
     with the optimizer state) and STARE, whose gate opens after the first step (its entropy thresholds sit above the
     policy's entropy)."""
-    grpo = {
-        "epsilon_low": 0.0,
-        "epsilon_high": 0.0,
-        "microbatches": 2,
-        "remat": "dots",
-        "logprob_chunk": 2,
-        "advantage": "bv_blend",
+    stare = {
         "variants": ("stare",),
         "variant_options": {"stare": {"quantile": 0.8, "entropy_low": 5.0, "entropy_high": 6.0}},
     }
-    cfg = quick_config("grpo_quick", grpo=grpo, steps=4, checkpoint_every=2, eval_every=2)
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, model=2), curriculum=CURRICULUM)
+    cfg = strict_quick({**EIGHT, "advantage": "bv_blend", **stare}, 2, steps=4, checkpoint_every=2, eval_every=2)
+    cfg = dataclasses.replace(cfg, curriculum=CURRICULUM)
 
     def check(steps, final, workdir):
         assert steps[0]["prefix_tokens"] > 0 and steps[0]["prefix_assistance"] == 1.0

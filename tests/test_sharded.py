@@ -4,7 +4,6 @@ tests/test_train.py::test_two_processes_equal_one.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import jax
@@ -12,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from conftest import assert_params_match, quick_config
+from conftest import EIGHT, ONE, assert_params_match, quick_config, strict_quick
 from esroll.models import load_hf
 from esroll.train import train_and_evaluate
 
@@ -37,12 +36,8 @@ def grpo_case(tmp_path):
     whose 1-device step is at least 0.99·lr (|g| ≳ 1e-6), about 90% of them. ε_low = ε_high = 0, so that any ratio
     ρ ≠ 1 would clip."""
     train = dict(steps=1, eval_every=100, checkpoint_every=100, export=False)
-    strict = {"epsilon_low": 0.0, "epsilon_high": 0.0}
-    cfg = quick_config("grpo_quick", grpo={**strict, "remat": "none", "logprob_chunk": 0}, **train)
-    eight_cfg = quick_config(
-        "grpo_quick", grpo={**strict, "microbatches": 2, "remat": "dots", "logprob_chunk": 2}, **train
-    )
-    eight_cfg = dataclasses.replace(eight_cfg, parallel=dataclasses.replace(eight_cfg.parallel, model=2))
+    cfg = strict_quick(ONE, **train)
+    eight_cfg = strict_quick(EIGHT, 2, **train)
     one = train_and_evaluate(cfg, tmp_path / "one", mesh_devices=1, progress=False)
     eight = train_and_evaluate(eight_cfg, tmp_path / "eight", mesh_devices=8, progress=False)
     assert eight["params"]["layers"]["up"].sharding.spec == PartitionSpec(None, "data", "model")

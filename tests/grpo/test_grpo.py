@@ -50,24 +50,10 @@ from esroll.models import forward, load_hf
 from esroll.scoring import sequence_logprobs
 from esroll.task import load_task
 
-from conftest import build_tiny_hf, quick_config
+from conftest import EIGHT, build_tiny_hf, quick_config, strict_quick
 
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 0.1
 grpo_loss = jax.jit(_grpo_loss, static_argnames=("eps_low", "eps_high", "beta", "aggregation"))
-
-
-# The 8-device runs also accumulate gradients over 2 microbatches and rematerialise ("dots", chunked log-probabilities),
-# so that comparing them with 1 device (1 microbatch, no remat, one chunk: ONE) checks all of it; the 8-device tests
-# share one config, hence their compiled steps.
-EIGHT = dict(microbatches=2, remat="dots", logprob_chunk=2)
-ONE = dict(remat="none", logprob_chunk=0)
-
-
-def strict_quick(grpo: dict | None = None, model: int = 1, **train_overrides):
-    """grpo_quick with ε_low = ε_high = 0, so that any ratio ρ ≠ 1 clips. With μ = 1 and one minibatch every update
-    is on-policy, so training is unchanged. `model`: the mesh's model axis (`parallel.model`)."""
-    cfg = quick_config("grpo_quick", grpo={"epsilon_low": 0.0, "epsilon_high": 0.0, **(grpo or {})}, **train_overrides)
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, model=model))
 
 
 def hand_built(seed=0):
