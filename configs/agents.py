@@ -8,6 +8,8 @@
 The variant is comma-separated, each part at most once: an environment, a method and modifiers.
     frozenlake  FrozenLake 4 × 4, at most 8 turns (the default)
     sokoban     Sokoban 6 × 6 with one box, at most 10 turns
+    NAME        any other registered environment (`esroll.agents.register_env`, docs/extending.md), e.g. one a config
+                file of yours imports before it offers this one
     looroll     LOO-ROLL (the default): population 32 on 8 shared episodes, greedy, σ = 0.01, raw fitness, Adam lr 3e-3
     eggroll     antithetic EGGROLL, otherwise as looroll
     grpo        GRPO: 8 episodes × 8 sampled at temperature 1, AdamW clipped at norm 1
@@ -19,11 +21,21 @@ wall time (`train.time_budget_s`), evaluation excluded. Every other key starts a
 (`esroll.experiment.default_config`).
 """
 
+from esroll.agents import ENVIRONMENTS
 from esroll.experiment import default_config
 
 ENVS = {"frozenlake": "FrozenLake 4 × 4, 8 turns", "sokoban": "Sokoban 6 × 6, one box, 10 turns"}
 METHOD_PARTS = {"looroll": "LOO-ROLL", "eggroll": "antithetic EGGROLL", "grpo": "GRPO on the episode return"}
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)"}
+VARIANTS = {
+    **{f"{name} (environment)": what for name, what in ENVS.items()},
+    "NAME (environment)": "any other registered environment (docs/extending.md)",
+    **{f"{name} (method)": what for name, what in METHOD_PARTS.items()},
+    **{f"{name} (modifier)": what for name, what in MODIFIERS.items()},
+}
+VARIANT_FORM = (
+    "parts joined by commas, each at most once: an environment, a method, modifiers (e.g. sokoban,grpo,quick)"
+)
 # The room an episode takes in the model's context: per turn an action of at most 4 tokens (the end token included)
 # and an answer of at most 24, the room the agent model was built with (`experiments.pretrain_agent`: its tokenizer
 # writes each answer of its 8,000 training episodes in at most 16 tokens; a longer one is refused, naming the key).
@@ -32,12 +44,13 @@ ACTION_TOKENS, OBSERVATION_TOKENS = 4, 24
 
 def get_config(arg: str | None = None):
     parts = [p.strip() for p in (arg or "frozenlake").split(",") if p.strip()]
-    unknown = [p for p in parts if p not in ENVS and p not in METHOD_PARTS and p not in MODIFIERS]
-    envs, methods = [p for p in parts if p in ENVS], [p for p in parts if p in METHOD_PARTS]
+    unknown = [p for p in parts if p not in ENVIRONMENTS and p not in METHOD_PARTS and p not in MODIFIERS]
+    envs, methods = [p for p in parts if p in ENVIRONMENTS], [p for p in parts if p in METHOD_PARTS]
     if unknown or len(envs) > 1 or len(methods) > 1 or len(set(parts)) != len(parts):
         raise ValueError(
-            f"configs/agents.py: variant {arg!r} must name at most one environment ({', '.join(ENVS)}), at most one "
-            f"method ({', '.join(METHOD_PARTS)}) and modifiers ({', '.join(MODIFIERS)}), comma-separated, each once"
+            f"configs/agents.py: variant {arg!r} must name at most one environment ({', '.join(ENVIRONMENTS)}), at "
+            f"most one method ({', '.join(METHOD_PARTS)}) and modifiers ({', '.join(MODIFIERS)}), comma-separated, "
+            "each once"
         )
     env = envs[0] if envs else "frozenlake"
     method = methods[0] if methods else "looroll"
@@ -46,8 +59,10 @@ def get_config(arg: str | None = None):
     c.env.name = env
     c.env.max_action_tokens = ACTION_TOKENS
     c.env.max_observation_tokens = OBSERVATION_TOKENS
-    turns = c.env.options[env].max_turns
-    c.train.max_new_tokens = turns * (ACTION_TOKENS + OBSERVATION_TOKENS)
+    # The room of the longest episode, a reference: `--config.env.options.<env>.max_turns=…` (or a new token room)
+    # on the command line resizes it; setting train.max_new_tokens itself replaces it.
+    room = c.env.get_ref("max_action_tokens") + c.env.get_ref("max_observation_tokens")
+    c.train.max_new_tokens = c.env.options[env].get_ref("max_turns") * room
     c.data.n_examples = 100_000  # training episodes: seeds 0 .. 99,999
     c.data.eval_size = 128  # held-out episodes: seeds from 1,000,000
     c.train.prompts_per_step = 8

@@ -14,6 +14,7 @@ The variant is comma-separated: one method name, then modifiers.
     ibpo        GRPO with IBPO's counterfactual-sibling step advantages ("ibpo")
     graft       GRPO with GRAFT's step credit on the group's graph of states ("graft"; graft_gae: Graph GAE on it)
     progpo      GRPO with ProGPO's exact-prefix comparison and transition credit ("progpo")
+    NAME        GRPO with any other registered advantage estimator (`grpo.advantage = NAME`; docs/extending.md)
     quick       a seconds-long smoke run (tests)
     hard        5 operands to train and evaluate on, instead of 3 or 4
 Hardware: 2 CPU cores; each full run trains for 10 minutes of wall time (`train.time_budget_s`), evaluation excluded.
@@ -22,6 +23,7 @@ The measured gains over 3 seeds are in docs/results/step_level.md. Every other k
 """
 
 from esroll.experiment import default_config
+from esroll.grpo.advantages import ESTIMATORS
 
 METHOD_PARTS = {
     "grpo": "GRPO with group-normalised advantages",
@@ -37,16 +39,23 @@ METHOD_PARTS = {
 }
 ESTIMATOR_VARIANTS = tuple(m for m in METHOD_PARTS if m not in ("grpo", "looroll"))  # GRPO, grpo.advantage = m
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)", "hard": "5 operands instead of 3 or 4"}
+VARIANTS = {
+    **{f"{name} (method)": what for name, what in METHOD_PARTS.items()},
+    "NAME (method)": "GRPO with any other registered advantage estimator (grpo.advantage = NAME)",
+    **{f"{name} (modifier)": what for name, what in MODIFIERS.items()},
+}
+VARIANT_FORM = "one method, then modifiers, joined by commas (e.g. mc_steps,quick)"
 
 
 def get_config(arg: str | None = None):
     parts = [p.strip() for p in (arg or "grpo").split(",") if p.strip()]
-    methods = [p for p in parts if p in METHOD_PARTS]
-    unknown = [p for p in parts if p not in METHOD_PARTS and p not in MODIFIERS]
+    methods = [p for p in parts if p in METHOD_PARTS or (p in ESTIMATORS and p not in MODIFIERS)]
+    unknown = [p for p in parts if p not in methods and p not in MODIFIERS]
     if unknown or len(methods) != 1 or len(set(parts)) != len(parts):
         raise ValueError(
-            f"configs/step_level.py: variant {arg!r} must name one method ({', '.join(METHOD_PARTS)}) and optionally "
-            f"modifiers ({', '.join(MODIFIERS)}), comma-separated, each once"
+            f"configs/step_level.py: variant {arg!r} must name one method ({', '.join(METHOD_PARTS)}, or any "
+            f"registered advantage estimator) and optionally modifiers ({', '.join(MODIFIERS)}), comma-separated, "
+            "each once"
         )
     (method,) = methods
     c = default_config()
@@ -70,8 +79,8 @@ def get_config(arg: str | None = None):
         c.optimizer.name = "adamw"
         c.optimizer.lr = 1e-4  # 2e-4 fell from 0.39 to 0.18 by step 100 before recovering
         c.optimizer.max_grad_norm = 1.0
-        if method in ESTIMATOR_VARIANTS:
-            c.grpo.advantage = method
+        if method != "grpo":
+            c.grpo.advantage = method  # a built-in step estimator (ESTIMATOR_VARIANTS) or a registered one
     if "hard" in parts:
         c.data.options.arith_steps.update(min_operands=5, max_operands=5)
         c.train.max_new_tokens = 64

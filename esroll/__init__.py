@@ -39,6 +39,38 @@ size of that axis. Each letter means one thing across the whole library:
     J  reasoning steps of a completion (`esroll.steps`)
     Y  the token groups a GRPO variant pools over (ACPO's probability groups, `esroll.grpo.variants`)
 
+The alphabet is used up, so two letters have a second meaning inside one place only, said there:
+`Perturbation.tables` and `lowrank_term` (`esroll.models.layers`) write G for the row blocks of a member table and U
+for its slots; neither function has query heads or microbatches.
+
 Mathematical symbols in docstrings (the gradient G, the noise matrix E = ABᵀ/√r, the variance V, an index k) follow
 docs/theory.md and are not axes; lowercase einsum subscripts are the legend's letters (`"bti,io->bto"`).
 """
+
+import glob as _glob
+import importlib.util as _util
+import os as _os
+import sys as _sys
+
+
+def quiet_tpu_probe() -> None:
+    """With libtpu installed (the `plan` extra) on a host without a TPU, JAX's start-up probe prints a screen of errors
+    before falling back to the CPU: skip the probe there, keeping any other accelerator JAX would pick. Done when
+    esroll is imported (before JAX is, it sets JAX_PLATFORMS=cpu, without importing JAX; after, it sets JAX's
+    `jax_platforms`). A host with TPU chips (/dev/accel*, /dev/vfio/N), one with a CUDA plugin, and an explicit
+    JAX_PLATFORMS are left alone."""
+    if _os.environ.get("JAX_PLATFORMS") or _util.find_spec("libtpu") is None:
+        return
+    if _glob.glob("/dev/accel*") or _glob.glob("/dev/vfio/[0-9]*"):
+        return
+    if any(_util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
+        return  # a GPU machine: JAX's own choice (the probe's noise is the lesser harm than losing the GPU)
+    if "jax" not in _sys.modules:
+        _os.environ["JAX_PLATFORMS"] = "cpu"
+        return
+    jax = _sys.modules["jax"]
+    if not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")
+
+
+quiet_tpu_probe()

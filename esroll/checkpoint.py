@@ -112,7 +112,9 @@ def check_workdir(
 
     A run whose config differs from `config` only by a raised `EXTENDABLE` key is this run, extended
     (`extension`). A workdir holding a run of another config is refused (an InputError naming the first differing
-    key) unless `overwrite`, in which case `claim_workdir` will move that run aside.
+    key) unless `overwrite`, or unless that run never completed a step (`never_stepped`: it failed or was stopped
+    before its first step, so a corrected rerun may take the workdir), in which case `claim_workdir` will move that
+    run aside.
     """
     old = saved_config(workdir)
     if old is None:
@@ -120,13 +122,29 @@ def check_workdir(
     old = current(old)
     if old == json.loads(_dumps(config)) or extension(old, config):
         return True
-    if overwrite:
+    if overwrite or never_stepped(workdir):
         return False
     raise InputError(
         f"{workdir_path(workdir) / 'config.json'}: this workdir holds a run with a different config "
         f"({_first_difference(old, config)}); only raising train.steps or train.time_budget_s continues a run: use "
         "another --workdir, or pass --overwrite to move the old run to WORKDIR/replaced-N"
     )
+
+
+def never_stepped(workdir: str | os.PathLike) -> bool:
+    """Whether the run in `workdir` never completed a training step: no checkpoint, and every line of its
+    metrics.jsonl a record of step 0 (the evaluation before training). A line that is not such a record (even a
+    partial one) keeps the workdir a run."""
+    workdir = workdir_path(workdir)
+    path = workdir / "metrics.jsonl"
+    for line in (path.read_text() if path.is_file() else "").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            return False
+        if not isinstance(record, dict) or record.get("step") != 0:
+            return False
+    return Checkpointer.latest_in(workdir) is None
 
 
 def extension(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
@@ -157,11 +175,14 @@ def saved_config(workdir: str | os.PathLike) -> dict | None:
         raise InputError(f"{path}: not valid JSON ({e.msg}); move the file aside or use another --workdir") from None
 
 
-def claim_workdir(workdir: str | os.PathLike, config: dict, current: Callable[[dict], dict] = lambda d: d) -> None:
+def claim_workdir(
+    workdir: str | os.PathLike, config: dict, current: Callable[[dict], dict] = lambda d: d
+) -> epath.Path | None:
     """Record the run's config in workdir/config.json, once the run is known to start. A run of another config found
-    there (allowed by `check_workdir` with overwrite) is moved to workdir/replaced-N with its checkpoints and logs,
-    never deleted; the config of a run being extended (`extension`) is kept as workdir/config.before-extension-N.json;
-    a workdir without a config.json is written into as it is. `current`: as for `check_workdir`."""
+    there (allowed by `check_workdir`: with overwrite, or a run that never completed a step) is moved to
+    workdir/replaced-N with its checkpoints and logs, never deleted, and that folder returned; the config of a run
+    being extended (`extension`) is kept as workdir/config.before-extension-N.json; a workdir without a config.json
+    is written into as it is. `current`: as for `check_workdir`."""
     workdir = workdir_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.json"
@@ -169,7 +190,7 @@ def claim_workdir(workdir: str | os.PathLike, config: dict, current: Callable[[d
     old = saved_config(workdir)
     old = None if old is None else current(old)
     if old == json.loads(text):
-        return
+        return None
     if old is not None and extension(old, config):
         kept = next(
             workdir / f"config.before-extension-{i}.json"
@@ -183,7 +204,10 @@ def claim_workdir(workdir: str | os.PathLike, config: dict, current: Callable[[d
         for child in list(workdir.iterdir()):
             if not child.name.startswith("replaced-"):
                 child.rename(aside / child.name)
+        write_atomically(path, text)
+        return aside
     write_atomically(path, text)
+    return None
 
 
 def _dumps(config: dict) -> str:

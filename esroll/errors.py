@@ -11,13 +11,21 @@ Imports nothing from esroll (and no JAX), so every module, `esroll.config` first
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
+import sysconfig
+import traceback
 from collections.abc import Iterable, Iterator
 
-__all__ = ["ConfigError", "InputError", "check_fields", "reading"]
+__all__ = ["ConfigError", "InputError", "Interrupted", "check_fields", "outside_code", "reading"]
 
 
 class InputError(ValueError):
     """Bad input: a config key or value, a model folder or file, a data row, a workdir. The message is one line."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during a run; the message is the one line that says where the run can resume from."""
 
 
 class ConfigError(InputError):
@@ -53,3 +61,31 @@ def reading(what: str = "") -> Iterator[None]:
     except (ValueError, OSError, ImportError) as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(f"{what}: {message}" if what else message) from e
+
+
+_OURS = tuple(
+    os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep + d + os.sep
+    for d in ("esroll", "experiments")
+)
+_INSTALLED = tuple(
+    {
+        os.path.realpath(p) + os.sep
+        for p in (sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))
+    }
+    | {os.path.realpath(sys.prefix) + os.sep, os.path.realpath(sys.base_prefix) + os.sep}
+)
+
+
+def outside_code(error: BaseException) -> str | None:
+    """Where `error` was raised, as "file:line, in function", when that is a user's own code (a registered
+    environment, reward, task or estimator; a config file) rather than esroll's or an installed package's: the
+    innermost frame of its traceback that is not in an installed package or the standard library, when that frame
+    is not esroll's. None when the error comes from esroll itself (a bug: it keeps its traceback)."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        path = os.path.realpath(frame.filename)
+        if path.startswith(_OURS):
+            return None
+        if frame.filename.startswith("<") or path.startswith(_INSTALLED):
+            continue
+        return f"{frame.filename}:{frame.lineno}, in {frame.name}"
+    return None

@@ -24,30 +24,42 @@ from esroll.checkpoint import Checkpointer, check_workdir, claim_workdir, extens
 from esroll.config import ExperimentConfig, dotted, make_schedule
 from esroll.curriculum import Curriculum
 from esroll.data import Example, make_splits
-from esroll.errors import InputError, reading
+from esroll.errors import InputError, Interrupted, reading
 from esroll.experiment import as_current, check_names, unread_keys
 from esroll.metrics import MetricsWriter, first_eval, last_eval, plot_eval_curve, read_metrics
 from esroll.models import save_hf
 from esroll.rollout import PAD, Sampling, rollout
+from esroll.samples import as_text, readable
 from esroll.task import Task, load_task
 
 
 def evaluate(
-    task: Task, params: dict, examples: list[Example], sampling: Sampling | int, mesh, batch: int = 256
+    task: Task,
+    params: dict,
+    examples: list[Example],
+    sampling: Sampling | int,
+    mesh,
+    batch: int = 256,
+    samples: list | None = None,
+    rows: int = 0,
 ) -> dict[str, float]:
     """Held-out scores of the unperturbed parameters, greedy, as metrics.jsonl names them: "eval_accuracy" (the task's
     reward) and, for numeric answers, GSM8K's "eval_strict" and "eval_flexible" matches (`esroll.data.eval_scores`).
     Up to `batch` questions per rollout, the last one padded, so every rollout has the same shape and `generate`
-    compiles once. `sampling` is greedy `Sampling` (or just its max_new_tokens)."""
+    compiles once. `sampling` is greedy `Sampling` (or just its max_new_tokens). With a list `samples`, the first
+    `rows` held-out rows are appended to it as readable text (`esroll.samples.readable`)."""
     sampling = Sampling(sampling) if isinstance(sampling, int) else sampling
     totals: dict[str, float] = {}
     batch = min(batch, len(examples))
     for i in range(0, len(examples), batch):
         chunk = examples[i : i + batch]
         example_B = np.concatenate([np.arange(len(chunk)), np.full(batch - len(chunk), PAD)])
-        out = rollout(task, mesh, params, chunk, example_B, jax.random.key(0), sampling, scores=True)
+        show = samples is not None and rows > 0 and i == 0
+        out = rollout(task, mesh, params, chunk, example_B, jax.random.key(0), sampling, scores=True, completions=show)
         for name, score_B in out.scores.items():
             totals[name] = totals.get(name, 0.0) + float(score_B.sum(dtype=np.float64))
+        if show:
+            samples += readable(out, chunk, task.tokenizer, rows)
     return {f"eval_{name}": total / len(examples) for name, total in totals.items()}
 
 
@@ -67,9 +79,11 @@ def train_and_evaluate(
     mesh_devices: int = 0,
     stop_after_steps: int | None = None,
     progress: bool = True,
+    show_samples: bool = False,
 ) -> dict:
     """Run (or resume) the experiment in `workdir`; returns a summary. `stop_after_steps` ends this process early,
-    as an interruption would (used by resumption tests).
+    as an interruption would (used by resumption tests). Each evaluation writes `train.eval_samples` held-out rows
+    as text to workdir/samples.jsonl (`esroll.samples`); `show_samples` also prints the first.
 
     Nothing is written to `workdir` until the data, the model and the method have been built: a run that cannot
     start leaves the workdir as it was; a config naming no registered method, shaping, estimator, task, ... is
@@ -122,7 +136,9 @@ def train_and_evaluate(
 
     # ---- claim the workdir (the run can start), then restore if it holds this run
     if lead:
-        claim_workdir(workdir, config_dict, current=as_current)
+        aside = claim_workdir(workdir, config_dict, current=as_current)
+        if aside is not None and not overwrite:
+            print(f"[esroll] {workdir} held a run of another config that never completed a step: moved to {aside}")
     ckpt = Checkpointer(workdir)
     start_step, elapsed = 0, 0.0
     generated = {"completions": 0, "tokens": 0, "flops": 0}  # cumulative, as the records log them (the compute ledger)
@@ -135,73 +151,93 @@ def train_and_evaluate(
         generated = {k: int(meta.get(k, 0)) for k in generated}
     metrics = MetricsWriter(workdir, keep_through=ckpt_step, enabled=lead)
 
-    # ---- evaluation
-    def run_eval() -> dict[str, float]:
-        start = time.perf_counter()
-        scores = evaluate(task, to_compute(params), held_out, eval_sampling, mesh)
-        return {**scores, "eval_s": time.perf_counter() - start}  # greedy decoding of the held-out set: a speed probe
+    step, acc, saved_step, bar = start_step, None, start_step, None
+    try:
+        # ---- evaluation
+        def run_eval(step: int) -> dict[str, float]:
+            start = time.perf_counter()
+            samples: list[dict] = []
+            scores = evaluate(
+                task, to_compute(params), held_out, eval_sampling, mesh, samples=samples, rows=cfg.train.eval_samples
+            )
+            seconds = time.perf_counter() - start  # greedy decoding of the held-out set: a speed probe
+            metrics.write_samples(step, samples)
+            if show_samples and lead and samples:
+                print(f"[esroll] a held-out sample at step {step}:\n{as_text(samples[0])}", flush=True)
+            return {**scores, "eval_s": seconds}
 
-    eval_rows = plan.eval_rows_per_device if plan else _eval_rows_per_device(cfg, task, mesh, params, state, held_out)
-    eval_sampling = Sampling.of(cfg.train.max_new_tokens, 0.0, cfg.parallel, eval_rows)
-
-    if start_step == 0:
-        scores0 = run_eval()
-        metrics.write({"step": 0, "wall_time": 0.0, **scores0})
-    acc0 = scores0["eval_accuracy"] if start_step == 0 else first_eval(metrics.records())
-    if lead and extended:
-        for line in _extension_notes(cfg, extended, start_step):
-            print(f"[esroll] {line}", flush=True)
-    if lead:
-        where = f"resuming from step {start_step}" if start_step else "starting"
-        print(
-            f"[esroll] {cfg.method}: {where}; held-out accuracy before training {acc0:.3f} ({len(held_out)} questions)",
-            flush=True,
+        eval_rows = (
+            plan.eval_rows_per_device if plan else _eval_rows_per_device(cfg, task, mesh, params, state, held_out)
         )
+        eval_sampling = Sampling.of(cfg.train.max_new_tokens, 0.0, cfg.parallel, eval_rows)
 
-    # ---- loop
-    budget = cfg.train.time_budget_s
-    lr_at = _learning_rate(cfg)
-    rows = spec.rows_per_step(cfg)
-    bar = _progress_bar(cfg, start_step, elapsed, enabled=progress and lead)
-    step, acc, saved_step = start_step, None, start_step
-    while step < cfg.train.steps and not (budget and elapsed >= budget):
-        t0 = time.perf_counter()
-        batch = batches.batch(step)
-        out = method.step(params, state, batch.examples, step)
-        params, state, n_tokens, flops = out.params, out.state, out.tokens, out.flops
-        m = {**out.metrics, **batches.update(step, batch, out.prompt_reward)}
-        m = {k: float(v) for k, v in m.items()}  # the host needs rewards anyway; one sync per step
-        dt = time.perf_counter() - t0
-        elapsed += dt
-        step += 1
-        generated = {
-            "completions": generated["completions"] + rows,
-            "tokens": generated["tokens"] + n_tokens,
-            "flops": generated["flops"] + flops,
-        }
-        record = {"step": step, "wall_time": elapsed, **generated, "tokens_per_s": n_tokens / dt, "lr": lr_at(step - 1)}
-        record.update(m)
-        if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-            record.update(run_eval())
-            acc = record["eval_accuracy"]
-        metrics.write(record)
-        bar.update(min(dt, budget - bar.n) if budget else 1)
-        bar.set_postfix(
-            step=step,
-            **{method.headline: f"{m[method.headline]:.3f}"},
-            acc="-" if acc is None else f"{acc:.3f}",
-            tok_s=f"{n_tokens / dt:.0f}",
-        )
-        if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-            saved = {"params": params, "state": state, **saved_curriculum()}
-            ckpt.save(step, saved, {"step": step, "wall_time": elapsed, **generated})
-            saved_step = step
-        if stop_after_steps is not None and step - start_step >= stop_after_steps:
-            ckpt.wait()
-            ckpt.close()
-            metrics.close()
-            return {"initial_eval_accuracy": acc0, "resumed_from": start_step, "stopped_at": step, "params": params}
-    bar.close()
+        if start_step == 0:
+            scores0 = run_eval(0)
+            metrics.write({"step": 0, "wall_time": 0.0, **scores0})
+        acc0 = scores0["eval_accuracy"] if start_step == 0 else first_eval(metrics.records())
+        if lead and extended:
+            for line in _extension_notes(cfg, extended, start_step):
+                print(f"[esroll] {line}", flush=True)
+        if lead:
+            where = f"resuming from step {start_step}" if start_step else "starting"
+            rows = f"{len(held_out)} {'episodes' if cfg.env.name else 'questions'}"
+            print(f"[esroll] {cfg.method}: {where}; held-out accuracy before training {acc0:.3f} ({rows})", flush=True)
+
+        # ---- loop
+        budget = cfg.train.time_budget_s
+        lr_at = _learning_rate(cfg)
+        rows = spec.rows_per_step(cfg)
+        bar = _progress_bar(cfg, start_step, elapsed, enabled=progress and lead)
+        while step < cfg.train.steps and not (budget and elapsed >= budget):
+            t0 = time.perf_counter()
+            batch = batches.batch(step)
+            out = method.step(params, state, batch.examples, step)
+            params, state, n_tokens, flops = out.params, out.state, out.tokens, out.flops
+            m = {**out.metrics, **batches.update(step, batch, out.prompt_reward)}
+            m = {k: float(v) for k, v in m.items()}  # the host needs rewards anyway; one sync per step
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            step += 1
+            generated = {
+                "completions": generated["completions"] + rows,
+                "tokens": generated["tokens"] + n_tokens,
+                "flops": generated["flops"] + flops,
+            }
+            record = {
+                "step": step,
+                "wall_time": elapsed,
+                **generated,
+                "tokens_per_s": n_tokens / dt,
+                "lr": lr_at(step - 1),
+            }
+            record.update(m)
+            if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+                record.update(run_eval(step))
+                acc = record["eval_accuracy"]
+            metrics.write(record)
+            bar.update(min(dt, budget - bar.n) if budget else 1)
+            bar.set_postfix(
+                step=step,
+                **{method.headline: f"{m[method.headline]:.3f}"},
+                acc="-" if acc is None else f"{acc:.3f}",
+                tok_s=f"{n_tokens / dt:.0f}",
+            )
+            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
+                saved = {"params": params, "state": state, **saved_curriculum()}
+                ckpt.save(step, saved, {"step": step, "wall_time": elapsed, **generated})
+                saved_step = step
+            if stop_after_steps is not None and step - start_step >= stop_after_steps:
+                ckpt.wait()
+                ckpt.close()
+                metrics.close()
+                return {"initial_eval_accuracy": acc0, "resumed_from": start_step, "stopped_at": step, "params": params}
+        bar.close()
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        raise _interrupted(
+            ckpt, metrics, step, saved_step if ckpt_step is not None or saved_step > start_step else None
+        ) from None
     if saved_step != step:  # the time budget ended the loop between checkpoints
         saved = {"params": params, "state": state, **saved_curriculum()}
         ckpt.save(step, saved, {"step": step, "wall_time": elapsed, **generated})
@@ -211,18 +247,30 @@ def train_and_evaluate(
     # ---- final
     last = last_eval(metrics.records())
     if last is None or last["step"] != step:
-        metrics.write({"step": step, "wall_time": elapsed, **generated, **run_eval()})
+        metrics.write({"step": step, "wall_time": elapsed, **generated, **run_eval(step)})
     metrics.close()
     # The model in `model.dtype`, as it was loaded; every process joins the gather of a model split across hosts.
     final = parallel.to_host(to_compute(params)) if cfg.train.export else None
     if lead:
-        plot_eval_curve(workdir / "metrics.jsonl", workdir / "eval_accuracy.png", title=f"{cfg.method}")
+        plot_eval_curve(workdir / "metrics.jsonl", workdir / "eval_accuracy.png", title=cfg.method, n=len(held_out))
         if cfg.train.export:
             save_hf(workdir / "final", task.cfg, final, tokenizer=task.tokenizer)
     summary = _summary(cfg, workdir, read_metrics(workdir / "metrics.jsonl"), start_step, step - start_step)
     if lead:
         _print_summary(summary, "resumed and finished" if start_step else "finished")
     return {**summary, "params": params}
+
+
+def _interrupted(ckpt: Checkpointer, metrics: MetricsWriter, step: int, saved: int | None) -> Interrupted:
+    """Ctrl-C: let a checkpoint being written finish, close the logs, and say where a rerun resumes from."""
+    try:
+        ckpt.wait()
+        ckpt.close()
+        metrics.close()
+    except Exception:  # noqa: BLE001 — the interruption is what gets reported; a rerun checks the workdir again
+        pass
+    where = f"from its checkpoint at step {saved}" if saved is not None else "from the start (no checkpoint yet)"
+    return Interrupted(f"interrupted at step {step}; rerun the same command to resume {where}")
 
 
 def preflight(cfg: ExperimentConfig, task: Task, mesh):

@@ -22,17 +22,19 @@ from typing import Any
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from esroll import parallel
+from esroll import parallel, quiet_tpu_probe
 from esroll.config import unknown_key
-from esroll.errors import InputError
+from esroll.errors import InputError, Interrupted, outside_code
 from esroll.models import ModelConfig, count_params
 
 _DEBUG = flags.DEFINE_bool("debug", False, "Show the traceback of expected errors (bad config, model, data, workdir).")
 
 
-def run(main, model_path: Callable[[], str] | None = None) -> None:
-    """`app.run(main)` with this module's help and error handling. `model_path()` (read once the flags are parsed) names the model the run loads: a large one
-    keeps one CPU device (`parallel.use_cpu_cores_as_devices`)."""
+def run(main, model_path: Callable[[], str] | None = None, workdir: Callable[[], str | None] | None = None) -> None:
+    """`app.run(main)` with this module's help and error handling. `model_path()` (read once the flags are parsed)
+    names the model the run loads: a large one keeps one CPU device (`parallel.use_cpu_cores_as_devices`).
+    `workdir()` names the folder whose error.log keeps the full traceback of an error raised in a user's own code
+    (`esroll.errors.outside_code`), which is otherwise printed as one line; Ctrl-C prints one line too."""
     argv = sys.argv
     if any(a in ("-h", "--help", "-help", "--helpshort", "--helpfull") for a in argv[1:]):
         print(help_text(argv))
@@ -58,26 +60,20 @@ def run(main, model_path: Callable[[], str] | None = None) -> None:
             return main(args)
         except InputError as e:
             _fail(e, 1, _DEBUG.value)
+        except KeyboardInterrupt as e:
+            if _DEBUG.value:
+                raise
+            print(f"[esroll] {_first_line(e) if isinstance(e, Interrupted) else 'interrupted'}", file=sys.stderr)
+            sys.exit(130)
+        except Exception as e:
+            where = outside_code(e)
+            if where is None or _DEBUG.value:
+                raise
+            log = _keep_traceback(e, workdir() if workdir else None)
+            kept = f"; the full traceback is in {log}" if log else ""
+            _fail(InputError(f"{type(e).__name__} raised at {where}: {_first_line(e)}{kept}"), 1, False)
 
     app.run(guarded, flags_parser=parse)
-
-
-def quiet_tpu_probe() -> None:
-    """With libtpu installed (the `plan` extra) on a host without a TPU, JAX's start-up probe prints a screen of
-    errors before falling back to the CPU: skip the probe there (keeping any other accelerator JAX would pick). A host
-    with TPU chips (/dev/accel*, /dev/vfio/N) and an explicit JAX_PLATFORMS are left alone."""
-    import glob
-    import importlib.util
-
-    import jax
-
-    if os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms:
-        return
-    if importlib.util.find_spec("libtpu") is None or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
-        return
-    if any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
-        return  # a GPU machine: JAX's own choice (the probe's noise is the lesser harm than losing the GPU)
-    jax.config.update("jax_platforms", "cpu")
 
 
 def _model_params(path: str) -> int:
@@ -87,6 +83,25 @@ def _model_params(path: str) -> int:
         return count_params(ModelConfig.from_json_file(os.path.join(path, "config.json")))
     except (OSError, ValueError, KeyError, TypeError):
         return 0
+
+
+def _keep_traceback(error: Exception, workdir: str | None) -> str | None:
+    """Append `error`'s traceback to WORKDIR/error.log (a local workdir: the folder is made if need be); its path, or
+    None where it could not be written."""
+    import datetime
+    import traceback
+
+    if not workdir or "://" in workdir:
+        return None
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        path = os.path.join(workdir, "error.log")
+        with open(path, "a") as f:
+            f.write(f"---- {datetime.datetime.now().isoformat(timespec='seconds')}\n")
+            f.write("".join(traceback.format_exception(error)))
+        return path
+    except OSError:
+        return None
 
 
 def _fail(error: Exception, status: int, debug: bool):
@@ -164,7 +179,8 @@ def help_text(argv: list[str]) -> str:
         return "\n".join(parts + ["", f"error: {e}"])
     variants = module.get("VARIANTS")
     if variants:
-        parts += ["", f"variants of {spec.partition(':')[0]} (--config=FILE:variant):"]
+        form = module.get("VARIANT_FORM")
+        parts += ["", f"variants of {spec.partition(':')[0]} (--config=FILE:variant{'; ' + form if form else ''}):"]
         width = min(max(map(len, variants)), 22) + 2
         for name, what in variants.items():  # a name too long for the column gets its description on the next line
             text = textwrap.wrap(what, 118 - width) or [""]

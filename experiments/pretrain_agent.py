@@ -12,14 +12,23 @@ Training seeds are [0, --episodes); held-out seeds start at 1,000,000, so no hel
 
 Every --eval_every steps, greedy play (`esroll.agents.play`, temperature 0) on --eval_episodes held-out seeds of
 each environment measures the success rate (FrozenLake: reached G; Sokoban: solved); training stops at the first
-evaluation whose FrozenLake success is at least --stop_at, or after --max_steps. The model's
-`max_position_embeddings` covers the longest episode of either environment. Deterministic from --seed.
+evaluation whose success on the first of --envs is at least --stop_at, or after --max_steps. The model's
+`max_position_embeddings` covers the longest episode of any of its environments. Deterministic from --seed.
+
+A model for your own environment: register it (`esroll.agents.register_env`, docs/extending.md) in a module that
+--module imports, give it the planner hook, a method `plan()` that returns the actions of a shortest solution from
+the current state (a tuple of action words; empty or None where there is none), and name it in --envs:
+
+    python -m experiments.pretrain_agent --module my_envs --envs corridor --out runs/corridor-model
+
+Each environment plays at its registered default options.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import sys
 import time
@@ -29,24 +38,28 @@ import jax
 import numpy as np
 import optax
 
-from esroll.agents import FrozenLake, FrozenLakeOptions, Sokoban, SokobanOptions
+from esroll.agents import ENVIRONMENTS, make_env
 from esroll.models import save_hf
 from esroll.agents.multiturn import format_observation, episode_prompt, play
 from experiments.pretrain_tiny import EOS, build_tokenizer, init_params, model_config, supervised_step
 
 HELD_OUT = 1_000_000  # the first held-out seed
-ENVS = {"frozenlake": (FrozenLake, FrozenLakeOptions()), "sokoban": (Sokoban, SokobanOptions())}
+BUILT_IN = ("frozenlake", "sokoban")  # the shipped model's environments, in its build's order
 MAX_ACTION_TOKENS = 4  # an action word and the end token, with room to spare (configs/agents.py uses the same)
 MAX_OBSERVATION_TOKENS = 24  # the builder refuses a tokenizer that writes a longer answer (configs/agents.py's room)
 
 
+def max_turns(name: str) -> int:
+    """The turn limit of environment `name` at its registered default options."""
+    return ENVIRONMENTS.options_of({}, name).max_turns
+
+
 def planner_episode(name: str, seed: int, rng: np.random.Generator, random_moves: float) -> list[tuple[str, bool]]:
     """The planner's episode of `seed` as (text, is_action) pieces: the prompt, then each action and answer."""
-    cls, options = ENVS[name]
-    env = cls(options)
+    env = make_env(name)
     observation = env.reset(seed)
     pieces = [(episode_prompt(env.instructions, observation), False)]
-    for _ in range(options.max_turns):
+    for _ in range(max_turns(name)):
         plan = env.plan()
         if plan and rng.random() >= random_moves:
             action = plan[0]
@@ -70,14 +83,14 @@ def encode(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[b
     return ids, loss
 
 
-def success_rates(cfg, params, tokenizer, episodes: int) -> dict[str, float]:
+def success_rates(cfg, params, tokenizer, episodes: int, names: tuple[str, ...] = BUILT_IN) -> dict[str, float]:
     """Greedy play on the held-out seeds: each environment's success rate, mean turns and tokens per episode."""
     out = {}
-    for name, (cls, options) in ENVS.items():
-        envs = [cls(options) for _ in range(episodes)]
+    for name in names:
+        envs = [make_env(name) for _ in range(episodes)]
         ep = play(
             cfg, params, tokenizer, envs, range(HELD_OUT, HELD_OUT + episodes), jax.random.key(0),
-            max_turns=options.max_turns, max_action_tokens=MAX_ACTION_TOKENS,
+            max_turns=max_turns(name), max_action_tokens=MAX_ACTION_TOKENS,
             max_observation_tokens=MAX_OBSERVATION_TOKENS, temperature=0.0, eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id,
         )  # fmt: skip
@@ -104,13 +117,28 @@ def main(argv=None) -> dict:
     add("--vocab", type=int, default=512, help="BPE vocabulary size of the tokenizer (256 bytes, then merges)")
     add("--hidden", type=int, default=128, help="hidden size (4 heads of 32, 2 kv heads)")
     add("--layers", type=int, default=4, help="decoder layers")
+    add("--envs", default=",".join(BUILT_IN), help="registered environments to learn, comma-separated")
+    add("--module", action="append", default=[], help="a module to import first (one that registers --envs)")
     args = parser.parse_args(argv)
     if not args.out.parent.is_dir():
         parser.error(f"--out: the folder {args.out.parent} does not exist")
+    for module in args.module:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            parser.error(f"--module: cannot import {module}: {e}")
+    envs = tuple(n.strip() for n in args.envs.split(",") if n.strip())
+    for name in envs:
+        if name not in ENVIRONMENTS:
+            parser.error(f"--envs: no environment {name!r} is registered (expected one of {', '.join(ENVIRONMENTS)})")
+        if not callable(getattr(make_env(name), "plan", None)):
+            parser.error(f"--envs: environment {name!r} has no plan() method, the planner the episodes come from")
+    if not envs:
+        parser.error("--envs: name at least one environment")
 
     start = time.perf_counter()
     rng = np.random.default_rng(args.seed)
-    episodes = [planner_episode(n, s, rng, args.random_moves) for s in range(args.episodes) for n in ENVS]
+    episodes = [planner_episode(n, s, rng, args.random_moves) for s in range(args.episodes) for n in envs]
     tokenizer = build_tokenizer(["".join(t for t, _ in ep) for ep in episodes[:4000]], args.vocab)
     encoded = [encode(tokenizer, ep) for ep in episodes]
     answers = [t for ep in episodes for t, is_action in ep[1:] if not is_action]
@@ -119,8 +147,8 @@ def main(argv=None) -> dict:
         parser.error(f"--vocab: an answer takes {longest_answer} tokens, above the {MAX_OBSERVATION_TOKENS} room")
     # The longest episode either environment can give: its prompt and every turn's action and answer at their caps.
     longest_prompt = max(len(tokenizer.encode(ep[0][0], add_special_tokens=False)) for ep in episodes)
-    max_turns = max(options.max_turns for _, options in ENVS.values())
-    positions = 64 * -(-(longest_prompt + max_turns * (MAX_ACTION_TOKENS + MAX_OBSERVATION_TOKENS + 1)) // 64)
+    turns = max(max_turns(name) for name in envs)
+    positions = 64 * -(-(longest_prompt + turns * (MAX_ACTION_TOKENS + MAX_OBSERVATION_TOKENS + 1)) // 64)
     cfg = dataclasses.replace(
         model_config(len(tokenizer), tokenizer.eos_token_id),
         hidden_size=args.hidden,
@@ -131,8 +159,8 @@ def main(argv=None) -> dict:
     # One array per environment, padded to its longest episode: a batch is drawn from one environment at a time
     # (alternating), so a short FrozenLake episode is not padded to a Sokoban one's length.
     data = []
-    for e in range(len(ENVS)):
-        rows = encoded[e :: len(ENVS)]  # episodes alternate environments
+    for e in range(len(envs)):
+        rows = encoded[e :: len(envs)]  # episodes alternate environments
         length = max(len(ids) for ids, _ in rows)
         tokens = np.full((len(rows), length), tokenizer.eos_token_id, np.int32)
         mask, target = np.zeros_like(tokens, bool), np.zeros_like(tokens, bool)
@@ -153,11 +181,11 @@ def main(argv=None) -> dict:
         idx = rng.integers(0, len(tokens), args.batch)
         params, opt_state, loss = step(params, opt_state, tokens[idx], mask[idx], target[idx])
         if i % args.eval_every == 0:
-            figures = success_rates(cfg, params, tokenizer, args.eval_episodes)
+            figures = success_rates(cfg, params, tokenizer, args.eval_episodes, envs)
             history.append({"step": i, "train_loss": float(loss), **figures})
             print(f"step {i:5d}  loss {float(loss):.3f}  " + "  ".join(f"{k} {v:.3f}" for k, v in figures.items()),
                   flush=True)  # fmt: skip
-            if figures["frozenlake_success"] >= args.stop_at:
+            if figures[f"{envs[0]}_success"] >= args.stop_at:
                 break
     save_hf(args.out, cfg, params, tokenizer=tokenizer)
     summary = {
@@ -170,7 +198,7 @@ def main(argv=None) -> dict:
         "max_position_embeddings": positions,
         "vocab": len(tokenizer),
         "longest_answer_tokens": longest_answer,
-        "episode_tokens": {name: int(d[0].shape[1]) for name, d in zip(ENVS, data)},
+        "episode_tokens": {name: int(d[0].shape[1]) for name, d in zip(envs, data)},
         "train_episodes_per_env": args.episodes,
         "held_out_episodes_per_env": args.eval_episodes,
         "eos": EOS,

@@ -8,6 +8,11 @@ another config is refused unless --overwrite is given (the old run is then moved
 deleted). A key set on the command line that the run would not read (a GRPO option on an ES run, a data knob its task
 ignores) is refused. `--help --config=FILE` lists the config's variants and keys; `--print_config` prints the resolved
 config (file, variant and overrides), marking the keys the run does not read, and exits.
+
+Each evaluation writes a few held-out completions (agents: whole episodes) to WORKDIR/samples.jsonl;
+`--show_samples` prints the first. Ctrl-C stops the run with one line saying where to resume from; an exception
+raised in code outside the library (a registered environment, reward, task or estimator) ends it with one line
+naming the file and line, the full traceback kept in WORKDIR/error.log.
 """
 
 import dataclasses
@@ -25,6 +30,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the exported model.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Move a run of another config found in --workdir to replaced-N.")
 _MESH_DEVICES = flags.DEFINE_integer("mesh_devices", 0, "Use only the first N devices (0 = all).")
+_SHOW_SAMPLES = flags.DEFINE_bool(
+    "show_samples", False, "Print the first held-out sample of each evaluation (all are in WORKDIR/samples.jsonl)."
+)
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "Print the resolved config, marking the keys the run does not read, and exit (no --workdir)."
 )
@@ -43,7 +51,13 @@ def main(argv):
             raise InputError(f"--config.{key}: not read by this run: {unread[key]}")
     if not _WORKDIR.value:
         raise InputError("--workdir: required (or --print_config to print the resolved config)")
-    train_and_evaluate(cfg, _WORKDIR.value, overwrite=_OVERWRITE.value, mesh_devices=_MESH_DEVICES.value)
+    train_and_evaluate(
+        cfg,
+        _WORKDIR.value,
+        overwrite=_OVERWRITE.value,
+        mesh_devices=_MESH_DEVICES.value,
+        show_samples=_SHOW_SAMPLES.value,
+    )
 
 
 def resolved_config(cfg: ExperimentConfig, unread: dict[str, str]) -> str:
@@ -81,4 +95,4 @@ def check_method_switch() -> None:
 
 
 if __name__ == "__main__":
-    run(main, model_path=lambda: _CONFIG.value.model.path)
+    run(main, model_path=lambda: _CONFIG.value.model.path, workdir=lambda: _WORKDIR.value)

@@ -232,11 +232,24 @@ def test_es_estimator_example(registries):
 
 @pytest.mark.e2e
 def test_environment_example(registries):
-    """The page's environment, registered from outside the library, trains by name; its episodes follow the protocol
-    worked by hand: seed 5 on a corridor of 4 starts P on tile 5 mod 3 = 2, one step right stands on G (reward 1,
-    solved, done); a malformed action is a penalised no-op."""
-    run_section("An environment", registries)
+    """The page's environment, registered from outside the library, gets a model built for it from its planner
+    (`experiments.pretrain_agent`), which then writes its moves, and trains by name with GRPO and GiGPO's turn credit;
+    its episodes follow the protocol worked by hand: seed 5 on a corridor of 4 starts P on tile 5 mod 3 = 2, one step
+    right stands on G (reward 1, solved, done); a malformed action is a penalised no-op."""
+    ns = run_section("An environment", registries)
+    assert ns["built"]["corridor_valid_actions"] >= 0.9  # the shipped agent model writes none of these words
     check_trained(registries, "corridor")
+    saved = json.loads((registries / "runs" / "corridor" / "config.json").read_text())
+    assert saved["grpo"]["advantage"] == "gigpo" and saved["env"]["options"]["corridor"]["max_turns"] == 4
+    assert saved["train"]["max_new_tokens"] == 4 * (4 + 24)  # the room followed the turn limit
+    samples = [
+        json.loads(line)
+        for line in (registries / "runs" / "corridor" / "samples.jsonl").read_text().split("\n")
+        if line
+    ]
+    assert [s["step"] for s in samples] == [0] * 4 + [2] * 4
+    assert all(t["action"] in ("left", "right") for s in samples for t in s["turns"])
+    assert all(s["return"] == pytest.approx(sum(t["reward"] for t in s["turns"])) for s in samples)
     env = make_env("corridor", {"length": 4})
     assert env.reset(5) == "FFPG"
     turn = env.step("wrong move")
@@ -408,3 +421,38 @@ def test_every_registry_checks_a_config_name_with_its_key():
     rewards.REWARDS.check("majority")  # the label-free mode: a valid data.reward, not an entry
     with pytest.raises(ValueError, match="'majority' is reserved"):
         rewards.REWARDS.add("majority", _echo)
+
+
+def test_the_needs_table_names_every_need_and_only_fields_a_group_has():
+    """docs/extending.md's table of what each `needs` fills in covers `NEEDS`, and every field it names is a field of
+    `Group` that the GRPO step fills for that need."""
+    table = DOC.read_text().split("| `needs` | `Group` fields |", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        need, fields = (cell.strip() for cell in line.split("|")[1:3])
+        rows[need.strip("`")] = re.findall(r"`(\w+)`", fields)
+    assert set(rows) == {"(always)", *advantages.NEEDS}
+    assert all(f in advantages.Group._fields for fields in rows.values() for f in fields)
+
+
+def test_the_step_and_agent_configs_take_registered_names(registries):
+    """configs/step_level.py takes a registered estimator's name as its method part (GRPO with it), and
+    configs/agents.py a registered environment's as its environment part, sizing the token room from its turn limit;
+    an unknown part is still refused in one line."""
+    import configs.agents
+    import configs.step_level
+    from esroll.agents import register_env
+    from esroll.grpo.advantages import register_advantage
+
+    register_advantage(
+        "centred", lambda g, o=None, state=None: advantages.Estimate(g.rewards - g.rewards.mean(1, keepdims=True))
+    )
+    cd = configs.step_level.get_config("centred,quick")
+    assert cd.method == "grpo" and cd.grpo.advantage == "centred"
+    register_env("walk", lambda options: None, options=type(make_env("frozenlake", {}).options))
+    cd = configs.agents.get_config("walk,grpo,quick")
+    assert cd.env.name == "walk" and cd.train.max_new_tokens == 8 * (4 + 24)  # FrozenLake's options: 8 turns
+    cd.env.options.walk.max_turns = 3
+    assert cd.train.max_new_tokens == 3 * (4 + 24)
+    with pytest.raises(ValueError, match=r"^configs/agents\.py: variant 'nowhere,grpo' must name"):
+        configs.agents.get_config("nowhere,grpo")

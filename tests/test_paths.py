@@ -97,9 +97,12 @@ def test_a_workdir_on_an_object_store(fake_gcs):
     assert check_workdir(url, {"a": 1}, overwrite=False) is True
 
     metrics = MetricsWriter(url, keep_through=None)
+    sample = {"example": 0, "prompt": "1+1", "answer": "2", "completion": " 3", "scores": {"accuracy": 0.0}}
     for step in range(3):
         metrics.write({"step": step, "wall_time": float(step), "eval_accuracy": 0.1 * step})
+        metrics.write_samples(step, [sample])
     metrics.close()
+    assert [r["step"] for r in read_metrics(f"{url}/samples.jsonl")] == [0, 1, 2]
     assert [r["step"] for r in read_metrics(f"{url}/metrics.jsonl")] == [0, 1, 2]
     (first,) = (w / "tb").glob("events.out.tfevents.*")
     assert b"eval_accuracy" in first.read_bytes()
@@ -107,6 +110,7 @@ def test_a_workdir_on_an_object_store(fake_gcs):
     # A restart from the checkpoint of step 1 keeps steps 0-1 and rewrites tb/ from them.
     metrics = MetricsWriter(url, keep_through=1)
     assert [r["step"] for r in metrics.records()] == [0, 1]
+    assert read_metrics(f"{url}/samples.jsonl") == [{"step": s, **sample} for s in (0, 1)]
     metrics.write({"step": 2, "wall_time": 2.5, "eval_accuracy": 0.3})
     metrics.close()
     assert [r["wall_time"] for r in read_metrics(w / "metrics.jsonl")] == [0.0, 1.0, 2.5]
@@ -160,3 +164,15 @@ def test_save_hf_to_an_object_store(fake_gcs, tmp_path):
     assert sorted(p.name for p in remote.iterdir()) == sorted(p.name for p in local.iterdir())
     for f in local.iterdir():
         assert (remote / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_wilson_interval_matches_worked_values():
+    """By hand, z = 1.96: p 0.5 of 100 is 0.5 ± 1.96·√(0.0025 + 0.000096)/1.0384 = (0.4038, 0.5962); p 0 of 10 is
+    (0, 0.3842/1.3842 = 0.2775); p 1 of 10, the mirror image."""
+    import numpy as np
+
+    from esroll.metrics import wilson_interval
+
+    np.testing.assert_allclose(wilson_interval(0.5, 100), (0.4038, 0.5962), atol=1e-4)
+    np.testing.assert_allclose(wilson_interval(0.0, 10), (0.0, 0.2775), atol=1e-4)
+    np.testing.assert_allclose(wilson_interval(1.0, 10), (0.7225, 1.0), atol=1e-4)

@@ -217,6 +217,15 @@ def test_workdir_with_other_config_is_refused(tmp_path):
     claim_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.2}})
     assert (tmp_path / "replaced-1" / "metrics.jsonl").read_text() == "precious\n"
     assert json.loads((tmp_path / "config.json").read_text()) == {"a": 1, "es": {"sigma": 0.2}}
+    # A run that never completed a step (its evaluation before training only, no checkpoint) is no run to keep: a
+    # corrected config takes the workdir without --overwrite, the old files moved aside all the same.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval_accuracy": 0.5}\n')
+    assert check_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.3}}, overwrite=False) is False
+    assert claim_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.3}}) == tmp_path / "replaced-2"
+    assert json.loads((tmp_path / "replaced-2" / "config.json").read_text()) == {"a": 1, "es": {"sigma": 0.2}}
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "eval_accuracy": 0.5}\n{"step": 1}\n')
+    with pytest.raises(InputError, match=r"'es\.sigma' was 0\.3, now 0\.4"):
+        check_workdir(tmp_path, {"a": 1, "es": {"sigma": 0.4}}, overwrite=False)
 
 
 @pytest.mark.e2e

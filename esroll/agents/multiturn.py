@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from esroll.agents.base import TextEnv
+from esroll.errors import InputError
 from esroll.models import ModelConfig, Perturbation, forward, init_cache
 from esroll.models.layers import table_slots
 from esroll.sampling import draw, pad_prompts
@@ -67,8 +68,8 @@ class Turns(NamedTuple):
 class Episodes:
     """Episodes played in lockstep, B rows (host arrays). L = the longest episode's tokens after its prompt.
 
-    tokens_BxL: the episode after the prompt, actions and observations interleaved, `pad_id` after its end;
-    loss_mask_BxL: True on the model's tokens (the actions), never on the environment's; logprobs_BxL: log π of each
+    tokens_BxT: the episode after the prompt, actions and observations interleaved, `pad_id` after its end;
+    loss_mask_BxT: True on the model's tokens (the actions), never on the environment's; logprobs_BxT: log π of each
     action token under the model (temperature 1, as `esroll.sampling.Generation`), 0 elsewhere; length_B: tokens
     after the prompt; prompt_BxP / prompt_mask_BxP: the left-padded prompts. Turn t of row b: its action is
     tokens[b, action_start[b, t] : action_end[b, t]], its answer follows up to the next action's start;
@@ -79,9 +80,9 @@ class Episodes:
 
     prompt_BxP: np.ndarray
     prompt_mask_BxP: np.ndarray
-    tokens_BxL: np.ndarray
-    loss_mask_BxL: np.ndarray
-    logprobs_BxL: np.ndarray
+    tokens_BxT: np.ndarray
+    loss_mask_BxT: np.ndarray
+    logprobs_BxT: np.ndarray
     length_B: np.ndarray
     action_start_BxW: np.ndarray
     action_end_BxW: np.ndarray
@@ -155,7 +156,7 @@ def play(
     # The next input of each row: what the cache has not seen yet (left-padded to O + 1; the last column is real).
     input_rows = [[p[-1]] for p in prompts]
     for turn in range(W):
-        inputs_BxI, inputs_mask_BxI = _left_pad(input_rows, O + 1, pad_id, live_B)
+        inputs_BxT, inputs_mask_BxT = _left_pad(input_rows, O + 1, pad_id, live_B)
         forced_BxN, forced_len_B = np.zeros((B, N), np.int32), np.zeros(B, np.int32)
         if actions is not None:
             texts = actions(turn, [obs[-1] for obs in observations])
@@ -166,8 +167,8 @@ def play(
             cfg,
             params,
             cache,
-            jnp.asarray(inputs_BxI),
-            jnp.asarray(inputs_mask_BxI),
+            jnp.asarray(inputs_BxT),
+            jnp.asarray(inputs_mask_BxT),
             jax.random.fold_in(key, turn),
             perturb,
             jnp.asarray(row_offset, jnp.int32),
@@ -196,9 +197,9 @@ def play(
                 continue
             answer = tokenizer.encode(format_observation(step.observation), add_special_tokens=False)
             if len(answer) > O:
-                raise ValueError(
-                    f"an observation of {len(answer)} tokens does not fit max_observation_tokens = {O} "
-                    f"(turn {turn}, row {b}): raise it"
+                raise InputError(
+                    f"env.max_observation_tokens: an observation of {len(answer)} tokens does not fit its {O} (turn "
+                    f"{turn}, row {b}: {step.observation[:40]!r}...): raise it or shorten the environment's observations"
                 )
             pieces[b].append((answer, [0.0] * len(answer), False))
             # The decode loop feeds each drawn token back at its next step: an action that used all N steps still
@@ -259,14 +260,14 @@ def _start(cfg, params, prompt_BxP, mask_BxP, perturb, *, slots):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "pad_id", "eos_id", "max_action_tokens", "temperature", "forced"))
-def _turn(cfg, params, cache, inputs_BxI, mask_BxI, key, perturb, row_offset, live_B, forced_BxN, forced_len_B, *,
+def _turn(cfg, params, cache, inputs_BxT, mask_BxT, key, perturb, row_offset, live_B, forced_BxN, forced_len_B, *,
           eos_id, pad_id, max_action_tokens, temperature, forced):  # fmt: skip
     """One turn of every row: cache the row's new input but its last token, then decode its action from that token
     (a live row's last input column is real), at most `max_action_tokens` tokens or through `eos_id`; with
     `forced`, the tokens are the given ones instead of samples. Returns the cache and (tokens, logprobs, lengths)."""
-    B, N = inputs_BxI.shape[0], max_action_tokens
+    B, N = inputs_BxT.shape[0], max_action_tokens
     run = functools.partial(forward, cfg, params, perturb=perturb)
-    _, cache = run(inputs_BxI[:, :-1], mask_BxT=mask_BxI[:, :-1], cache=cache)
+    _, cache = run(inputs_BxT[:, :-1], mask_BxT=mask_BxT[:, :-1], cache=cache)
     rows_B = jnp.arange(B, dtype=jnp.int32) + row_offset
 
     def step(t, state):
@@ -287,8 +288,8 @@ def _turn(cfg, params, cache, inputs_BxI, mask_BxI, key, perturb, row_offset, li
 
     state = (
         cache,
-        inputs_BxI[:, -1],
-        mask_BxI[:, -1] & live_B,
+        inputs_BxT[:, -1],
+        mask_BxT[:, -1] & live_B,
         jnp.full((B, N), pad_id, jnp.int32),
         jnp.zeros((B, N), jnp.float32),
         jnp.zeros((B,), jnp.int32),

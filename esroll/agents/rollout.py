@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from esroll import parallel
+from esroll.errors import InputError
 from esroll.agents.multiturn import Turns, play
 from esroll.models import Perturbation, member_slots
 from esroll.rollout import PAD, Rollout, Sampling
@@ -64,10 +65,11 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
             prompt_multiple=task.prompt_multiple,
             member_slots=slots,
         )
-        if played.tokens_BxL.shape[1] > N:
-            raise ValueError(
-                f"an episode of {played.tokens_BxL.shape[1]} tokens after its prompt does not fit "
-                f"train.max_new_tokens = {N}"
+        if played.tokens_BxT.shape[1] > N:
+            raise InputError(
+                f"train.max_new_tokens: an episode of {played.tokens_BxT.shape[1]} tokens after its prompt does not "
+                f"fit its {N}: raise it to env.options.<name>.max_turns × (env.max_action_tokens + "
+                "env.max_observation_tokens)"
             )
         parts.append((c, played))
     P = max([p.prompt_BxP.shape[1] for _, p in parts] + [task.prompt_multiple])
@@ -82,11 +84,11 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
     turn_reward_BxW, states = np.zeros((rows, W), np.float32), [[] for _ in range(rows)]
     for c, p in parts:
         keep = real_B[c]
-        width, L = p.prompt_BxP.shape[1], p.tokens_BxL.shape[1]
+        width, L = p.prompt_BxP.shape[1], p.tokens_BxT.shape[1]
         prompt_BxP[c, P - width :], prompt_mask_BxP[c, P - width :] = p.prompt_BxP, p.prompt_mask_BxP & keep[:, None]
-        tokens_BxN[c, :L] = np.where(keep[:, None], p.tokens_BxL, task.pad_id)
-        logprobs_BxN[c, :L] = np.where(keep[:, None], p.logprobs_BxL, 0.0)
-        loss_BxN[c, :L] = p.loss_mask_BxL & keep[:, None]
+        tokens_BxN[c, :L] = np.where(keep[:, None], p.tokens_BxT, task.pad_id)
+        logprobs_BxN[c, :L] = np.where(keep[:, None], p.logprobs_BxT, 0.0)
+        loss_BxN[c, :L] = p.loss_mask_BxT & keep[:, None]
         length_B[c] = np.where(keep, p.length_B, 0)
         reward_B[c] = np.where(keep, p.return_B, 0.0)
         turns_B[c], solved_B[c] = np.where(keep, p.turns_B, 0), np.where(keep, p.solved_B, 0.0)

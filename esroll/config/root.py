@@ -99,6 +99,7 @@ class ExperimentConfig:
             ("train.max_new_tokens", self.train.max_new_tokens >= 1, ">= 1"),
             ("train.temperature", self.train.temperature >= 0, ">= 0"),
             ("train.eval_every", self.train.eval_every >= 1, ">= 1"),
+            ("train.eval_samples", self.train.eval_samples >= 0, ">= 0 (0: no samples.jsonl)"),
             ("train.checkpoint_every", self.train.checkpoint_every >= 1, ">= 1"),
             ("train.diagnostics_every", self.train.diagnostics_every >= 0, ">= 0 (0: no diagnostics)"),
         ]

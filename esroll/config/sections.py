@@ -148,6 +148,9 @@ class TrainConfig:
     not counted). Each step uses `prompts_per_step` prompts and up to `max_new_tokens` generated tokens per row;
     `temperature` is the ES members' sampling temperature (0 = greedy; GRPO has its own). Held-out evaluation every
     `eval_every` steps, a checkpoint every `checkpoint_every`; `export` writes the final model to workdir/final.
+    The budget is checked between steps: a run stops at the end of the first step that reaches it, so it may train
+    up to one step longer. Each evaluation writes its first `eval_samples` held-out rows as text to
+    workdir/samples.jsonl and TensorBoard (`esroll.samples`: completions, or whole episodes).
 
     diagnostics_every: every this many steps (0: never), the step also logs its estimator's diagnostics
     (`esroll.diagnostics`: split-half signal-to-noise per leaf group, ES's effective update rank); they never feed
@@ -160,6 +163,7 @@ class TrainConfig:
     max_new_tokens: int = 6
     temperature: float = 0.0
     eval_every: int = 10
+    eval_samples: int = 4
     checkpoint_every: int = 10
     export: bool = True
     diagnostics_every: int = 0

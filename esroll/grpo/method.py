@@ -157,14 +157,14 @@ def estimator_group(
     return advantages.Group(rewards_XxM, step=step_index, seed=seed, **fields)
 
 
-def branch_rewards(branched, origin_Rx2: np.ndarray, shape: tuple[int, ...], branches: int) -> np.ndarray:
+def branch_rewards(branched, origin_Bx2: np.ndarray, shape: tuple[int, ...], branches: int) -> np.ndarray:
     """[X, M, J, A] the rewards of the A branches from the end of each step (`esroll.steps.branch`'s rows and
     origins), NaN where none was sampled."""
     X, M, J = shape
     out = np.full((X * M, J, branches), np.nan, np.float64)
     if branched is not None:
         rewards_R = np.asarray(branched.reward_B, np.float64)
-        for r, (b, s) in enumerate(origin_Rx2):
+        for r, (b, s) in enumerate(origin_Bx2):
             out[b, s, r % branches] = rewards_R[r]
     return out.reshape(X, M, J, branches)
 

@@ -77,9 +77,9 @@ class Perturbation(NamedTuple):
         factor once (`lowrank_term`).
         """
         G, U = blocks, slots
-        member_GxR = self.member_B.reshape(G, -1)
-        members_GxU = jax.vmap(lambda m: jnp.unique(m, size=U, fill_value=m[0]))(member_GxR)
-        slot_B = jnp.argmax(member_GxR[:, :, None] == members_GxU[:, None, :], -1).reshape(-1).astype(jnp.int32)
+        member_GxB = self.member_B.reshape(G, -1)
+        members_GxU = jax.vmap(lambda m: jnp.unique(m, size=U, fill_value=m[0]))(member_GxB)
+        slot_B = jnp.argmax(member_GxB[:, :, None] == members_GxU[:, None, :], -1).reshape(-1).astype(jnp.int32)
         return Perturbation(self._map(lambda x, axis: jnp.take(x, members_GxU, axis=axis)), None, slot_B)
 
 

@@ -191,7 +191,7 @@ def protocol_notes(workdir: Path, runs: Sequence[RunResult]) -> str:
             (
                 f"Machine speed alongside: the held-out evaluation before training (greedy decoding, the same in "
                 f"every run) took {med:.2f} s median, {min(probes):.2f}–{max(probes):.2f} s over {len(probes)} runs "
-                f"({100 * (min(probes) / med - 1):+.0f}% / {100 * (max(probes) / med - 1):+.0f}%)."
+                f"(the fastest {min(probes) / med:.2f}×, the slowest {max(probes) / med:.2f}× the median)."
             ),
         ]
     choice_path = Path(workdir) / "tuning" / "choice.json"

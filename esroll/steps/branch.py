@@ -62,19 +62,19 @@ def branch(
         raise ValueError("branch: the rollout carries no steps (with_steps)")
     origin = [(b, s) for b in range(len(out.length_B)) for s in range(int(out.steps.count_B[b]) - 1)]
     origin = [o for o in origin for _ in range(branches)]
-    origin_Rx2 = np.array(origin, np.int64).reshape(-1, 2)
+    origin_Bx2 = np.array(origin, np.int64).reshape(-1, 2)
     if not len(origin):
-        return None, origin_Rx2
+        return None, origin_Bx2
     prefixes = [out.tokens_BxN[b, : out.steps.end[b][s]] for b, s in origin]
     branched = rollout(
         task,
         mesh,
         params,
         examples,
-        out.example_B[origin_Rx2[:, 0]],
+        out.example_B[origin_Bx2[:, 0]],
         key,
         sampling,
         completions=True,
         prefixes=prefixes,
     )
-    return branched, origin_Rx2
+    return branched, origin_Bx2

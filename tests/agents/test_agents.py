@@ -77,14 +77,14 @@ def test_an_agent_rollout_is_the_episodes_played(setup):
     seeds = [held_out[e].meta["seed"] for e in example_B[:6]]
     assert seeds[:3] == [agents.HELD_OUT + i for i in range(3)]
     ep = play_directly(task, params, seeds, key, 1.0)
-    L = ep.tokens_BxL.shape[1]
+    L = ep.tokens_BxT.shape[1]
     for out in (whole, chunked):
         np.testing.assert_array_equal(out.reward_B[:6], ep.return_B)
         assert out.reward_B[6] == 0 and out.length_B[6] == 0 and not out.loss_mask_BxN[6].any()
-        np.testing.assert_array_equal(out.tokens_BxN[:6, :L], ep.tokens_BxL)
+        np.testing.assert_array_equal(out.tokens_BxN[:6, :L], ep.tokens_BxT)
         assert (out.tokens_BxN[:6, L:] == task.pad_id).all() and not out.loss_mask_BxN[:, L:].any()
-        np.testing.assert_array_equal(out.loss_mask_BxN[:6, :L], ep.loss_mask_BxL)
-        np.testing.assert_allclose(out.logprobs_BxN[:6, :L], ep.logprobs_BxL, atol=2e-5)
+        np.testing.assert_array_equal(out.loss_mask_BxN[:6, :L], ep.loss_mask_BxT)
+        np.testing.assert_allclose(out.logprobs_BxN[:6, :L], ep.logprobs_BxT, atol=2e-5)
         np.testing.assert_array_equal(out.length_B[:6], ep.length_B)
         P = ep.prompt_BxP.shape[1]
         np.testing.assert_array_equal(out.prompt_BxP[:6, -P:], ep.prompt_BxP)
@@ -141,8 +141,8 @@ def test_members_play_the_same_episodes_with_their_own_weights(setup):
     for m in range(4):
         alone = play_directly(task, params, seeds, key, 0.0, Perturbation(deltas, np.full(2, m, np.int32)))
         returns.append(alone.return_B)
-        L = alone.tokens_BxL.shape[1]
-        np.testing.assert_array_equal(out.tokens_BxN[2 * m : 2 * m + 2, :L], alone.tokens_BxL)
+        L = alone.tokens_BxT.shape[1]
+        np.testing.assert_array_equal(out.tokens_BxN[2 * m : 2 * m + 2, :L], alone.tokens_BxT)
     np.testing.assert_array_equal(out.reward_B, np.concatenate(returns))
 
 
@@ -172,7 +172,7 @@ def test_grpo_gradient_on_episodes_is_the_policy_gradient_on_the_actions(setup):
     rows, positions = [], []
     for b in range(4):
         prompt = list(ep.prompt_BxP[b][ep.prompt_mask_BxP[b]])
-        rows.append(prompt + list(ep.tokens_BxL[b, : ep.length_B[b]]))
+        rows.append(prompt + list(ep.tokens_BxT[b, : ep.length_B[b]]))
         positions.append(
             [
                 len(prompt) + i

@@ -10,6 +10,8 @@ import numpy as np
 import optax
 import pytest
 
+from esroll.errors import InputError
+
 from esroll import es
 from esroll.agents import FrozenLake, Sokoban
 from esroll.models import Perturbation, forward, load_hf
@@ -44,7 +46,7 @@ def check_logprobs_by_full_forward(model, ep):
     token equals what the turn-by-turn cache recorded."""
     cfg, params, _ = model
     rows = [
-        list(ep.prompt_BxP[b][ep.prompt_mask_BxP[b]]) + list(ep.tokens_BxL[b, : ep.length_B[b]])
+        list(ep.prompt_BxP[b][ep.prompt_mask_BxP[b]]) + list(ep.tokens_BxT[b, : ep.length_B[b]])
         for b in range(len(ep.length_B))
     ]
     tokens, mask = pad_prompts(rows, multiple=1)
@@ -53,9 +55,9 @@ def check_logprobs_by_full_forward(model, ep):
     for b, row in enumerate(rows):
         P, n = len(row) - ep.length_B[b], ep.length_B[b]
         offset = tokens.shape[1] - len(row)
-        for i in np.flatnonzero(ep.loss_mask_BxL[b, :n]):
+        for i in np.flatnonzero(ep.loss_mask_BxT[b, :n]):
             expected = logp[b, offset + P + i - 1, row[P + i]]
-            assert abs(expected - ep.logprobs_BxL[b, i]) < 2e-4, (b, i, expected, ep.logprobs_BxL[b, i])
+            assert abs(expected - ep.logprobs_BxT[b, i]) < 2e-4, (b, i, expected, ep.logprobs_BxT[b, i])
 
 
 def test_a_scripted_episode_equals_the_environment_stepped_by_hand(model):
@@ -89,8 +91,8 @@ def test_a_scripted_episode_equals_the_environment_stepped_by_hand(model):
             tokens += answer
             mask += [False] * len(answer)
         n = len(tokens)
-        assert ep.length_B[b] == n and list(ep.tokens_BxL[b, :n]) == tokens
-        assert list(ep.loss_mask_BxL[b, :n]) == mask and not ep.loss_mask_BxL[b, n:].any()
+        assert ep.length_B[b] == n and list(ep.tokens_BxT[b, :n]) == tokens
+        assert list(ep.loss_mask_BxT[b, :n]) == mask and not ep.loss_mask_BxT[b, n:].any()
         turns = len(rewards)
         assert ep.turns_B[b] == turns and ep.done_B[b]
         np.testing.assert_allclose(ep.reward_BxW[b, :turns], rewards)
@@ -112,10 +114,10 @@ def test_sampled_episodes_mask_every_environment_token(model):
         assert turns >= 1 and len(ep.actions[b]) == turns and len(ep.observations[b]) == turns + 1
         for t in range(turns):
             s, e = ep.action_start_BxW[b, t], ep.action_end_BxW[b, t]
-            assert ep.loss_mask_BxL[b, s:e].all() and e - s >= 1
+            assert ep.loss_mask_BxT[b, s:e].all() and e - s >= 1
             nxt = ep.action_start_BxW[b, t + 1] if t + 1 < turns else ep.length_B[b]
-            answer = list(ep.tokens_BxL[b, e:nxt])
-            assert not ep.loss_mask_BxL[b, e:nxt].any()
+            answer = list(ep.tokens_BxT[b, e:nxt])
+            assert not ep.loss_mask_BxT[b, e:nxt].any()
             if t + 1 < turns:
                 expected = tok.encode(format_observation(ep.observations[b][t + 1]), add_special_tokens=False)
                 assert answer == expected
@@ -136,16 +138,18 @@ def test_per_member_perturbed_episodes_equal_each_member_alone(model):
             perturb=Perturbation(deltas, np.array([m, m])),
         )  # fmt: skip
         rows = slice(2 * m, 2 * m + 2)
-        n = alone.tokens_BxL.shape[1]
-        np.testing.assert_array_equal(both.tokens_BxL[rows, :n], alone.tokens_BxL)
+        n = alone.tokens_BxT.shape[1]
+        np.testing.assert_array_equal(both.tokens_BxT[rows, :n], alone.tokens_BxT)
         np.testing.assert_array_equal(both.reward_BxW[rows], alone.reward_BxW)
-        np.testing.assert_allclose(both.logprobs_BxL[rows, :n], alone.logprobs_BxL, atol=1e-5)
+        np.testing.assert_allclose(both.logprobs_BxT[rows, :n], alone.logprobs_BxT, atol=1e-5)
     plain = play_lake(model, seeds, key=1, temperature=1.0)
-    assert not np.array_equal(plain.tokens_BxL, both.tokens_BxL)  # the perturbation changes what is sampled
+    assert not np.array_equal(plain.tokens_BxT, both.tokens_BxT)  # the perturbation changes what is sampled
 
 
 def test_an_observation_longer_than_its_room_is_refused(model):
     cfg, params, tok = model
-    with pytest.raises(ValueError, match="max_observation_tokens = 8"):
+    with pytest.raises(
+        InputError, match=r"^env\.max_observation_tokens: an observation of \d+ tokens does not fit its 8 "
+    ):
         play(cfg, params, tok, [Sokoban()], [0], jax.random.key(0), max_turns=2, max_observation_tokens=8,
              actions=lambda turn, obs: ["up"], eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)  # fmt: skip

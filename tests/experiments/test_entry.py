@@ -3,6 +3,7 @@ moment (SIGKILL) and resumed, and the README's library example."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -122,6 +123,85 @@ def test_help_lists_variants_and_keys():
     assert proc.returncode == 0 and "--stop_at STOP_AT stop at the first evaluation" in " ".join(proc.stdout.split())
 
 
+# ---- a user's code failing, and the corrected rerun
+
+USER_ENV = """
+import dataclasses
+
+from esroll.agents import Turn, parse_action, register_env
+
+
+@dataclasses.dataclass(frozen=True)
+class FragileOptions:
+    max_turns: int = 2
+    broken: bool = True
+    wordy: bool = False
+
+
+class Fragile:
+    actions = ("left", "right")
+    instructions = "Fragile: say left or right."
+
+    def __init__(self, options=FragileOptions()):
+        self.options = options
+
+    @property
+    def solved(self):
+        return False
+
+    def reset(self, seed):
+        self.turns = 0
+        return self.view()
+
+    def view(self):
+        return " ".join(str(i) for i in range(100)) if self.options.wordy else "x"
+
+    def step(self, action):
+        if self.options.broken:
+            return 1 / 0
+        self.turns += 1
+        return Turn(self.view(), 0.0, self.turns >= self.options.max_turns, parse_action(action, self.actions) is not None)
+
+
+register_env("fragile", Fragile, options=FragileOptions)
+"""
+
+
+@pytest.mark.e2e
+def test_a_failing_user_environment_says_one_line_and_blocks_no_corrected_rerun(tmp_path):
+    """An environment whose step raises ends the run with one line naming its file and line (the traceback kept in
+    WORKDIR/error.log); an observation longer than its room names the full key; each corrected rerun takes over the
+    workdir of a run that never completed a step, without --overwrite, moving it aside."""
+    (tmp_path / "fragile_env.py").write_text(USER_ENV)
+    (tmp_path / "my_config.py").write_text("import fragile_env  # noqa: F401\nfrom configs.agents import get_config\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    workdir = tmp_path / "run"
+
+    def train(*overrides: str) -> subprocess.CompletedProcess:
+        args = ["--config", f"{tmp_path / 'my_config.py'}:fragile,grpo,quick", "--workdir", str(workdir)]
+        return subprocess.run(
+            [sys.executable, "-m", "experiments.train", *args, *overrides],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    line = one_line_error(train())
+    where = f"{tmp_path / 'fragile_env.py'}:{USER_ENV.splitlines().index('            return 1 / 0') + 1}, in step"
+    log = workdir / "error.log"
+    assert line == f"error: ZeroDivisionError raised at {where}: division by zero; the full traceback is in {log}"
+    assert "Traceback" in log.read_text() and "ZeroDivisionError: division by zero" in log.read_text()
+    line = one_line_error(train("--config.env.options.fragile.broken=False", "--config.env.options.fragile.wordy=True"))
+    assert re.fullmatch(
+        r"error: env\.max_observation_tokens: an observation of \d+ tokens does not fit its 24 \(turn 0, row 0: "
+        r"'0 1 2 3 .*'\.\.\.\): raise it or shorten the environment's observations",
+        line,
+    )
+    proc = train("--config.env.options.fragile.broken=False")
+    assert proc.returncode == 0, proc.stderr
+    assert f"never completed a step: moved to {workdir / 'replaced-2'}" in proc.stdout
+    assert [r["step"] for r in read_metrics(workdir / "metrics.jsonl") if "eval_accuracy" in r] == [0, 2]
+    assert (workdir / "replaced-1" / "error.log").is_file() and (workdir / "replaced-2" / "config.json").is_file()
+
+
 # ---- killed at any moment
 
 
@@ -150,30 +230,33 @@ QUICK = [
 ]
 
 
-def kill_when(workdir: Path, step: int, checkpoint: int | None = None) -> int:
-    """Start the run, SIGKILL it as soon as metrics.jsonl holds `step` (and, if given, the checkpoint of step
-    `checkpoint` is finalised); returns its exit status."""
+def kill_when(workdir: Path, step: int, checkpoint: int | None = None, sig=signal.SIGKILL) -> tuple[int, str]:
+    """Start the run, send it `sig` as soon as metrics.jsonl holds `step` (and, if given, the checkpoint of step
+    `checkpoint` is finalised); returns its exit status and what it wrote to stderr."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "experiments.train", *QUICK, "--workdir", str(workdir)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline:
         saved = checkpoint is None or (workdir / "checkpoints" / str(checkpoint)).is_dir()
         if saved and any(r["step"] >= step for r in read_metrics(workdir / "metrics.jsonl")):
-            os.kill(proc.pid, signal.SIGKILL)
+            os.kill(proc.pid, sig)
             break
         time.sleep(0.01)
-    return proc.wait()
+    _, err = proc.communicate()
+    return proc.returncode, err
 
 
 @pytest.mark.e2e
-def test_sigkill_before_and_after_first_checkpoint_then_resume(tmp_path):
-    """Killed after step 2 (before the first checkpoint, at 4) and after step 5 (once it is saved), then run to the end: every
-    step is logged once in metrics.jsonl and TensorBoard, and the exported model is bit-identical to an uninterrupted
-    run's. The uninterrupted run goes on beside the killed ones."""
+def test_sigkill_and_ctrl_c_then_resume(tmp_path):
+    """Killed after step 2 (before the first checkpoint, at 4) and after step 5 (once it is saved), then stopped by
+    Ctrl-C (SIGINT) after step 6, which prints one line saying where to resume from, then run to the end: every step
+    is logged once in metrics.jsonl, samples.jsonl and TensorBoard, and the exported model is bit-identical to an
+    uninterrupted run's. The uninterrupted run goes on beside the killed ones."""
     log = tmp_path / "straight.err"
     with log.open("w") as err:
         straight = subprocess.Popen(
@@ -183,9 +266,15 @@ def test_sigkill_before_and_after_first_checkpoint_then_resume(tmp_path):
             stderr=err,
         )
     killed = tmp_path / "killed"
-    assert kill_when(killed, 2) == -signal.SIGKILL
+    assert kill_when(killed, 2)[0] == -signal.SIGKILL
     assert not (killed / "checkpoints").exists() or not any((killed / "checkpoints").glob("[0-9]*"))
-    assert kill_when(killed, 5, checkpoint=4) == -signal.SIGKILL
+    assert kill_when(killed, 5, checkpoint=4)[0] == -signal.SIGKILL
+    status, err = kill_when(killed, 6, checkpoint=4, sig=signal.SIGINT)
+    assert status == 130 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"\[esroll\] interrupted at step [67]; rerun the same command to resume from its checkpoint at step 4", last
+    )
     resumed = run_train(*QUICK, "--workdir", str(killed))
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from step 4" in resumed.stdout
@@ -199,6 +288,9 @@ def test_sigkill_before_and_after_first_checkpoint_then_resume(tmp_path):
         assert (killed / "final" / f).read_bytes() == (tmp_path / "straight" / "final" / f).read_bytes()
     a, b = read_metrics(killed / "metrics.jsonl"), read_metrics(tmp_path / "straight" / "metrics.jsonl")
     assert [r.get("eval_accuracy") for r in a] == [r.get("eval_accuracy") for r in b]
+    samples = (killed / "samples.jsonl").read_text()
+    assert samples == (tmp_path / "straight" / "samples.jsonl").read_text()
+    assert [r["step"] for r in read_metrics(killed / "samples.jsonl")] == [s for s in (0, 2, 4, 6, 8) for _ in range(4)]
 
 
 # ---- the README's library example
@@ -219,3 +311,23 @@ def test_readme_library_example_runs(tmp_path):
     fitness = [float(x) for x in re.findall(r"mean fitness ([0-9.]+)", proc.stdout)]
     assert len(fitness) == 3 and all(0 <= f <= 1 for f in fitness)
     assert len(set(fitness)) > 1  # the parameters moved between steps
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in (REPO / "configs").glob("*.py") if p.name != "__init__.py"))
+def test_help_lists_the_variants_of_every_shipped_config_file(path):
+    from experiments._entry import help_text
+
+    text = help_text(["train", f"--config=configs/{path}"])
+    variants = text.split(f"variants of configs/{path}", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    assert len(variants) >= 2 and all(line.startswith("  ") for line in variants), text
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the plan extra)")
+def test_importing_esroll_on_a_host_without_tpus_silences_the_tpu_probe():
+    """With libtpu installed and no TPU, a plain script that imports the library and runs JAX prints nothing."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = "import esroll.rewards, jax, jax.numpy as jnp; print(jax.default_backend(), int(jnp.ones(3).sum()))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["cpu", "3"], proc.stderr
+    assert proc.stderr == "", proc.stderr

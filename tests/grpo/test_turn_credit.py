@@ -132,3 +132,37 @@ def test_discounted_by_hand():
     np.testing.assert_allclose(out.advantage, expected, rtol=1e-5, atol=1e-6)
     plain = estimate("discounted", g, DiscountedOptions(gamma=0.5, std=False))
     np.testing.assert_allclose(plain.advantage, spans({k: v - mean for k, v in G.items()}), rtol=1e-5, atol=1e-6)
+
+
+def alike_group() -> Group:
+    """One group of two alike episodes (every turn invalid, reward −0.1 each, the state repeated: "S"), and one of two
+    that differ (rewards 0, 1 and 0, 0), W = 2 turn slots, each action one token at 0 and 1."""
+    start = np.array([[0, 1]] * 4)
+    end = start + 1
+    reward = np.array([[-0.1, -0.1], [-0.1, -0.1], [0, 1], [0, 0]], np.float32)
+    count = np.array([2, 2, 2, 2])
+    states = [["S", "S"], ["S", "S"], ["A", "B"], ["A", "C"]]
+    rewards = np.array([[-0.2, -0.2], [1.0, 0.0]])
+    mask = np.zeros((4, 2), bool)
+    mask[:, :2] = True
+    return Group(rewards, token_mask=mask.reshape(2, 2, 2), turns=Turns(start, end, reward, count, states))
+
+
+def test_zero_alike_silences_a_group_of_identical_episodes_and_only_that_group():
+    g = alike_group()
+    # Without it, `discounted` (γ 1, std off) credits the alike group by position: returns −0.2, −0.1 for both
+    # episodes, mean −0.15, so the first turns get −0.05 and the second +0.05.
+    plain = estimate("discounted", g, DiscountedOptions(gamma=1.0, std=False)).advantage
+    np.testing.assert_allclose(plain[0], [[-0.05, 0.05], [-0.05, 0.05]], atol=1e-6)
+    zeroed = estimate("discounted", g, DiscountedOptions(gamma=1.0, std=False, zero_alike=True)).advantage
+    np.testing.assert_array_equal(zeroed[0], 0.0)
+    # The other group, by hand: returns (1, 1) and (0, 0), mean 0.5: ±0.5 on every turn; the option leaves it alone.
+    np.testing.assert_allclose(zeroed[1], [[0.5, 0.5], [-0.5, -0.5]], atol=1e-6)
+    np.testing.assert_allclose(plain[1], zeroed[1])
+    # GiGPO (std off): the repeated state S is one anchor group of four turns with returns −0.2, −0.1, −0.2, −0.1:
+    # ±0.05 by position; with the option, 0.
+    g_plain = estimate("gigpo", g, GigpoOptions(gamma=1.0, std=False)).advantage
+    np.testing.assert_allclose(g_plain[0], [[-0.05, 0.05], [-0.05, 0.05]], atol=1e-6)
+    g_zero = estimate("gigpo", g, GigpoOptions(gamma=1.0, std=False, zero_alike=True)).advantage
+    np.testing.assert_array_equal(g_zero[0], 0.0)
+    np.testing.assert_allclose(g_zero[1], g_plain[1])

@@ -45,6 +45,19 @@ def normalise(values: np.ndarray, std: bool, eps: float = EPS, counts: np.ndarra
     return centred / (np.sqrt(np.sum(weights * centred**2) / (n - 1)) + eps) if std else centred
 
 
+def alike_groups(g: Group, valid_XxM: np.ndarray) -> np.ndarray:
+    """[X] bool: the groups whose valid episodes (two or more) all played the same number of turns with the same
+    reward at every turn, so that no episode did better than another."""
+    X, M = valid_XxM.shape
+    turns = g.turns
+    out = np.zeros(X, bool)
+    for x in range(X):
+        rows = [x * M + j for j in np.flatnonzero(valid_XxM[x])]
+        seqs = {tuple(np.asarray(turns.reward_BxW[b, : int(turns.count_B[b])], np.float64).tolist()) for b in rows}
+        out[x] = len(rows) >= 2 and len(seqs) == 1
+    return out
+
+
 def turn_tokens(g: Group, value_BxW: np.ndarray, plus_B: np.ndarray | float = 0.0) -> np.ndarray:
     """[X, M, N] float32: the action tokens of turn t of row b get value[b, t] + plus[b]; every other token 0."""
     X, M = g.rewards.shape
@@ -60,10 +73,13 @@ def turn_tokens(g: Group, value_BxW: np.ndarray, plus_B: np.ndarray | float = 0.
 
 @dataclasses.dataclass(frozen=True)
 class DiscountedOptions:
-    """`grpo.adv.discounted.*`. gamma: the discount of the per-turn returns; std: divide by the group's std."""
+    """`grpo.adv.discounted.*`. gamma: the discount of the per-turn returns; std: divide by the group's std;
+    zero_alike: give 0 to a group whose episodes all got the same reward at every turn (`alike_groups`), where the
+    normalised returns would differ only by each turn's position (docs/agents.md)."""
 
     gamma: float = 0.95
     std: bool = True
+    zero_alike: bool = False
 
     def __post_init__(self):
         check_fields(self, [("gamma", 0 <= self.gamma <= 1, "in [0, 1]")], "DiscountedOptions")
@@ -72,12 +88,13 @@ class DiscountedOptions:
 def discounted(g: Group, o: DiscountedOptions, state=None) -> Estimate:
     """Per-token advantages: each turn's discounted return (`discounted_returns`), normalised over every turn of the
     group's valid episodes ((G − mean) / (sample std + 1e-4), or G − mean without `std`), on the turn's action
-    tokens. An invalid episode gets 0."""
+    tokens. An invalid episode gets 0; with `zero_alike`, so does every episode of an alike group."""
     _, valid = valid_rewards(g)
     X, M = valid.shape
     turns = g.turns
     returns = discounted_returns(turns.reward_BxW, turns.count_B, o.gamma)
-    played = (np.arange(returns.shape[1])[None, :] < np.asarray(turns.count_B)[:, None]) & valid.reshape(-1, 1)
+    counted = valid & ~alike_groups(g, valid)[:, None] if o.zero_alike else valid
+    played = (np.arange(returns.shape[1])[None, :] < np.asarray(turns.count_B)[:, None]) & counted.reshape(-1, 1)
     value = np.zeros_like(returns)
     for x in range(X):
         rows = slice(x * M, (x + 1) * M)
@@ -94,13 +111,16 @@ class GigpoOptions:
     beside the episode's; std: divide by the group's std at both levels (GiGPO's mean-std mode; False: mean only);
     episode_stats: what the episode advantage's mean and std are taken over, "episodes" (each episode once, the
     paper's Eq. 3) or "turns" (each episode once per turn it played, as verl-agent's `core_gigpo.py` with its
-    default `compute_mean_std_cross_steps=True`); eps: added to the std (verl-agent: 1e-6)."""
+    default `compute_mean_std_cross_steps=True`); eps: added to the std (verl-agent: 1e-6); zero_alike: give 0 to a
+    group whose episodes all got the same reward at every turn (`alike_groups`): its anchor groups would otherwise
+    compare the returns of one repeated state at different turn positions (docs/agents.md)."""
 
     gamma: float = 0.95
     omega: float = 1.0
     std: bool = True
     episode_stats: str = "episodes"
     eps: float = EPS
+    zero_alike: bool = False
 
     def __post_init__(self):
         checks = [
@@ -119,9 +139,11 @@ def gigpo(g: Group, o: GigpoOptions, state=None) -> Estimate:
     the exact observation text each action answered; a turn's discounted return (`discounted_returns`) is
     normalised over its anchor group, and a turn whose state no other turn of the group shares gets 0. Logs
     `gigpo_anchor_share` (the share of turns in an anchor group of two or more) and `gigpo_anchor_size` (their mean
-    group size)."""
+    group size). With `zero_alike`, an alike group's episodes get 0."""
     r, valid = valid_rewards(g)
     X, M = r.shape
+    if o.zero_alike:
+        valid = valid & ~alike_groups(g, valid)[:, None]
     turns = g.turns
     returns = discounted_returns(turns.reward_BxW, turns.count_B, o.gamma)
     episode = np.zeros((X, M))
