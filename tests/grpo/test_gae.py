@@ -1,0 +1,82 @@
+"""GAE over generated tokens, whitening, the clipped value loss and explained variance (`esroll.grpo.gae`), every
+expected value worked out by hand in the docstrings below."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from esroll.grpo.gae import explained_variance, gae, value_loss, whiten
+
+V = [0.5, 0.4, 0.6, 0.8]
+
+
+def test_gae_by_hand_at_two_discounts_without_environment_tokens():
+    """One completion of 4 tokens, the outcome 1 on the last. γ 0.9, λ 0.5 (γλ = 0.45):
+    δ3 = 1 − 0.8 = 0.2, A3 = 0.2; δ2 = 0.9·0.8 − 0.6 = 0.12, A2 = 0.12 + 0.45·0.2 = 0.21;
+    δ1 = 0.9·0.6 − 0.4 = 0.14, A1 = 0.14 + 0.45·0.21 = 0.2345; δ0 = 0.9·0.4 − 0.5 = −0.14,
+    A0 = −0.14 + 0.45·0.2345 = −0.034475. γ = λ = 1: A_t = 1 − V_t."""
+    reward, mask = np.array([[0, 0, 0, 1.0]]), np.ones((1, 4), bool)
+    adv, ret = gae(reward, np.array([V]), mask, 0.9, 0.5)
+    np.testing.assert_allclose(adv, [[-0.034475, 0.2345, 0.21, 0.2]], atol=1e-12)
+    np.testing.assert_allclose(ret, [[0.465525, 0.6345, 0.81, 1.0]], atol=1e-12)
+    adv, ret = gae(reward, np.array([V]), mask, 1.0, 1.0)
+    np.testing.assert_allclose(adv, [[0.5, 0.6, 0.4, 0.2]], atol=1e-12)
+    np.testing.assert_allclose(ret, [[1.0, 1.0, 1.0, 1.0]], atol=1e-12)
+
+
+def test_gae_skips_environment_tokens_by_hand():
+    """An episode of two turns, each two action tokens, the environment's two tokens between them (values 9 there,
+    never read); the first turn's reward 0.1 on its last action token, the outcome 1 on the last. The action tokens
+    carry the values of the test above, so with γ 0.9, λ 0.5: A3 = 0.2, A2 = 0.21 (as above); δ1 = 0.1 + 0.9·0.6 −
+    0.4 = 0.24 (the first turn's last token bootstraps from the second turn's first), A1 = 0.24 + 0.45·0.21 = 0.3345;
+    δ0 = 0.9·0.4 − 0.5 = −0.14, A0 = −0.14 + 0.45·0.3345 = 0.010525. γ = λ = 1: the reward to go, 1.1, 1.1, 1, 1,
+    minus the value."""
+    reward = np.array([[0, 0.1, 0, 0, 0, 1.0]])
+    value = np.array([[0.5, 0.4, 9, 9, 0.6, 0.8]])
+    mask = np.array([[1, 1, 0, 0, 1, 1]], bool)
+    adv, ret = gae(reward, value, mask, 0.9, 0.5)
+    np.testing.assert_allclose(adv, [[0.010525, 0.3345, 0, 0, 0.21, 0.2]], atol=1e-12)
+    np.testing.assert_allclose(ret, [[0.510525, 0.7345, 0, 0, 0.81, 1.0]], atol=1e-12)
+    adv, _ = gae(reward, value, mask, 1.0, 1.0)
+    np.testing.assert_allclose(adv, [[0.6, 0.7, 0, 0, 0.4, 0.2]], atol=1e-12)
+
+
+def test_gae_at_one_is_the_return_to_go_minus_the_value_on_random_rows():
+    rng = np.random.default_rng(0)
+    reward, value = rng.normal(size=(5, 9)), rng.normal(size=(5, 9))
+    mask = rng.random((5, 9)) < 0.6
+    adv, ret = gae(reward, value, mask, 1.0, 1.0)
+    for b in range(5):
+        pos = np.flatnonzero(mask[b])
+        to_go = np.cumsum(reward[b, pos][::-1])[::-1]
+        np.testing.assert_allclose(adv[b, pos], to_go - value[b, pos], atol=1e-12)
+        np.testing.assert_allclose(ret[b, pos], to_go, atol=1e-12)
+        assert not adv[b, ~mask[b]].any() and not ret[b, ~mask[b]].any()
+
+
+def test_whitening_uses_the_masked_tokens_only():
+    """x = 1, 2, 3 on the mask (and 100, 7 off it): mean 2, sample variance 1, so −1, 0, 1 (÷ √(1 + 1e-8)); off the
+    mask 0. One masked entry: nothing to whiten, 0."""
+    x = np.array([[1.0, 2.0, 100.0], [3.0, 7.0, 0.0]])
+    mask = np.array([[1, 1, 0], [1, 0, 0]], bool)
+    np.testing.assert_allclose(whiten(x, mask), [[-1, 0, 0], [1, 0, 0]], atol=1e-7)
+    assert not whiten(x, np.eye(2, 3, dtype=bool) & (np.arange(3) == 0)).any()
+
+
+def test_clipped_value_loss_by_hand():
+    """V = 1, 0 from V_old = 0.5, 0.5, returns 2, 0, ε 0.2. Token 0: (1 − 2)² = 1; clipped to 0.7, (0.7 − 2)² = 1.69;
+    the larger, 1.69. Token 1: (0 − 0)² = 0; clipped to 0.3, 0.09. ½ · (1.69 + 0.09) / 2 = 0.445; a third token off
+    the mask changes nothing."""
+    v, old, ret = jnp.array([[1.0, 0.0, 5.0]]), jnp.array([[0.5, 0.5, 0.0]]), jnp.array([[2.0, 0.0, -5.0]])
+    mask = jnp.array([[True, True, False]])
+    assert float(value_loss(v, old, ret, mask, 0.2)) == pytest.approx(0.445, abs=1e-6)
+
+
+def test_explained_variance():
+    ret = np.array([[1.0, 0.0, 3.0, 99.0]])
+    mask = np.array([[1, 1, 1, 0]], bool)
+    assert explained_variance(ret, ret, mask) == pytest.approx(1.0)
+    assert explained_variance(np.full_like(ret, 4 / 3), ret, mask) == pytest.approx(0.0)
+    assert np.isnan(explained_variance(ret, np.ones_like(ret), mask))
