@@ -117,13 +117,17 @@ def tiny_hf_config(family: str, **overrides):
     return cfg
 
 
-def build_tiny_hf(family: str, folder, seed: int = 0, **overrides):
-    """A random tiny model of the family, saved as safetensors in `folder`; returns the torch model."""
+def build_tiny_hf(family: str, folder, seed: int = 0, value: bool = False, **overrides):
+    """A random tiny model of the family, saved as safetensors in `folder`; returns the torch model. `value`: a value
+    model (a critic) instead, transformers' token-classification model with one label."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(family, **overrides), dtype=torch.float32)
+    auto = transformers.AutoModelForTokenClassification if value else transformers.AutoModelForCausalLM
+    model = auto.from_config(
+        tiny_hf_config(family, **({"num_labels": 1} if value else {}), **overrides), dtype=torch.float32
+    )
     # Random norm scales and biases too, so that parity checks exercise them (init leaves them at 1 and 0).
     with torch.no_grad():
         for name, p in model.named_parameters():

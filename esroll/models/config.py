@@ -15,6 +15,14 @@ SUPPORTED = {
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
 }
+# A value model (a critic): the same decoder with one scalar per token in place of the vocabulary head, as
+# transformers' token-classification models with one label write it.
+VALUE_MODELS = {
+    "Qwen3ForTokenClassification": "qwen3",
+    "Qwen2ForTokenClassification": "qwen2",
+    "LlamaForTokenClassification": "llama",
+}
+HEADS = ("lm", "value")
 _MODEL_TYPE = {"qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}
 
 
@@ -40,12 +48,14 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2 (always), Llama with attention_bias
     o_bias: bool = False  # Llama with attention_bias
     qk_norm: bool = False  # Qwen3 per-head RMSNorm on q and k
+    # "lm": the vocabulary head (a policy); "value": one scalar per token (a critic, `esroll.critic`)
+    head: str = "lm"
     # The original config.json (as sorted JSON) so save_hf can write back every field it did not interpret.
     hf_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 
     @property
     def architecture(self) -> str:
-        return {v: k for k, v in SUPPORTED.items()}[self.family]
+        return {v: k for k, v in (VALUE_MODELS if self.head == "value" else SUPPORTED).items()}[self.family]
 
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies [head_dim/2], with the configured scaling applied (float64 numpy, static)."""
@@ -70,10 +80,14 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
         archs = d.get("architectures") or []
         arch = archs[0] if archs else None
-        family = SUPPORTED.get(arch) if arch else _MODEL_TYPE.get(d.get("model_type", ""))
+        head = "value" if arch in VALUE_MODELS else "lm"
+        family = {**SUPPORTED, **VALUE_MODELS}.get(arch) if arch else _MODEL_TYPE.get(d.get("model_type", ""))
         if family is None:
             name = arch or d.get("model_type") or "<none>"
-            raise ValueError(f"{source}: unsupported architecture {name!r}; esroll supports {', '.join(SUPPORTED)}")
+            supported = ", ".join([*SUPPORTED, *VALUE_MODELS])
+            raise ValueError(f"{source}: unsupported architecture {name!r}; esroll supports {supported}")
+        if head == "value" and len(d.get("id2label") or {0: ""}) != 1:
+            raise ValueError(f"{source}: field 'id2label': a value model has one label, not {len(d['id2label'])}")
 
         def need(key: str) -> Any:
             if key not in d:
@@ -106,6 +120,7 @@ class ModelConfig:
             qkv_bias=family == "qwen2" or (family == "llama" and attention_bias),
             o_bias=family == "llama" and attention_bias,
             qk_norm=family == "qwen3",
+            head=head,
             hf_json=json.dumps(d, sort_keys=True),
         )
 
@@ -138,6 +153,8 @@ class ModelConfig:
             tie_word_embeddings=self.tie_word_embeddings,
             hidden_act="silu",
         )
+        if self.head == "value":
+            d.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
         if self.family == "llama":
             d["attention_bias"] = self.o_bias
             d["mlp_bias"] = False

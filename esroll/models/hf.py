@@ -21,6 +21,9 @@ from safetensors.numpy import save_file
 from esroll.models.config import ModelConfig
 from esroll.models.transformer import STACKED
 
+# the leaves outside the layer stack: the embedding and final norm, then a policy's or a critic's head
+HEADS_AND_EMBEDDINGS = ("embed", "final_norm", "lm_head", "value_head", "value_bias")
+
 # esroll layer leaf -> (Hugging Face name inside model.layers.{i}., is a Linear weight to transpose)
 _LAYER_KEYS = {
     "attn_norm": ("input_layernorm.weight", False),
@@ -63,7 +66,9 @@ def param_shapes(cfg: ModelConfig) -> dict:
     if cfg.qk_norm:
         layers.update(q_norm=(L, H), k_norm=(L, H))
     shapes = {"embed": (cfg.vocab_size, D), STACKED: layers, "final_norm": (D,)}
-    if not cfg.tie_word_embeddings:
+    if cfg.head == "value":  # a critic: one scalar per token, w·h + b (`esroll.critic`)
+        shapes.update(value_head=(D, 1), value_bias=(1,))
+    elif not cfg.tie_word_embeddings:
         shapes["lm_head"] = (D, cfg.vocab_size)
     return shapes
 
@@ -90,7 +95,10 @@ def _hf_names(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...], bool]]:
         "model.embed_tokens.weight": ("embed", shapes["embed"], False),
         "model.norm.weight": ("final_norm", shapes["final_norm"], False),
     }
-    if not cfg.tie_word_embeddings:
+    if cfg.head == "value":  # transformers' token-classification head with one label
+        names["score.weight"] = ("value_head", shapes["value_head"][::-1], True)
+        names["score.bias"] = ("value_bias", shapes["value_bias"], False)
+    elif not cfg.tie_word_embeddings:
         names["lm_head.weight"] = ("lm_head", shapes["lm_head"][::-1], True)
     for leaf, shape in shapes[STACKED].items():
         hf, transpose = _LAYER_KEYS[leaf]
@@ -165,7 +173,7 @@ def _index_checkpoint(folder: Path, cfg: ModelConfig, handles: dict[Path, Any]) 
     it and its file, raised before any tensor data is read."""
     expected = _hf_names(cfg)
     # A tied checkpoint may still carry a copy of the embedding as lm_head.weight: accept and ignore it.
-    redundant = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    redundant = {"lm_head.weight"} if cfg.tie_word_embeddings and cfg.head == "lm" else set()
     found: dict[str, _Tensor] = {}
     for file, f in handles.items():
         for name in f.keys():
@@ -290,18 +298,19 @@ def load_hf(path: str | Path, dtype=None, *, shardings=None) -> tuple[ModelConfi
         sources = _leaf_sources(cfg, _index_checkpoint(folder, cfg, handles))
         params = {
             k: build(shapes[k], sources[k], False, None if shardings is None else shardings[k])
-            for k in ("embed", "final_norm", "lm_head")
+            for k in HEADS_AND_EMBEDDINGS
             if k in shapes
         }
         params[STACKED] = {
             leaf: build(shape, sources[STACKED][leaf], True, None if shardings is None else shardings[STACKED][leaf])
             for leaf, shape in shapes[STACKED].items()
         }
-    return cfg, {k: params[k] for k in ("embed", "final_norm", STACKED, "lm_head") if k in params}
+    return cfg, {k: params[k] for k in ("embed", "final_norm", STACKED, *HEADS_AND_EMBEDDINGS[2:]) if k in params}
 
 
 def save_hf(path: str | os.PathLike, cfg: ModelConfig, params: dict, tokenizer=None, dtype=None) -> Path | epath.Path:
-    """Write config.json and model.safetensors that transformers' AutoModelForCausalLM loads with the same logits.
+    """Write config.json and model.safetensors that transformers' AutoModelForCausalLM loads with the same logits (a
+    critic: AutoModelForTokenClassification, with the same values).
 
     Writes into a temporary name first and renames, so an interrupted save never leaves a half-written model. `path`
     may be a URL (gs://bucket/run/final): the model is written to a local temporary folder, then uploaded file by

@@ -174,6 +174,8 @@ def forward(
     x_BxTxD = rms_norm(x_BxTxD, vector(params["final_norm"], deltas.get("final_norm")), cfg.rms_norm_eps)
     if return_hidden:
         return x_BxTxD, None
+    if cfg.head != "lm":
+        raise ValueError("forward: a value model has no vocabulary head (its values: esroll.critic.values)")
     logits_BxTxV = head(cfg, params, x_BxTxD, perturb)
     if cache is None:
         return logits_BxTxV, None

@@ -1,0 +1,66 @@
+"""A critic: a value model of the policy's architecture, one scalar per token in place of the vocabulary head.
+
+    critic_cfg, critic = critic_from_policy(cfg, params)      # the policy's trunk, a zero value head
+    value_BxT = values(critic_cfg, critic, tokens_BxT, mask_BxT=mask_BxT)
+
+V(prefix) is read at every position in one forward: the value at position t is that of the sequence through token
+t, so a completion's values line up with its tokens' log-probabilities (the value before generated token n sits at
+the position whose logits sampled it). Its checkpoints are transformers' token-classification models with one label
+(`Qwen3ForTokenClassification`, `Qwen2ForTokenClassification`, `LlamaForTokenClassification`): `esroll.models.load_hf`
+reads one as a critic (its config's `head` is "value") and `save_hf` writes one, so a critic trained elsewhere is a
+starting point and one trained here loads in transformers with the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import Array
+
+from esroll.models import ModelConfig, forward
+from esroll.models.transformer import STACKED
+
+
+def critic_from_policy(cfg: ModelConfig, params: dict) -> tuple[ModelConfig, dict]:
+    """A critic initialised from a policy: its embedding, layers and final norm (shared arrays, not copies: an
+    optimizer update makes new ones), and a value head of zeros, so every value starts at 0 and the first updates
+    move the head before the trunk (the trunk's gradient is the head's weight times the error). The head is in the
+    trunk's dtype."""
+    if cfg.head != "lm":
+        raise ValueError(f"critic_from_policy: the model is already a {cfg.head} model")
+    dtype = params["final_norm"].dtype
+    critic = {k: params[k] for k in ("embed", "final_norm", STACKED)}
+    critic["value_head"] = jnp.zeros((cfg.hidden_size, 1), dtype)
+    critic["value_bias"] = jnp.zeros((1,), dtype)
+    return dataclasses.replace(cfg, head="value"), critic
+
+
+def values(
+    cfg: ModelConfig,
+    params: dict,
+    tokens_BxT: Array,
+    *,
+    mask_BxT: Array | None = None,
+    positions_BxT: Array | None = None,
+    remat: str | None = None,
+    layer_params=None,
+    unroll: int = 1,
+) -> Array:
+    """[B, T] float32: each position's value, w·h_t + b over the final-normed hidden states h (the trunk in the model's
+    dtype, the head's product in float32). The arguments are `forward`'s (cache-free)."""
+    if cfg.head != "value":
+        raise ValueError("values: the model is not a value model (esroll.critic.critic_from_policy makes one)")
+    h_BxTxD, _ = forward(
+        cfg,
+        params,
+        tokens_BxT,
+        mask_BxT=mask_BxT,
+        positions_BxT=positions_BxT,
+        remat=remat,
+        return_hidden=True,
+        layer_params=layer_params,
+        unroll=unroll,
+    )
+    w_Dx1 = params["value_head"].astype(jnp.float32)
+    return (h_BxTxD.astype(jnp.float32) @ w_Dx1)[..., 0] + params["value_bias"].astype(jnp.float32)[0]

@@ -1,0 +1,107 @@
+"""The critic (`esroll.critic`): a value model of the policy's architecture, against transformers' token-classification
+models with one label (the values at every position of a left-padded batch), its checkpoints both ways, and a critic
+made from a policy."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from conftest import FAMILIES, build_tiny_hf
+from esroll.critic import critic_from_policy, values
+from esroll.models import forward, load_hf, save_hf
+
+jit_values = jax.jit(values, static_argnums=0)
+
+
+def padded_batch(vocab: int):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, vocab, size=(3, 9))
+    mask = np.ones((3, 9), bool)
+    mask[1, :3] = False
+    mask[2, :6] = False
+    return np.where(mask, tokens, 0), mask
+
+
+def torch_values(model, tokens, mask) -> np.ndarray:
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(tokens),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+            position_ids=torch.tensor(positions),
+        )
+    return out.logits[..., 0].numpy()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def value_model(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"value_{request.param}")
+    model = build_tiny_hf(request.param, folder, value=True)
+    with torch.no_grad():  # a score head far from its initialisation, bias included
+        model.score.weight.normal_(0.0, 0.5)
+        model.score.bias.fill_(0.3)
+    model.save_pretrained(str(folder))
+    return request.param, folder, model
+
+
+def test_values_match_transformers_token_classification(value_model):
+    family, folder, model = value_model
+    cfg, params = load_hf(folder)
+    assert (cfg.family, cfg.head) == (family, "value") and set(params) >= {"value_head", "value_bias"}
+    assert "lm_head" not in params
+    tokens, mask = padded_batch(cfg.vocab_size)
+    ours = np.asarray(jit_values(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask)))
+    ref = torch_values(model, tokens, mask)
+    assert np.abs(ours - ref)[mask].max() < 1e-4, family
+
+
+def test_a_saved_critic_loads_in_transformers_with_the_same_values(value_model, tmp_path):
+    family, folder, _ = value_model
+    cfg, params = load_hf(folder)
+    save_hf(tmp_path / "critic", cfg, params)
+    written = json.loads((tmp_path / "critic" / "config.json").read_text())
+    assert written["architectures"][0].endswith("ForTokenClassification") and len(written["id2label"]) == 1
+    again = transformers.AutoModelForTokenClassification.from_pretrained(str(tmp_path / "critic")).eval()
+    tokens, mask = padded_batch(cfg.vocab_size)
+    ours = np.asarray(jit_values(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask)))
+    assert np.abs(ours - torch_values(again, tokens, mask))[mask].max() < 1e-4, family
+
+
+def test_a_critic_from_a_policy_shares_its_trunk_and_starts_at_zero(tiny_model):
+    """Its values are w·h + b over the policy's own final hidden states: 0 at the start (a zero head), and, with a
+    head set in the test, the product computed here from the policy's hidden states."""
+    family, folder, _ = tiny_model
+    cfg, params = load_hf(folder)
+    critic_cfg, critic = critic_from_policy(cfg, params)
+    assert critic_cfg.head == "value" and critic["embed"] is params["embed"]
+    tokens, mask = padded_batch(cfg.vocab_size)
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    assert not np.asarray(jit_values(critic_cfg, critic, tokens, mask_BxT=mask)).any()
+    w = np.random.default_rng(1).normal(size=(cfg.hidden_size, 1)).astype(np.float32)
+    critic = {**critic, "value_head": jnp.asarray(w), "value_bias": jnp.asarray([0.25], jnp.float32)}
+    h, _ = jax.jit(forward, static_argnums=0, static_argnames="return_hidden")(
+        cfg, params, tokens, mask_BxT=mask, return_hidden=True
+    )
+    expected = np.asarray(h, np.float64) @ w[:, 0].astype(np.float64) + 0.25
+    np.testing.assert_allclose(np.asarray(jit_values(critic_cfg, critic, tokens, mask_BxT=mask)), expected, atol=1e-5)
+
+
+def test_a_value_model_is_refused_where_logits_are_meant_and_a_wrong_label_count_in_one_line(value_model, tmp_path):
+    _, folder, _ = value_model
+    cfg, params = load_hf(folder)
+    with pytest.raises(ValueError, match="a value model has no vocabulary head"):
+        forward(cfg, params, jnp.ones((1, 3), jnp.int32))
+    bad = json.loads((folder / "config.json").read_text())
+    bad["id2label"] = {"0": "a", "1": "b"}
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    from esroll.models import ModelConfig
+
+    with pytest.raises(ValueError, match=r"config\.json: field 'id2label': a value model has one label, not 2$"):
+        ModelConfig.from_json_file(tmp_path / "config.json")
