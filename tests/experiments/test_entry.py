@@ -331,3 +331,31 @@ def test_importing_esroll_on_a_host_without_tpus_silences_the_tpu_probe():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.split() == ["cpu", "3"], proc.stderr
     assert proc.stderr == "", proc.stderr
+
+
+def test_outside_code_names_the_users_frame_and_never_esrolls(tmp_path, monkeypatch):
+    """An error raised in a user's module (directly, or inside numpy called from it) is placed at the user's line; one
+    raised inside esroll is not the user's (it keeps its traceback)."""
+    from esroll.agents import ENVIRONMENTS, make_env
+    from esroll.errors import outside_code
+    from esroll.steps.segment import split_text
+
+    (tmp_path / "users_envs.py").write_text(
+        "import numpy as np\n\n\ndef broken(options):\n    return {}['missing']\n\n\n"
+        "def negative(options):\n    return np.zeros(-1)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import users_envs
+
+    options = type(make_env("frozenlake", {}).options)
+    for name, line in (("broken", 5), ("negative", 9)):
+        ENVIRONMENTS.add(f"test_{name}", getattr(users_envs, name), options=options)
+        try:
+            with pytest.raises(Exception) as e:
+                make_env(f"test_{name}")
+            assert outside_code(e.value) == f"{tmp_path / 'users_envs.py'}:{line}, in {name}"
+        finally:
+            del ENVIRONMENTS[f"test_{name}"]
+    with pytest.raises(ValueError) as e:
+        split_text("x", "")
+    assert outside_code(e.value) is None
