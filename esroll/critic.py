@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+import optax
 from jax import Array
 
+from esroll.grpo.gae import value_loss
 from esroll.models import ModelConfig, forward
 from esroll.models.transformer import STACKED
 
@@ -64,3 +67,22 @@ def values(
     )
     w_Dx1 = params["value_head"].astype(jnp.float32)
     return (h_BxTxD.astype(jnp.float32) @ w_Dx1)[..., 0] + params["value_bias"].astype(jnp.float32)[0]
+
+
+def make_value_update(cfg: ModelConfig, optimizer: optax.GradientTransformation, clip: float, remat: str | None = None):
+    """The compiled critic update of one batch: `update(params, opt_state, tokens_BxT, mask_BxT, at_BxT, old_BxT,
+    return_BxT) -> (params, opt_state, loss)`, one optimizer step on PPO's clipped value loss
+    (`esroll.grpo.gae.value_loss`) over the positions `at_BxT` (where a value is read: the position before each
+    generated token), `old_BxT` the values the rollout saw there and `return_BxT` their targets."""
+
+    def loss_fn(params, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT):
+        value_BxT = values(cfg, params, tokens_BxT, mask_BxT=mask_BxT, remat=remat)
+        return value_loss(value_BxT, old_BxT, return_BxT, at_BxT, clip)
+
+    @jax.jit
+    def update(params, opt_state, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return update

@@ -9,6 +9,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 import transformers
@@ -105,3 +106,41 @@ def test_a_value_model_is_refused_where_logits_are_meant_and_a_wrong_label_count
 
     with pytest.raises(ValueError, match=r"config\.json: field 'id2label': a value model has one label, not 2$"):
         ModelConfig.from_json_file(tmp_path / "config.json")
+
+
+@pytest.mark.e2e
+def test_the_critic_learns_known_values_and_explains_more_variance(tmp_path):
+    """Four prompts whose outcome is a coin of known bias, p = 0.1, 0.4, 0.7, 0.9, whatever the three tokens after
+    them (drawn uniformly: a fixed policy whose success depends on the prompt alone). The value before the first
+    generated token must approach p (the mean return from there): within 0.1 after 200 updates of 64 rows, the
+    learning rate falling from 1e-2 to 1e-3 (each prompt's mean of ~3,200 coins has a standard error near 0.008). Explained variance starts at 0 (every value 0)
+    and must pass 0.25 (the most any critic can reach here is Var(p) / Var(R) = 0.092 / 0.249 = 0.37)."""
+    from esroll.critic import make_value_update
+    from esroll.grpo.gae import explained_variance
+
+    build_tiny_hf("qwen3", tmp_path)
+    cfg, policy = load_hf(tmp_path)
+    critic_cfg, critic = critic_from_policy(cfg, policy)
+    optimizer = optax.adam(optax.linear_schedule(1e-2, 1e-3, 200))
+    opt_state = optimizer.init(critic)
+    update = make_value_update(critic_cfg, optimizer, clip=0.2)
+    p = np.array([0.1, 0.4, 0.7, 0.9])
+    prompts = np.array([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20]])
+    P, N, B = 4, 3, 64
+    at = np.zeros((B, P + N), bool)
+    at[:, P - 1 : P + N - 1] = True  # the value before each generated token
+    rng = np.random.default_rng(0)
+    read = jax.jit(values, static_argnums=0)
+    ev = []
+    for _ in range(200):
+        kind = rng.integers(0, 4, B)
+        tokens = np.concatenate([prompts[kind], rng.integers(21, cfg.vocab_size, (B, N))], 1)
+        outcome = (rng.random(B) < p[kind]).astype(np.float32)
+        returns = np.where(at, outcome[:, None], 0.0).astype(np.float32)  # γ = λ = 1: the outcome
+        old = np.asarray(read(critic_cfg, critic, jnp.asarray(tokens)))
+        ev.append(explained_variance(old, returns, at))
+        critic, opt_state, _ = update(critic, opt_state, tokens, np.ones_like(at), at, old, returns)
+    tokens = np.concatenate([prompts, np.full((4, N), 21)], 1)
+    at_prompt = np.asarray(read(critic_cfg, critic, jnp.asarray(tokens)))[:, P - 1]
+    np.testing.assert_allclose(at_prompt, p, atol=0.1)
+    assert ev[0] == 0.0 and np.mean(ev[-20:]) > 0.25, (ev[0], np.mean(ev[-20:]))
