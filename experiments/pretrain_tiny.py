@@ -4,9 +4,13 @@ supervised learning on a synthetic task, stopped mid-way so ES and GRPO have cle
     python -m experiments.pretrain_tiny --out assets/tiny-qwen3-arith
     python -m experiments.pretrain_tiny --task arith_steps --out assets/tiny-qwen3-steps \\
         --batch 64 --lr 2e-3 --eval_every 50 --stop_at 0.3 --max_steps 3000
+    python -m experiments.pretrain_tiny --task arith_steps --out assets/tiny-qwen3-steps-teacher \\
+        --batch 64 --lr 2e-3 --eval_every 50 --stop_at 0.75 --max_steps 3000 --tokenizer assets/tiny-qwen3-steps
 
 The first answers 2-digit sums with the bare number; the second writes worked solutions, one equation per line ending
-in "#### n" (`data.task = "arith_steps"`), so that step-level credit has steps to credit.
+in "#### n" (`data.task = "arith_steps"`), so that step-level credit has steps to credit. The third is the second's
+teacher: the same run (seed, data order, schedule) carried on to a held-out exact match of 75%, with the student's
+tokenizer (`--tokenizer`), so that its log-probabilities score the student's tokens one for one.
 
 Deterministic from --seed. Training stops at the first evaluation whose held-out exact match reaches --stop_at or
 after --max_steps. The held-out questions are the same ones the default experiment's data section gives for --task
@@ -184,14 +188,25 @@ def main(argv=None) -> dict:
     add("--stop_at", type=float, default=0.35, help="stop at the first evaluation with at least this exact match")
     add("--vocab", type=int, default=384, help="BPE vocabulary size of the tokenizer")
     add("--task", default="arithmetic", help="data.task of the default experiment's data section to train on")
+    add("--tokenizer", type=Path, help="reuse the tokenizer saved in this model folder (a student's, for a teacher "
+        "that must share it exactly) instead of building one; --vocab is then not read")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.tokenizer is not None and not (args.tokenizer / "tokenizer.json").is_file():
+        parser.error(f"--tokenizer: {args.tokenizer / 'tokenizer.json'} not found")
 
     cd = default_config()
     cd.data.task = args.task
     data_cfg = check_names(from_config_dict(cd.to_dict())).data
     train, held_out = make_splits(data_cfg)
     texts = [PLAIN_TEMPLATE.format(question=e.prompt) + e.target_text for e in train[:5000]]
-    tokenizer = build_tokenizer(texts, args.vocab)
+    if args.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
+        for key in ("is_local", "local_files_only"):  # how it was loaded, not what it is: saved as the student's
+            tokenizer.init_kwargs.pop(key, None)
+    else:
+        tokenizer = build_tokenizer(texts, args.vocab)
     cfg = model_config(len(tokenizer), tokenizer.eos_token_id)
     length = max(len(tokenizer.encode(t)) for t in texts) + 2
     train_arrays = encode_supervised(tokenizer, train, length)
