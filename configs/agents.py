@@ -13,6 +13,7 @@ The variant is comma-separated, each part at most once: an environment, a method
     looroll     LOO-ROLL (the default): population 32 on 8 shared episodes, greedy, σ = 0.01, raw fitness, Adam lr 3e-3
     eggroll     antithetic EGGROLL, otherwise as looroll
     grpo        GRPO: 8 episodes × 8 sampled at temperature 1, AdamW clipped at norm 1
+    ppo         PPO: as grpo, with GAE over the actions from a learned critic (docs/critics.md)
     quick       a seconds-long smoke run (tests)
 A row is one episode: its reward is the episode's return (ES: a member's fitness is the mean return of its episodes;
 GRPO: the return's group advantage on every action token, none on the environment's). Held-out "accuracy" is the
@@ -25,7 +26,12 @@ from esroll.agents import ENVIRONMENTS
 from esroll.experiment import default_config
 
 ENVS = {"frozenlake": "FrozenLake 4 × 4, 8 turns", "sokoban": "Sokoban 6 × 6, one box, 10 turns"}
-METHOD_PARTS = {"looroll": "LOO-ROLL", "eggroll": "antithetic EGGROLL", "grpo": "GRPO on the episode return"}
+METHOD_PARTS = {
+    "looroll": "LOO-ROLL",
+    "eggroll": "antithetic EGGROLL",
+    "grpo": "GRPO on the episode return",
+    "ppo": "PPO: GAE over the actions from a learned critic (grpo.advantage = 'gae')",
+}
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)"}
 VARIANTS = {
     **{f"{name} (environment)": what for name, what in ENVS.items()},
@@ -70,8 +76,9 @@ def get_config(arg: str | None = None):
     c.train.steps = 10_000  # the time budget ends the run
     c.train.eval_every = 10
     c.train.checkpoint_every = 10
-    c.method = method
-    if method == "grpo":
+    c.method = "grpo" if method == "ppo" else method
+    if method in ("grpo", "ppo"):
+        c.grpo.advantage = "gae" if method == "ppo" else c.grpo.advantage
         c.grpo.group_size = 8
         c.grpo.temperature = 1.0
         c.optimizer.name = "adamw"

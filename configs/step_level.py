@@ -14,6 +14,7 @@ The variant is comma-separated: one method name, then modifiers.
     ibpo        GRPO with IBPO's counterfactual-sibling step advantages ("ibpo")
     graft       GRPO with GRAFT's step credit on the group's graph of states ("graft"; graft_gae: Graph GAE on it)
     progpo      GRPO with ProGPO's exact-prefix comparison and transition credit ("progpo")
+    ppo         PPO: GAE over the generated tokens from a learned critic ("gae", docs/critics.md)
     NAME        GRPO with any other registered advantage estimator (`grpo.advantage = NAME`; docs/extending.md)
     quick       a seconds-long smoke run (tests)
     hard        5 operands to train and evaluate on, instead of 3 or 4
@@ -36,8 +37,9 @@ METHOD_PARTS = {
     "graft": "GRPO with GRAFT's step credit on the group's state graph",
     "graft_gae": "GRPO with Graph GAE on GRAFT's state graph",
     "progpo": "GRPO with ProGPO's exact-prefix comparison and transition credit",
+    "ppo": "PPO: GAE from a learned critic (grpo.advantage = 'gae'), GRPO's sampling and clipped update",
 }
-ESTIMATOR_VARIANTS = tuple(m for m in METHOD_PARTS if m not in ("grpo", "looroll"))  # GRPO, grpo.advantage = m
+ESTIMATOR_VARIANTS = tuple(m for m in METHOD_PARTS if m not in ("grpo", "looroll", "ppo"))  # grpo.advantage = m
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)", "hard": "5 operands instead of 3 or 4"}
 VARIANTS = {
     **{f"{name} (method)": what for name, what in METHOD_PARTS.items()},
@@ -79,7 +81,9 @@ def get_config(arg: str | None = None):
         c.optimizer.name = "adamw"
         c.optimizer.lr = 1e-4  # 2e-4 fell from 0.39 to 0.18 by step 100 before recovering
         c.optimizer.max_grad_norm = 1.0
-        if method != "grpo":
+        if method == "ppo":
+            c.grpo.advantage = "gae"
+        elif method != "grpo":
             c.grpo.advantage = method  # a built-in step estimator (ESTIMATOR_VARIANTS) or a registered one
     if "hard" in parts:
         c.data.options.arith_steps.update(min_operands=5, max_operands=5)

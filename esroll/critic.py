@@ -32,11 +32,16 @@ def critic_from_policy(cfg: ModelConfig, params: dict) -> tuple[ModelConfig, dic
     trunk's dtype."""
     if cfg.head != "lm":
         raise ValueError(f"critic_from_policy: the model is already a {cfg.head} model")
-    dtype = params["final_norm"].dtype
+    return dataclasses.replace(cfg, head="value"), critic_params(params)
+
+
+def critic_params(params: dict) -> dict:
+    """The parameters of `critic_from_policy`: the policy's trunk and a zero value head in the trunk's dtype."""
+    dtype, D = params["final_norm"].dtype, params["final_norm"].shape[-1]
     critic = {k: params[k] for k in ("embed", "final_norm", STACKED)}
-    critic["value_head"] = jnp.zeros((cfg.hidden_size, 1), dtype)
+    critic["value_head"] = jnp.zeros((D, 1), dtype)
     critic["value_bias"] = jnp.zeros((1,), dtype)
-    return dataclasses.replace(cfg, head="value"), critic
+    return critic
 
 
 def values(

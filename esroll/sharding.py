@@ -53,6 +53,8 @@ LOGICAL = {
     "gate": ("layers", "embed", "mlp"),
     "up": ("layers", "embed", "mlp"),
     "down": ("layers", "mlp", "embed"),
+    "value_head": ("embed", None),  # a critic's (`esroll.critic`)
+    "value_bias": (None,),
 }
 COMPUTE_RULES = (("heads", MODEL), ("kv_heads", MODEL), ("mlp", MODEL), ("vocab", MODEL))
 MASTER_RULES = (*COMPUTE_RULES, ("embed", DATA))

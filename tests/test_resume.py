@@ -2,7 +2,8 @@
 parameters of the 4 steps straight through, bit for bit, and so does its ledger (each step's FLOPs and their running
 sum). The runs: ES with a learning-rate warm-up and cosine decay, a linear σ schedule and the curriculum (ADS,
 AdaPrefix); GRPO on a 4 × 2 data × model mesh with an estimator that keeps a running state (BV-Blend), a variant
-whose gate is state too (STARE) and the curriculum; ES on agent episodes; and a bf16 model with float32 masters."""
+whose gate is state too (STARE) and the curriculum; ES on agent episodes; a bf16 model with float32 masters; and PPO,
+whose critic and its optimizer are state."""
 
 from __future__ import annotations
 
@@ -128,7 +129,23 @@ def bf16_case():
     return cfg, {}, check
 
 
-CASES = {"es": es_case, "grpo": grpo_case, "agent": agent_case, "bf16": bf16_case}
+def ppo_case():
+    """PPO (GAE from a learned critic) on 8 devices as a 4 × 2 mesh: the critic and its Adam state are split and
+    checkpointed with the policy's, and from the second step on the critic's values shape the policy's advantages,
+    so a critic restored wrongly would change the final policy."""
+    cfg = strict_quick(
+        {**EIGHT, "advantage": "gae", "adv": {"gae": {"critic_lr": 1e-3}}}, 2, steps=4, checkpoint_every=2
+    )
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=4))
+
+    def check(steps, final, workdir):
+        assert steps[0]["value_prompt"] == 0.0  # a zero value head at the start
+        assert all(r["value_loss"] > 0 for r in steps) and all(r["value_prompt"] != 0 for r in steps[1:])
+
+    return cfg, {}, check
+
+
+CASES = {"es": es_case, "grpo": grpo_case, "agent": agent_case, "bf16": bf16_case, "ppo": ppo_case}
 
 
 @pytest.mark.e2e

@@ -56,7 +56,23 @@ def grpo_case(tmp_path):
     assert rec[1]["clip_fraction"] == 0.0
 
 
-CASES = {"es": es_case, "grpo": grpo_case}
+def ppo_case(tmp_path):
+    """Two PPO steps on the 4 × 2 mesh against one device: the critic (split like the policy) reads the same values,
+    so after its first update the second step's value before the first token, its value loss and its explained
+    variance agree to float tolerance."""
+    train = dict(steps=2, eval_every=100, checkpoint_every=100, export=False)
+    ppo = {"advantage": "gae", "adv": {"gae": {"critic_lr": 1e-3}}}
+    one = train_and_evaluate(strict_quick({**ONE, **ppo}, **train), tmp_path / "one", mesh_devices=1, progress=False)
+    eight_cfg = strict_quick({**EIGHT, **ppo}, 2, **train)
+    eight = train_and_evaluate(eight_cfg, tmp_path / "eight", mesh_devices=8, progress=False)
+    rec = [json.loads((tmp_path / d / "metrics.jsonl").read_text().splitlines()[2]) for d in ("one", "eight")]
+    assert rec[0]["reward_mean"] == rec[1]["reward_mean"] and rec[0]["value_prompt"] != 0
+    for key in ("value_prompt", "value_loss", "explained_variance"):
+        np.testing.assert_allclose(rec[0][key], rec[1][key], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert_params_match(one["params"], eight["params"])
+
+
+CASES = {"es": es_case, "grpo": grpo_case, "ppo": ppo_case}
 
 
 @pytest.mark.e2e

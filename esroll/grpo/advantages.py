@@ -37,7 +37,7 @@ from esroll.steps import Steps
 
 Estimator = Callable[..., "Estimate"]  # fn(group: Group, options, state: dict | None) -> Estimate
 STEP_NEEDS = ("steps", "step_scores", "branches", "states")  # what reads the `steps` config section
-NEEDS = ("logprobs", "answers", "examples", *STEP_NEEDS, "turns")  # what an estimator may read beyond the rewards
+NEEDS = ("logprobs", "answers", "examples", *STEP_NEEDS, "turns", "values")  # what it may read beyond the rewards
 
 
 class EstimatorSpec(NamedTuple):
@@ -83,7 +83,9 @@ def register_advantage(
     config section), "step_scores" (`Group.step_scores`, each step's score by `steps.verifier`), "branches"
     (`Group.branch_rewards`, the rewards of `steps.branches` continuations sampled from the end of each step),
     "states" (`Group.states`, the state each step reaches by the task's `step_state`), "turns" (`Group.turns`, the
-    turns of multi-turn episodes, with the token mask: agent runs only, `esroll.agents`); the step fills only these
+    turns of multi-turn episodes, with the token mask: agent runs only, `esroll.agents`), "values" (`Group.values`,
+    a critic's values before each generated token, with the token mask and, in agent runs, the turns: the method
+    then keeps and trains a critic on the `Estimate.returns` the estimator gives); the step fills only these
     fields of its `Group` (and the steps, token log-probabilities and mask with any step need).
     single_rollout: it works with one completion per prompt (grpo.group_size 1 is then allowed); label_free_only:
     it needs data.reward = "majority".
@@ -145,6 +147,7 @@ class Group(NamedTuple):
     # (`esroll.data.step_states`), ids equal within a prompt's group exactly where the states are; -1 past a
     # completion's steps (`state_ids`)
     turns: Any = None  # the X·M episodes' turns (`esroll.agents.Turns`, rows prompt-major): agent runs
+    values: np.ndarray | None = None  # [X, M, N] the critic's value before each generated token (`esroll.critic`)
 
 
 def state_ids(keys_per_row: list[list], X: int, M: int, J: int) -> np.ndarray:
@@ -166,6 +169,7 @@ class Estimate(NamedTuple):
     token_weight: np.ndarray | None = None  # [X, M, N]: multiplies the loss's token weights (None: all 1)
     state: dict | None = None  # the running state after this step (None: the estimator has none)
     metrics: dict | None = None  # logged (None: nothing)
+    returns: np.ndarray | None = None  # [X, M, N]: the critic's targets, from an estimator that reads "values"
 
 
 def init_estimator_state(name: str, options: Any = None) -> dict | None:

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from esroll import baselines, ledger, parallel, sharding
 from esroll.config import ConfigError, ExperimentConfig, check_fields, make_optimizer
 from esroll.data import Example, step_states
-from esroll.grpo import advantages
+from esroll.grpo import advantages, ppo
 from esroll.grpo import variants as grpo_variants
 from esroll.grpo.checks import check_grpo_names
 from esroll.grpo.diagnostics import split_half_diagnostics
@@ -128,10 +128,11 @@ def _loss_mask(out) -> np.ndarray:
 
 
 def estimator_group(
-    out, rewards_XxM, mask_BxN, examples, step_index: int, seed: int, needs: tuple[str, ...]
+    out, rewards_XxM, mask_BxN, examples, step_index: int, seed: int, needs: tuple[str, ...], values_BxN=None
 ) -> advantages.Group:
     """What the advantage estimator reads of a step's X × M sampled rows (`esroll.grpo.advantages.Group`): the
-    rewards, step and seed, and the fields its `needs` name (the parsed answers exist in the label-free mode only)."""
+    rewards, step and seed, and the fields its `needs` name (the parsed answers exist in the label-free mode only;
+    the critic's `values_BxN` are given when "values" is)."""
     X, M = rewards_XxM.shape
     N = mask_BxN.shape[1]
     fields = {}
@@ -139,8 +140,10 @@ def estimator_group(
     if "logprobs" in needs:
         seq_logp = np.where(mask_BxN, out.logprobs_BxN, 0.0).sum(1) / np.maximum(out.length_B, 1)
         fields["seq_logp"] = seq_logp.reshape(X, M)
-    if "logprobs" in needs or step_needs or "turns" in needs:
+    if "logprobs" in needs or step_needs or "turns" in needs or "values" in needs:
         fields.update(token_logp=out.logprobs_BxN.reshape(X, M, N), token_mask=mask_BxN.reshape(X, M, N))
+    if "values" in needs:
+        fields.update(values=values_BxN.reshape(X, M, N), turns=out.turns)
     if "answers" in needs and out.answer_B is not None:
         fields["answers"] = out.answer_B.reshape(X, M)
     if "examples" in needs:
@@ -281,6 +284,10 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     update_flops = passes * ledger.train_flops(task.cfg, X * M, task.prompt_multiple, N, remat=g.remat)
     if keeps_reference(g):
         update_flops += passes * ledger.forward_flops(task.cfg, X * M, task.prompt_multiple + N, head_positions=N)
+    critic_update = ppo.make_critic_update(task.cfg, g, mesh) if ppo.keeps_critic(g) else None
+    if critic_update is not None:  # the critic's forward for the rollout's values, then a forward + backward per pass
+        trunk = ledger.forward_flops(task.cfg, X * M, task.prompt_multiple + N, head_positions=0)
+        update_flops += trunk * (1 + 3 * passes)
 
     def init(params, key):
         del key  # sampling keys are fold_in(seed, step); nothing else is random
@@ -320,7 +327,8 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
 
         # ---- advantages, then the variants' token weights
         own, variant_state = split_host(g, state.host)
-        group = estimator_group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs)
+        old_BxN = None if critic_update is None else ppo.rollout_values(task.cfg, state.critic, out)
+        group = estimator_group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs, old_BxN)
         if "branches" in needs:
             shape = (X, M, steps.max_steps)
             group = group._replace(branch_rewards=branch_rewards(branched, origin, shape, steps.branches))
@@ -358,6 +366,12 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
                 )
                 history.append(update_metrics)
         update_metrics = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *history)
+        if critic_update is not None:  # then the critic, on the same schedule, toward the estimator's returns
+            returns_BxN = estimate.returns.reshape(X * M, N)
+            critic, critic_opt, metrics["value_loss"] = ppo.train_critic(
+                critic_update, state.critic, state.critic_opt, out, mask_BxN, old_BxN, returns_BxN, g
+            )
+            state = state._replace(critic=critic, critic_opt=critic_opt)
         jax.block_until_ready(params)
         metrics["s_update"] = time.perf_counter() - start
 

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import parallel, sharding
 from esroll.config import GRPOConfig, OptimConfig, Options, make_optimizer
-from esroll.grpo import advantages
+from esroll.grpo import advantages, ppo
 from esroll.grpo import variants as grpo_variants
 from esroll.grpo.checks import check_grpo_names
 from esroll.grpo.loss import grpo_loss
@@ -66,6 +66,8 @@ class GRPOState(NamedTuple):
     opt_state: Any
     ref_params: dict | None  # the frozen initial policy; None unless `keeps_reference` (no reference forward at all)
     host: dict | None = None  # the host-side running state (`host_state`), replicated
+    critic: dict | None = None  # a critic's parameters (`esroll.grpo.ppo`: an estimator that reads values); else None
+    critic_opt: Any = None  # its optimizer state
 
 
 def host_state(g: GRPOConfig) -> dict | None:
@@ -105,7 +107,8 @@ def init_state(g: GRPOConfig, optimizer, params) -> GRPOState:
     the host-side running state when there is one (`host_state`)."""
     host = host_state(g)
     host = None if host is None else jax.tree.map(jnp.asarray, host)
-    return GRPOState(optimizer.init(params), params if keeps_reference(g) else None, host)
+    critic, critic_opt = ppo.init_critic(g, params) if ppo.keeps_critic(g) else (None, None)
+    return GRPOState(optimizer.init(params), params if keeps_reference(g) else None, host, critic, critic_opt)
 
 
 def state_shardings(g: GRPOConfig, optim: OptimConfig, mesh: Mesh, params) -> GRPOState:
@@ -113,10 +116,14 @@ def state_shardings(g: GRPOConfig, optim: OptimConfig, mesh: Mesh, params) -> GR
     the masters, step counts and the host-side state replicated."""
     host = host_state(g)
     replicated = NamedSharding(mesh, PartitionSpec())
+    critic = (None, None)
+    if ppo.keeps_critic(g):
+        critic = ppo.critic_shardings(g, mesh, jax.eval_shape(lambda p: ppo.init_critic(g, p)[0], params))
     return GRPOState(
         sharding.state_shardings(mesh, make_optimizer(optim), params),
         sharding.master_shardings(mesh, params) if keeps_reference(g) else None,
         None if host is None else jax.tree.map(lambda _: replicated, host),
+        *critic,
     )
 
 

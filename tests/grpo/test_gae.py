@@ -80,3 +80,57 @@ def test_explained_variance():
     assert explained_variance(ret, ret, mask) == pytest.approx(1.0)
     assert explained_variance(np.full_like(ret, 4 / 3), ret, mask) == pytest.approx(0.0)
     assert np.isnan(explained_variance(ret, np.ones_like(ret), mask))
+
+
+def test_the_gae_estimator_places_rewards_and_returns_by_hand():
+    """Through the registered estimator (`grpo.advantage = "gae"`, γ = λ = 1, no whitening): prompt 0's two
+    completions, rewards 1 and 0, of 3 and 2 tokens, values 0.5, 0.4, 0.6 and 0.2, 0.3: A = 1 − V and 0 − V, returns
+    1 and 0 on every token. An episode (prompt 1, one row) of two turns with the hand example's values and turn
+    rewards 0.1 and 1 at γ 0.9, λ 0.5: the advantages of `test_gae_skips_environment_tokens_by_hand`."""
+    from esroll.agents.multiturn import Turns
+    from esroll.grpo.advantages import Group, estimate
+    from esroll.grpo.estimators.gae import GaeOptions
+
+    mask = np.array([[[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]]], bool)
+    values = np.array([[[0.5, 0.4, 0.6, 0, 0, 0], [0.2, 0.3, 0, 0, 0, 0]]])
+    g = Group(np.array([[1.0, 0.0]]), token_mask=mask, values=values)
+    est = estimate("gae", g, GaeOptions(gamma=1.0, lam=1.0, whiten=False))
+    np.testing.assert_allclose(est.advantage[0, 0, :3], [0.5, 0.6, 0.4], atol=1e-6)
+    np.testing.assert_allclose(est.advantage[0, 1, :2], [-0.2, -0.3], atol=1e-6)
+    np.testing.assert_allclose(est.returns[0], [[1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0]], atol=1e-12)
+    whitened = estimate("gae", g, GaeOptions(gamma=1.0, lam=1.0)).advantage[mask]
+    assert abs(whitened.mean()) < 1e-6 and abs(whitened.std(ddof=1) - 1) < 1e-6
+    turns = Turns(np.array([[0, 4]]), np.array([[2, 6]]), np.array([[0.1, 1.0]]), np.array([2]), [["s0", "s1"]])
+    episode = Group(
+        np.array([[1.1]]),
+        token_mask=np.array([[[1, 1, 0, 0, 1, 1]]], bool),
+        values=np.array([[[0.5, 0.4, 9, 9, 0.6, 0.8]]]),
+        turns=turns,
+    )
+    est = estimate("gae", episode, GaeOptions(gamma=0.9, lam=0.5, whiten=False))
+    np.testing.assert_allclose(est.advantage[0, 0], [0.010525, 0.3345, 0, 0, 0.21, 0.2], atol=1e-6)
+    assert est.metrics["value_prompt"] == 0.5
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("spec", ["step_level:quick,ppo", "agents:quick,ppo"])
+def test_the_shipped_ppo_configs_train_a_critic(spec, tmp_path):
+    """configs/step_level.py:quick,ppo and configs/agents.py:quick,ppo: two steps, the critic's values move off their
+    zero start and its loss is logged (on episodes, from the turns' rewards)."""
+    import importlib
+
+    from conftest import REPO
+    from esroll.config import from_config_dict
+    from esroll.experiment import check_names
+    from esroll.metrics import read_metrics
+    from esroll.train import train_and_evaluate
+
+    module, variant = spec.split(":")
+    cd = importlib.import_module(f"configs.{module}").get_config(variant)
+    cd.model.path = str(REPO / cd.model.path)
+    cfg = check_names(from_config_dict(cd.to_dict()))
+    assert cfg.method == "grpo" and cfg.grpo.advantage == "gae"
+    train_and_evaluate(cfg, tmp_path, progress=False)
+    steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "value_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and steps[0]["value_prompt"] == 0.0 and steps[1]["value_prompt"] != 0.0
+    assert all(np.isfinite(r["value_loss"]) and r["value_loss"] >= 0 for r in steps)

@@ -19,6 +19,7 @@ step-level ones and GuAE: docs/step_level.md):
     progpo    ProGPO: exact-prefix step comparison plus transition credit from depth-fused state potentials
     discounted  multi-turn episodes: discounted per-turn returns normalised over the group (docs/agents.md)
     gigpo     GiGPO: the episode's group advantage plus the turn's return against turns from the same state
+    gae       PPO: GAE over generated tokens from a learned critic's values (docs/critics.md)
 """
 
 from esroll.grpo.estimators import (  # noqa: F401 — registers them
@@ -37,4 +38,5 @@ from esroll.grpo.estimators import (  # noqa: F401 — registers them
     sas,
     turns,
     verigate,
+    gae,
 )

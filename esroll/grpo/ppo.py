@@ -1,0 +1,116 @@
+"""The critic of a GRPO run whose advantage estimator reads "values" (PPO: `grpo.advantage = "gae"`): its values over
+a rollout, and its updates on the estimator's returns.
+
+The critic (`esroll.critic`) starts as the policy's trunk with a zero value head, lives in `GRPOState.critic` (with
+its own Adam, `critic_opt`) and is checkpointed, restored and sharded with the rest of the state. Each step reads the
+critic's value before every generated token in one forward over prompt and completion (what GAE uses, "the values
+the rollout saw"), then, after the policy's updates, takes one critic update per minibatch per pass (`grpo.minibatches`
+× `grpo.inner_iterations`, the policy's schedule) on PPO's clipped value loss against the estimator's returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from esroll import sharding
+from esroll.config import GRPOConfig
+from esroll.critic import critic_params, values
+from esroll.grpo import advantages
+from esroll.grpo.gae import value_loss
+from esroll.models import ModelConfig
+
+CRITIC_MAX_GRAD_NORM = 1.0
+
+
+def keeps_critic(g: GRPOConfig) -> bool:
+    """Whether the run trains a critic: its advantage estimator reads "values"."""
+    return "values" in advantages.ESTIMATORS.lookup(g.advantage).needs
+
+
+def critic_optimizer(g: GRPOConfig) -> optax.GradientTransformation:
+    """Adam at the estimator's `critic_lr`, after clipping the gradient at global norm 1."""
+    lr = advantages.options_of(g).critic_lr
+    return optax.chain(optax.clip_by_global_norm(CRITIC_MAX_GRAD_NORM), optax.adam(lr))
+
+
+def init_critic(g: GRPOConfig, params: dict) -> tuple[dict, optax.OptState]:
+    """(critic parameters, their optimizer state) from the policy's masters: its trunk and a zero value head."""
+    critic = critic_params(params)
+    return critic, critic_optimizer(g).init(critic)
+
+
+def critic_shardings(g: GRPOConfig, mesh: Mesh, critic: dict):
+    """(the critic's shardings, its optimizer state's): the masters' rules."""
+    return sharding.master_shardings(mesh, critic), sharding.state_shardings(mesh, critic_optimizer(g), critic)
+
+
+@functools.lru_cache(maxsize=8)
+def _read(model_cfg: ModelConfig):
+    return jax.jit(functools.partial(values, dataclasses.replace(model_cfg, head="value")))
+
+
+def rollout_values(model_cfg: ModelConfig, critic: dict, out, compute_dtype=None) -> np.ndarray:
+    """[B, N]: the critic's value before each generated token of `out` (position P−1+n for token n, as its
+    log-probability), 0 past each completion's length."""
+    P, N = out.prompt_BxP.shape[1], out.tokens_BxN.shape[1]
+    mask_BxN = np.arange(N)[None] < out.length_B[:, None]
+    tokens = np.concatenate([out.prompt_BxP, out.tokens_BxN], 1)
+    mask = np.concatenate([out.prompt_mask_BxP, mask_BxN], 1)
+    v = np.asarray(_read(model_cfg)(critic, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask)))
+    return np.where(mask_BxN, v[:, P - 1 : P - 1 + N], 0.0)
+
+
+def make_critic_update(model_cfg: ModelConfig, g: GRPOConfig, mesh: Mesh):
+    """update(critic, critic_opt, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT) -> (critic, critic_opt, loss):
+    one step of the clipped value loss (`value_clip`), the critic and its state out in their master layout."""
+    cfg = dataclasses.replace(model_cfg, head="value")
+    optimizer = critic_optimizer(g)
+    clip = advantages.options_of(g).value_clip
+
+    def loss_fn(critic, tokens, mask, at, old, ret):
+        return value_loss(values(cfg, critic, tokens, mask_BxT=mask), old, ret, at, clip)
+
+    @jax.jit
+    def update(critic, critic_opt, tokens, mask, at, old, ret):
+        loss, grads = jax.value_and_grad(loss_fn)(critic, tokens, mask, at, old, ret)
+        updates, critic_opt = optimizer.update(grads, critic_opt, critic)
+        critic = optax.apply_updates(critic, updates)
+        masters, states = sharding.master_shardings(mesh, critic), sharding.state_shardings(mesh, optimizer, critic)
+        critic = jax.lax.with_sharding_constraint(critic, masters)
+        return critic, jax.lax.with_sharding_constraint(critic_opt, states), loss
+
+    return update
+
+
+def train_critic(update, critic, critic_opt, out, loss_mask_BxN, old_BxN, returns_BxN, g: GRPOConfig):
+    """The critic's updates of one step: `grpo.inner_iterations` passes over `grpo.minibatches` contiguous row blocks,
+    each an update at the positions before the generated tokens that get loss. Returns the critic, its optimizer
+    state and the mean value loss."""
+    P, N = out.prompt_BxP.shape[1], out.tokens_BxN.shape[1]
+    B = len(out.length_B)
+    completion = np.arange(N)[None] < out.length_B[:, None]
+    tokens = np.concatenate([out.prompt_BxP, out.tokens_BxN], 1)
+    mask = np.concatenate([out.prompt_mask_BxP, completion], 1)
+
+    def placed(x_BxN, dtype):
+        full = np.zeros((B, P + N), dtype)
+        full[:, P - 1 : P - 1 + N] = x_BxN
+        return full
+
+    at = placed(loss_mask_BxN, bool)
+    old, ret = placed(old_BxN, np.float32), placed(returns_BxN, np.float32)
+    losses = []
+    for _ in range(g.inner_iterations):
+        for rows in np.array_split(np.arange(B), g.minibatches):
+            critic, critic_opt, loss = update(
+                critic, critic_opt, tokens[rows], mask[rows], at[rows], old[rows], ret[rows]
+            )
+            losses.append(loss)
+    return critic, critic_opt, float(np.mean(jax.device_get(losses)))
