@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import optax
 from jax import Array
 
-from esroll.grpo.gae import value_loss
 from esroll.models import ModelConfig, forward
 from esroll.models.transformer import STACKED
 
@@ -74,10 +73,19 @@ def values(
     return (h_BxTxD.astype(jnp.float32) @ w_Dx1)[..., 0] + params["value_bias"].astype(jnp.float32)[0]
 
 
+def value_loss(value_BxN: Array, old_value_BxN: Array, return_BxN: Array, mask_BxN: Array, clip: float) -> Array:
+    """PPO's clipped value loss, ½·max((V − R)², (clip(V, V_old − ε, V_old + ε) − R)²), averaged over the masked
+    tokens: a value moves at most ε from the one its rollout saw before the loss stops pulling it."""
+    clipped = old_value_BxN + jnp.clip(value_BxN - old_value_BxN, -clip, clip)
+    losses = jnp.maximum((value_BxN - return_BxN) ** 2, (clipped - return_BxN) ** 2)
+    mask = mask_BxN.astype(losses.dtype)
+    return 0.5 * jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
 def make_value_update(cfg: ModelConfig, optimizer: optax.GradientTransformation, clip: float, remat: str | None = None):
     """The compiled critic update of one batch: `update(params, opt_state, tokens_BxT, mask_BxT, at_BxT, old_BxT,
     return_BxT) -> (params, opt_state, loss)`, one optimizer step on PPO's clipped value loss
-    (`esroll.grpo.gae.value_loss`) over the positions `at_BxT` (where a value is read: the position before each
+    (`value_loss`) over the positions `at_BxT` (where a value is read: the position before each
     generated token), `old_BxT` the values the rollout saw there and `return_BxT` their targets."""
 
     def loss_fn(params, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT):

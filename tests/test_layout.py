@@ -51,7 +51,11 @@ def imported(name: str, path: Path) -> set[str]:
                 )
             for alias in node.names:
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
-    return {m for m in found if m in MODULES and m != name}
+    # Importing a.b.c first runs the packages a and a.b (their __init__.py), unless they are already being imported:
+    # the packages `name` itself sits in.
+    own = {name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)} | {name}
+    parents = {m.rsplit(".", k)[0] for m in found for k in range(1, m.count(".") + 1)}
+    return {m for m in found | (parents - own) if m in MODULES and m != name}
 
 
 GRAPH = {name: imported(name, path) for name, path in MODULES.items()}

@@ -1,4 +1,5 @@
-"""Generalised advantage estimation over generated tokens, and the critic's clipped value loss (PPO's pieces).
+"""Generalised advantage estimation over generated tokens, batch whitening and a critic's explained variance (PPO's
+pieces; its clipped value loss is the critic's own, `esroll.critic.value_loss`).
 
 A row's generated tokens are the positions of its `mask` (a completion's tokens; in an episode, the model's actions
 only). GAE runs over those positions in order and skips every other one, so in an episode the last action token of
@@ -15,9 +16,7 @@ An outcome reward sits on the completion's last generated token; a turn's reward
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
-from jax import Array
 
 WHITEN_EPS = 1e-8  # inside the square root, as verl's and TRL's `masked_whiten`
 
@@ -53,15 +52,6 @@ def whiten(x_BxN: np.ndarray, mask_BxN: np.ndarray, eps: float = WHITEN_EPS) -> 
     mean = x[mask].mean()
     var = ((x[mask] - mean) ** 2).sum() / (n - 1)
     return np.where(mask, (x - mean) / np.sqrt(var + eps), 0.0)
-
-
-def value_loss(value_BxN: Array, old_value_BxN: Array, return_BxN: Array, mask_BxN: Array, clip: float) -> Array:
-    """PPO's clipped value loss, ½·max((V − R)², (clip(V, V_old − ε, V_old + ε) − R)²), averaged over the masked
-    tokens: a value moves at most ε from the one its rollout saw before the loss stops pulling it."""
-    clipped = old_value_BxN + jnp.clip(value_BxN - old_value_BxN, -clip, clip)
-    losses = jnp.maximum((value_BxN - return_BxN) ** 2, (clipped - return_BxN) ** 2)
-    mask = mask_BxN.astype(losses.dtype)
-    return 0.5 * jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 def explained_variance(value_BxN: np.ndarray, return_BxN: np.ndarray, mask_BxN: np.ndarray) -> float:

@@ -21,9 +21,8 @@ from jax.sharding import Mesh
 
 from esroll import sharding
 from esroll.config import GRPOConfig
-from esroll.critic import critic_params, values
+from esroll.critic import critic_params, value_loss, values
 from esroll.grpo import advantages
-from esroll.grpo.gae import value_loss
 from esroll.models import ModelConfig
 
 CRITIC_MAX_GRAD_NORM = 1.0

@@ -239,6 +239,9 @@ def kill_when(workdir: Path, step: int, checkpoint: int | None = None, sig=signa
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        # A pytest-xdist worker ignores SIGINT, and a child inherits that (Python then installs no KeyboardInterrupt
+        # handler): give the run the terminal's default, as a user's shell does.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline:
