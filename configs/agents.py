@@ -78,7 +78,8 @@ def get_config(arg: str | None = None):
     c.train.checkpoint_every = 10
     c.method = "grpo" if method == "ppo" else method
     if method in ("grpo", "ppo"):
-        c.grpo.advantage = "gae" if method == "ppo" else c.grpo.advantage
+        if method == "ppo":
+            c.grpo.advantage = "gae"
         c.grpo.group_size = 8
         c.grpo.temperature = 1.0
         c.optimizer.name = "adamw"

@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import Array
+from jax.sharding import Mesh
 
+from esroll import sharding
 from esroll.models import ModelConfig, forward
 from esroll.models.transformer import STACKED
 
@@ -82,11 +84,18 @@ def value_loss(value_BxN: Array, old_value_BxN: Array, return_BxN: Array, mask_B
     return 0.5 * jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def make_value_update(cfg: ModelConfig, optimizer: optax.GradientTransformation, clip: float, remat: str | None = None):
+def make_value_update(
+    cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    clip: float,
+    remat: str | None = None,
+    mesh: Mesh | None = None,
+):
     """The compiled critic update of one batch: `update(params, opt_state, tokens_BxT, mask_BxT, at_BxT, old_BxT,
-    return_BxT) -> (params, opt_state, loss)`, one optimizer step on PPO's clipped value loss
-    (`value_loss`) over the positions `at_BxT` (where a value is read: the position before each
-    generated token), `old_BxT` the values the rollout saw there and `return_BxT` their targets."""
+    return_BxT) -> (params, opt_state, loss)`, one optimizer step on PPO's clipped value loss (`value_loss`) over the
+    positions `at_BxT` (where a value is read: the position before each generated token), `old_BxT` the values the
+    rollout saw there and `return_BxT` their targets. With `mesh`, the critic and its optimizer state come out in
+    the masters' layout (`esroll.sharding`), whatever layout they came in, so the update compiles once."""
 
     def loss_fn(params, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT):
         value_BxT = values(cfg, params, tokens_BxT, mask_BxT=mask_BxT, remat=remat)
@@ -96,6 +105,11 @@ def make_value_update(cfg: ModelConfig, optimizer: optax.GradientTransformation,
     def update(params, opt_state, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        params = optax.apply_updates(params, updates)
+        if mesh is not None:
+            opt_layout = sharding.state_shardings(mesh, optimizer, params)
+            params = jax.lax.with_sharding_constraint(params, sharding.master_shardings(mesh, params))
+            opt_state = jax.lax.with_sharding_constraint(opt_state, opt_layout)
+        return params, opt_state, loss
 
     return update

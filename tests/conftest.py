@@ -138,6 +138,31 @@ def build_tiny_hf(family: str, folder, seed: int = 0, value: bool = False, **ove
     return model
 
 
+def padded_batch(vocab: int, seed: int = 0):
+    """Left-padded batch of 3 rows with different lengths."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, vocab, size=(3, 9))
+    mask = np.ones((3, 9), bool)
+    mask[1, :3] = False
+    mask[2, :6] = False
+    tokens[~mask] = 0
+    return tokens, mask
+
+
+def torch_logits(model, tokens, mask):
+    """transformers' logits of a left-padded batch (a value model's: [B, T, 1]), positions counted over real tokens."""
+    import torch
+
+    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(tokens),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+            position_ids=torch.tensor(positions),
+        )
+    return out.logits.numpy()
+
+
 @pytest.fixture(scope="session")
 def qwen3_06b_2layers(tmp_path_factory):
     """A random 2-layer model at Qwen3-0.6B's true width and vocabulary, float32, with the Qwen tokenizer, written by
@@ -196,6 +221,26 @@ def assert_params_match(x, y):
 # share one config, hence their compiled steps.
 EIGHT = dict(microbatches=2, remat="dots", logprob_chunk=2)
 ONE = dict(remat="none", logprob_chunk=0)
+
+
+def load_steps_task(model, n_examples: int, eval_size: int):
+    """(task, params, held-out examples, mesh) of `arith_steps` on the shipped model folder `model` (the student or
+    its teacher), one device, `configs/default.py:quick` otherwise."""
+    from configs.default import get_config
+    from esroll import parallel
+    from esroll.config import from_config_dict
+    from esroll.data import make_splits
+    from esroll.experiment import check_names
+    from esroll.task import load_task
+
+    cd = get_config("quick")
+    cd.data.update(task="arith_steps", n_examples=n_examples, eval_size=eval_size)
+    cd.model.path = str(model)
+    cfg = check_names(from_config_dict(cd.to_dict()))
+    train, held_out = make_splits(cfg.data)
+    mesh = parallel.make_mesh(1)
+    task, params = load_task(cfg, train, held_out, mesh)
+    return task, params, held_out, mesh
 
 
 def strict_quick(grpo: dict | None = None, model: int = 1, **train_overrides):

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from esroll import sharding
 from esroll.config import GRPOConfig
-from esroll.critic import critic_params, value_loss, values
+from esroll.critic import critic_params, make_value_update, values
 from esroll.grpo import advantages
 from esroll.models import ModelConfig
 
@@ -59,33 +59,26 @@ def rollout_values(model_cfg: ModelConfig, critic: dict, out, compute_dtype=None
     """[B, N]: the critic's value before each generated token of `out` (position P−1+n for token n, as its
     log-probability), 0 past each completion's length."""
     P, N = out.prompt_BxP.shape[1], out.tokens_BxN.shape[1]
-    mask_BxN = np.arange(N)[None] < out.length_B[:, None]
-    tokens = np.concatenate([out.prompt_BxP, out.tokens_BxN], 1)
-    mask = np.concatenate([out.prompt_mask_BxP, mask_BxN], 1)
+    tokens, mask, completion_BxN = sequences(out)
     v = np.asarray(_read(model_cfg)(critic, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask)))
-    return np.where(mask_BxN, v[:, P - 1 : P - 1 + N], 0.0)
+    return np.where(completion_BxN, v[:, P - 1 : P - 1 + N], 0.0)
 
 
 def make_critic_update(model_cfg: ModelConfig, g: GRPOConfig, mesh: Mesh):
     """update(critic, critic_opt, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT) -> (critic, critic_opt, loss):
-    one step of the clipped value loss (`value_clip`), the critic and its state out in their master layout."""
+    one step of the clipped value loss (`value_clip`) with the critic's optimizer, out in the master layout
+    (`esroll.critic.make_value_update`)."""
     cfg = dataclasses.replace(model_cfg, head="value")
-    optimizer = critic_optimizer(g)
-    clip = advantages.options_of(g).value_clip
+    return make_value_update(cfg, critic_optimizer(g), advantages.options_of(g).value_clip, mesh=mesh)
 
-    def loss_fn(critic, tokens, mask, at, old, ret):
-        return value_loss(values(cfg, critic, tokens, mask_BxT=mask), old, ret, at, clip)
 
-    @jax.jit
-    def update(critic, critic_opt, tokens, mask, at, old, ret):
-        loss, grads = jax.value_and_grad(loss_fn)(critic, tokens, mask, at, old, ret)
-        updates, critic_opt = optimizer.update(grads, critic_opt, critic)
-        critic = optax.apply_updates(critic, updates)
-        masters, states = sharding.master_shardings(mesh, critic), sharding.state_shardings(mesh, optimizer, critic)
-        critic = jax.lax.with_sharding_constraint(critic, masters)
-        return critic, jax.lax.with_sharding_constraint(critic_opt, states), loss
-
-    return update
+def sequences(out) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens [B, P+N], mask [B, P+N], completion mask [B, N]) of a rollout: prompt and completion side by side,
+    what the critic reads."""
+    N = out.tokens_BxN.shape[1]
+    completion_BxN = np.arange(N)[None] < out.length_B[:, None]
+    tokens_BxT = np.concatenate([out.prompt_BxP, out.tokens_BxN], 1)
+    return tokens_BxT, np.concatenate([out.prompt_mask_BxP, completion_BxN], 1), completion_BxN
 
 
 def train_critic(update, critic, critic_opt, out, loss_mask_BxN, old_BxN, returns_BxN, g: GRPOConfig):
@@ -94,9 +87,7 @@ def train_critic(update, critic, critic_opt, out, loss_mask_BxN, old_BxN, return
     state and the mean value loss."""
     P, N = out.prompt_BxP.shape[1], out.tokens_BxN.shape[1]
     B = len(out.length_B)
-    completion = np.arange(N)[None] < out.length_B[:, None]
-    tokens = np.concatenate([out.prompt_BxP, out.tokens_BxN], 1)
-    mask = np.concatenate([out.prompt_mask_BxP, completion], 1)
+    tokens, mask, _ = sequences(out)
 
     def placed(x_BxN, dtype):
         full = np.zeros((B, P + N), dtype)

@@ -14,7 +14,7 @@ from esroll.data import make_splits, score
 from esroll.data.synthetic import make_arith_steps
 from esroll.experiment import check_names, unread_keys
 
-from conftest import REPO
+from conftest import REPO, load_steps_task
 
 STEPS_MODEL = REPO / "assets" / "tiny-qwen3-steps"
 TEACHER = REPO / "assets" / "tiny-qwen3-steps-teacher"  # the same build carried on to 75% exact match
@@ -84,18 +84,10 @@ def test_the_shipped_steps_models_write_worked_solutions_at_their_accuracy(model
     lines ending in "####"."""
     import jax
 
-    from esroll import parallel
     from esroll.rollout import Sampling, rollout
-    from esroll.task import load_task
     from esroll.train import evaluate
 
-    cd = get_config("quick")
-    cd.data.update(task="arith_steps", n_examples=8000, eval_size=256)
-    cd.model.path = str(model)
-    cfg = check_names(from_config_dict(cd.to_dict()))
-    train, held_out = make_splits(cfg.data)
-    mesh = parallel.make_mesh(1)
-    task, params = load_task(cfg, train, held_out, mesh)
+    task, params, held_out, mesh = load_steps_task(model, 8000, 256)
     scores = evaluate(task, params, held_out, Sampling(48), mesh)
     assert band[0] <= scores["eval_accuracy"] <= band[1], scores
     out = rollout(task, mesh, params, held_out[:16], np.arange(16), jax.random.key(0), Sampling(48), completions=True)

@@ -14,31 +14,15 @@ import pytest
 import torch
 import transformers
 
-from conftest import FAMILIES, build_tiny_hf
+from conftest import FAMILIES, build_tiny_hf, padded_batch, torch_logits
 from esroll.critic import critic_from_policy, values
 from esroll.models import forward, load_hf, save_hf
 
 jit_values = jax.jit(values, static_argnums=0)
 
 
-def padded_batch(vocab: int):
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(1, vocab, size=(3, 9))
-    mask = np.ones((3, 9), bool)
-    mask[1, :3] = False
-    mask[2, :6] = False
-    return np.where(mask, tokens, 0), mask
-
-
 def torch_values(model, tokens, mask) -> np.ndarray:
-    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor(tokens),
-            attention_mask=torch.tensor(mask.astype(np.int64)),
-            position_ids=torch.tensor(positions),
-        )
-    return out.logits[..., 0].numpy()
+    return torch_logits(model, tokens, mask)[..., 0]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -14,34 +14,12 @@ import transformers
 from esroll.models import LowRank, ModelConfig, Perturbation, forward, init_cache, linear, load_hf, save_hf
 from esroll.models.layers import row_vector
 
-from conftest import build_tiny_hf
+from conftest import build_tiny_hf, padded_batch, torch_logits
 
 
 # One compilation per (config, shapes, perturbation form), shared by the tests: an eager `forward` would trace and
 # compile its layer scan anew at every call.
 jit_forward = jax.jit(forward, static_argnums=0)
-
-
-def padded_batch(vocab: int, seed: int = 0):
-    """Left-padded batch of 3 rows with different lengths."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(1, vocab, size=(3, 9))
-    mask = np.ones((3, 9), bool)
-    mask[1, :3] = False
-    mask[2, :6] = False
-    tokens[~mask] = 0
-    return tokens, mask
-
-
-def torch_logits(model, tokens, mask):
-    positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor(tokens),
-            attention_mask=torch.tensor(mask.astype(np.int64)),
-            position_ids=torch.tensor(positions),
-        )
-    return out.logits.numpy()
 
 
 def test_parity_padded_batch(tiny_model):

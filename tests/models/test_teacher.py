@@ -12,15 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO
-from esroll import parallel
-from esroll.config import from_config_dict
-from esroll.data import make_splits
+from conftest import REPO, load_steps_task
 from esroll.errors import InputError
-from esroll.experiment import check_names
 from esroll.models import forward
 from esroll.rollout import Sampling, rollout
-from esroll.task import load_task
 from esroll.teacher import load_teacher, teacher_log_distributions, teacher_logprobs
 
 STUDENT = REPO / "assets" / "tiny-qwen3-steps"
@@ -31,15 +26,7 @@ TEACHER = REPO / "assets" / "tiny-qwen3-steps-teacher"
 def sampled():
     """The student's task and 8 completions sampled at temperature 1 (so their recorded log-probabilities are the
     raw model's)."""
-    from configs.default import get_config
-
-    cd = get_config("quick")
-    cd.data.update(task="arith_steps", n_examples=200, eval_size=8)
-    cd.model.path = str(STUDENT)
-    cfg = check_names(from_config_dict(cd.to_dict()))
-    train, held_out = make_splits(cfg.data)
-    mesh = parallel.make_mesh(1)
-    task, params = load_task(cfg, train, held_out, mesh)
+    task, params, held_out, mesh = load_steps_task(STUDENT, 200, 8)
     out = rollout(task, mesh, params, held_out, np.arange(8), jax.random.key(3), Sampling(48, 1.0), completions=True)
     return task, out
 
