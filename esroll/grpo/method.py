@@ -293,7 +293,10 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         del key  # sampling keys are fold_in(seed, step); nothing else is random
 
         make = functools.partial(init_state, g, optimizer)
-        return jax.jit(make, out_shardings=state_shardings(g, cfg.optimizer, mesh, params))(params)
+        state = jax.jit(make, out_shardings=state_shardings(g, cfg.optimizer, mesh, params))(params)
+        critic = ppo.load_critic(g, task.cfg, mesh, params["final_norm"].dtype) if ppo.keeps_critic(g) else None
+        # Adam's state does not depend on the values it starts from: the trunk's is the checkpoint's as well.
+        return state if critic is None else state._replace(critic=critic)
 
     def step(params, state: GRPOState, examples: list[Example], step_index: int) -> StepOutput:
         # ---- sample M completions per prompt and score them
@@ -327,7 +330,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
 
         # ---- advantages, then the variants' token weights
         own, variant_state = split_host(g, state.host)
-        old_BxN = None if critic_update is None else ppo.rollout_values(task.cfg, state.critic, out)
+        old_BxN = None if critic_update is None else ppo.rollout_values(task.cfg, state.critic, out, mesh)
         group = estimator_group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs, old_BxN)
         if "branches" in needs:
             shape = (X, M, steps.max_steps)
@@ -369,7 +372,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         if critic_update is not None:  # then the critic, on the same schedule, toward the estimator's returns
             returns_BxN = estimate.returns.reshape(X * M, N)
             critic, critic_opt, metrics["value_loss"] = ppo.train_critic(
-                critic_update, state.critic, state.critic_opt, out, mask_BxN, old_BxN, returns_BxN, g
+                critic_update, state.critic, state.critic_opt, out, mask_BxN, old_BxN, returns_BxN, g, mesh
             )
             state = state._replace(critic=critic, critic_opt=critic_opt)
         jax.block_until_ready(params)

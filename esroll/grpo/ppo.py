@@ -14,16 +14,16 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from esroll import sharding
+from esroll import parallel, sharding
 from esroll.config import GRPOConfig
 from esroll.critic import critic_params, make_value_update, values
 from esroll.grpo import advantages
-from esroll.models import ModelConfig
+from esroll.models import ModelConfig, load_hf
+from esroll.models.hf import abstract_params, resolve
 
 CRITIC_MAX_GRAD_NORM = 1.0
 
@@ -45,6 +45,36 @@ def init_critic(g: GRPOConfig, params: dict) -> tuple[dict, optax.OptState]:
     return critic, critic_optimizer(g).init(critic)
 
 
+def load_critic(g: GRPOConfig, model_cfg: ModelConfig, mesh: Mesh, dtype) -> dict | None:
+    """The critic's starting parameters from `grpo.adv.gae.critic_path`, in `dtype` and the masters' layout (each
+    device reads its shards), or None when the path is empty (`init_critic`'s trunk of the policy stands). The
+    checkpoint is a value model (transformers' token classification with one label) or a causal LM, whose trunk is
+    taken with a zero value head; either must have the policy's architecture, since the critic is read with it. Any
+    other checkpoint is refused in one line naming the key."""
+    path = advantages.options_of(g).critic_path
+    if not path:
+        return None
+    key = "grpo.adv.gae.critic_path"
+    try:
+        folder = resolve(path)
+        cfg, critic = load_hf(
+            folder, dtype=dtype, shardings=lambda c: sharding.master_shardings(mesh, abstract_params(c))
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"config: '{key}': {e}") from None
+    same = {"head": "lm", "tie_word_embeddings": False}
+    if dataclasses.replace(cfg, **same) != dataclasses.replace(model_cfg, **same):
+        raise ValueError(
+            f"config: '{key}': {folder} is not of the policy's architecture (critic {_shape(cfg)}, policy "
+            f"{_shape(model_cfg)}); the critic is read with the policy's"
+        )
+    return critic if cfg.head == "value" else critic_params(critic)
+
+
+def _shape(cfg: ModelConfig) -> str:
+    return f"{cfg.family} {cfg.num_layers}×{cfg.hidden_size}, vocabulary {cfg.vocab_size}"
+
+
 def critic_shardings(g: GRPOConfig, mesh: Mesh, critic: dict):
     """(the critic's shardings, its optimizer state's): the masters' rules."""
     return sharding.master_shardings(mesh, critic), sharding.state_shardings(mesh, critic_optimizer(g), critic)
@@ -55,13 +85,22 @@ def _read(model_cfg: ModelConfig):
     return jax.jit(functools.partial(values, dataclasses.replace(model_cfg, head="value")))
 
 
-def rollout_values(model_cfg: ModelConfig, critic: dict, out, compute_dtype=None) -> np.ndarray:
+def rollout_values(model_cfg: ModelConfig, critic: dict, out, mesh: Mesh) -> np.ndarray:
     """[B, N]: the critic's value before each generated token of `out` (position P−1+n for token n, as its
-    log-probability), 0 past each completion's length."""
+    log-probability), 0 past each completion's length. The rows are split over the mesh's data axis, as the policy's
+    (a replicated batch would have every device compute every row)."""
     P, N = out.prompt_BxP.shape[1], out.tokens_BxN.shape[1]
     tokens, mask, completion_BxN = sequences(out)
-    v = np.asarray(_read(model_cfg)(critic, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask)))
+    B = len(tokens)
+    tokens, mask = _rows(mesh, tokens), _rows(mesh, mask)
+    v = np.asarray(_read(model_cfg)(critic, tokens, mask_BxT=mask))[:B]
     return np.where(completion_BxN, v[:, P - 1 : P - 1 + N], 0.0)
+
+
+def _rows(mesh: Mesh, x: np.ndarray):
+    """`x` with zero (masked) rows appended to a multiple of the data axis, split over it."""
+    padded = -(-len(x) // parallel.data_size(mesh)) * parallel.data_size(mesh)
+    return parallel.put_rows(mesh, np.pad(x, [(0, padded - len(x))] + [(0, 0)] * (x.ndim - 1)))
 
 
 def make_critic_update(model_cfg: ModelConfig, g: GRPOConfig, mesh: Mesh):
@@ -81,10 +120,11 @@ def sequences(out) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tokens_BxT, np.concatenate([out.prompt_mask_BxP, completion_BxN], 1), completion_BxN
 
 
-def train_critic(update, critic, critic_opt, out, loss_mask_BxN, old_BxN, returns_BxN, g: GRPOConfig):
+def train_critic(update, critic, critic_opt, out, loss_mask_BxN, old_BxN, returns_BxN, g: GRPOConfig, mesh: Mesh):
     """The critic's updates of one step: `grpo.inner_iterations` passes over `grpo.minibatches` contiguous row blocks,
-    each an update at the positions before the generated tokens that get loss. Returns the critic, its optimizer
-    state and the mean value loss."""
+    each an update at the positions before the generated tokens that get loss, its rows split over the data axis
+    (padding rows read no value, so they add nothing to the loss). Returns the critic, its optimizer state and the
+    mean value loss."""
     P, N = out.prompt_BxP.shape[1], out.tokens_BxN.shape[1]
     B = len(out.length_B)
     tokens, mask, _ = sequences(out)
@@ -99,8 +139,7 @@ def train_critic(update, critic, critic_opt, out, loss_mask_BxN, old_BxN, return
     losses = []
     for _ in range(g.inner_iterations):
         for rows in np.array_split(np.arange(B), g.minibatches):
-            critic, critic_opt, loss = update(
-                critic, critic_opt, tokens[rows], mask[rows], at[rows], old[rows], ret[rows]
-            )
+            batch = (_rows(mesh, x[rows]) for x in (tokens, mask, at, old, ret))
+            critic, critic_opt, loss = update(critic, critic_opt, *batch)
             losses.append(loss)
     return critic, critic_opt, float(np.mean(jax.device_get(losses)))

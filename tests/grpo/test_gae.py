@@ -3,6 +3,9 @@ expected value worked out by hand in the docstrings below."""
 
 from __future__ import annotations
 
+import types
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -111,6 +114,77 @@ def test_the_gae_estimator_places_rewards_and_returns_by_hand():
     est = estimate("gae", episode, GaeOptions(gamma=0.9, lam=0.5, whiten=False))
     np.testing.assert_allclose(est.advantage[0, 0], [0.010525, 0.3345, 0, 0, 0.21, 0.2], atol=1e-6)
     assert est.metrics["value_prompt"] == 0.5
+
+
+def test_ppo_policy_gradient_against_a_cache_free_reference(tmp_path):
+    """One PPO minibatch gradient through the trainer's path (the critic's rollout values, the registered "gae"
+    estimator, token advantages, batches, the compiled GRPO gradient; on-policy, so every ratio is 1 and the clip is
+    inactive; β 0) against the gradient written here from cache-free forwards: V_t = w·h_t + b over the policy's own
+    final hidden states (a critic from the policy, its head drawn here), GAE by the backward recursion over each
+    completion (γ 0.9, λ 0.8, the reward on its last token), whitened over the valid tokens (Bessel's variance),
+    and −∇ Σ_t A_t log π(y_t) / (len · B)."""
+    from conftest import build_tiny_hf
+    from esroll import parallel
+    from esroll.config import from_config_dict
+    from esroll.critic import critic_params
+    from esroll.grpo import advantages, ppo
+    from esroll.grpo.gae import WHITEN_EPS
+    from esroll.grpo.method import estimator_group, make_batches, token_advantages
+    from esroll.grpo.update import make_gradient
+    from esroll.models import forward, load_hf
+    from test_grpo import full_softmax_logprobs, scored_rows
+
+    build_tiny_hf("qwen3", tmp_path, initializer_range=0.2)
+    cfg, params = load_hf(tmp_path)
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 0.3, (cfg.hidden_size, 1)).astype(np.float32)
+    critic = {**critic_params(params), "value_head": jnp.asarray(w), "value_bias": jnp.asarray([0.1], jnp.float32)}
+    X, M = 2, 2
+    prompt, prompt_mask, completion, completion_mask = scored_rows(cfg.vocab_size, rows=X * M)
+    B, P, N = X * M, prompt.shape[1], completion.shape[1]
+    rewards = np.array([[1.0, 0.0], [0.0, 1.0]])
+    length = completion_mask.sum(1)
+    out = types.SimpleNamespace(
+        prompt_BxP=prompt, prompt_mask_BxP=prompt_mask, tokens_BxN=completion, length_B=length,
+        logprobs_BxN=np.zeros((B, N), np.float32), loss_mask_BxN=None, turns=None,
+    )  # fmt: skip
+    g = from_config_dict({"grpo": {"advantage": "gae", "beta": 0.0, "group_size": M, "adv": {"gae": {
+        "gamma": 0.9, "lam": 0.8}}}}).grpo  # fmt: skip
+    mesh = parallel.make_mesh(1)
+    old = ppo.rollout_values(cfg, critic, out, mesh)
+    needs = advantages.ESTIMATORS.lookup("gae").needs
+    est = advantages.estimate("gae", estimator_group(out, rewards, completion_mask, None, 0, 0, needs, old),
+                              advantages.options_of(g), None)  # fmt: skip
+    adv = token_advantages("gae", est.advantage, completion_mask, M)
+    (batch,) = make_batches(out, completion_mask, adv, np.ones((B, N), np.float32), g.aggregation, 1, 1, mesh)
+    grads, _ = make_gradient(cfg, g, mesh)(params, None, batch, jnp.asarray(True))
+
+    # the reference: values, GAE and whitening by hand in float64, then the score-function loss
+    tokens, mask = np.concatenate([prompt, completion], 1), np.concatenate([prompt_mask, completion_mask], 1)
+    h = np.asarray(forward(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask), return_hidden=True)[0])
+    value = (h.astype(np.float64) @ w[:, 0] + 0.1)[:, P - 1 : P - 1 + N]
+    np.testing.assert_allclose(np.where(completion_mask, old, 0), np.where(completion_mask, value, 0), atol=1e-5)
+    a = np.zeros((B, N))
+    for b in range(B):
+        n, carry = int(length[b]), 0.0
+        for t in reversed(range(n)):
+            r = rewards.flat[b] if t == n - 1 else 0.0
+            nxt = value[b, t + 1] if t + 1 < n else 0.0
+            carry = r + 0.9 * nxt - value[b, t] + 0.9 * 0.8 * carry
+            a[b, t] = carry
+    valid = a[completion_mask]
+    a = np.where(completion_mask, (a - valid.mean()) / np.sqrt(valid.var(ddof=1) + WHITEN_EPS), 0.0)
+    weight = completion_mask / (length[:, None] * B)
+
+    def loss(p):
+        logp, _ = full_softmax_logprobs(cfg, p, prompt, prompt_mask, completion, completion_mask)
+        return -(jnp.asarray(a * weight, jnp.float32) * logp).sum()
+
+    expected = jax.grad(loss)(params)
+    largest = max(float(np.abs(x).max()) for x in jax.tree.leaves(expected))
+    for x, y in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-4 * largest)
+    assert largest > 0
 
 
 @pytest.mark.e2e

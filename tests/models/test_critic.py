@@ -92,6 +92,51 @@ def test_a_value_model_is_refused_where_logits_are_meant_and_a_wrong_label_count
         ModelConfig.from_json_file(tmp_path / "config.json")
 
 
+def test_a_critic_starts_from_the_checkpoint_the_config_names(value_model, tmp_path):
+    """`grpo.adv.gae.critic_path`: a value model is taken as it is; a causal LM gives its trunk and a zero head; a
+    checkpoint of another architecture, a missing folder, and the key under an estimator that reads no values are each
+    refused in one line naming the key."""
+    import dataclasses
+
+    from esroll import parallel
+    from esroll.config import from_config_dict
+    from esroll.grpo import ppo
+
+    family, folder, _ = value_model
+    cfg, params = load_hf(folder)
+    policy_cfg = dataclasses.replace(cfg, head="lm")
+    mesh = parallel.make_mesh(1)
+
+    def grpo(path, advantage="gae"):
+        return from_config_dict({"grpo": {"advantage": advantage, "adv": {"gae": {"critic_path": str(path)}}}}).grpo
+
+    critic = ppo.load_critic(grpo(folder), policy_cfg, mesh, jnp.float32)
+    assert set(critic) == set(params)
+    for (path, leaf), (_, got) in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves_with_path(critic)
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(leaf), err_msg=jax.tree_util.keystr(path))
+    assert ppo.load_critic(grpo(""), policy_cfg, mesh, jnp.float32) is None  # the policy's trunk stands
+    policy_folder = tmp_path / "policy"
+    build_tiny_hf(family, policy_folder)
+    _, policy = load_hf(policy_folder)
+    from_lm = ppo.load_critic(grpo(policy_folder), policy_cfg, mesh, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(from_lm["embed"]), np.asarray(policy["embed"]))
+    assert not np.asarray(from_lm["value_head"]).any() and not np.asarray(from_lm["value_bias"]).any()
+    wider = dataclasses.replace(policy_cfg, num_layers=cfg.num_layers + 1)
+    with pytest.raises(
+        ValueError, match=r"^config: 'grpo.adv.gae.critic_path': .* is not of the policy's architecture"
+    ):
+        ppo.load_critic(grpo(folder), wider, mesh, jnp.float32)
+    with pytest.raises(ValueError, match=r"^config: 'grpo.adv.gae.critic_path': "):
+        ppo.load_critic(grpo(tmp_path / "absent"), policy_cfg, mesh, jnp.float32)
+    from esroll.experiment import unread_keys
+
+    plain = from_config_dict({"grpo": {"adv": {"gae": {"critic_path": str(folder)}}}})  # plain GRPO reads no values
+    assert "grpo.adv.gae.critic_path" in unread_keys(plain)
+    assert "grpo.adv.gae.critic_path" not in unread_keys(from_config_dict({"grpo": {"advantage": "gae"}}))
+
+
 @pytest.mark.e2e
 def test_the_critic_learns_known_values_and_explains_more_variance(tmp_path):
     """Four prompts whose outcome is a coin of known bias, p = 0.1, 0.4, 0.7, 0.9, whatever the three tokens after

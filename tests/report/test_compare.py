@@ -451,3 +451,25 @@ def test_step_level_comparison_quick_inherits_grpo_s_tuned_learning_rate(tmp_pat
     results = {r["method"]: r for r in _rows(write_report(tmp_path)["results_csv"])}
     assert set(results) == {"grpo", "verigate", "looroll_dense"} and int(results["verigate"]["n_pairs"]) == 2
     assert "all_equal_signal_mean" in results["verigate"]
+
+
+def test_critic_comparison_pairs_ppo_with_grpo_s_tuned_setting():
+    """configs/critic_compare.py: every variant builds with GRPO as the reference; PPO differs from GRPO only by its
+    estimator (so the pairing isolates the critic), starts from GRPO's chosen setting and tunes its critic's learning rate
+    (its own 1e-4, or 1e-3); LOO-ROLL tunes its learning rate."""
+    from configs import critic_compare
+    from esroll.compare import candidates
+
+    for variant in critic_compare.VARIANTS:
+        comp = comparison_from_dict(critic_compare.get_config(variant).to_dict())
+        assert comp.reference == "grpo" and comp.tuning.inherit == {"ppo": "grpo"}
+        grpo, ppo = (dataclasses.asdict(comp.configs[m]) for m in ("grpo", "ppo"))
+        assert ppo["grpo"].pop("advantage") == "gae" and grpo["grpo"].pop("advantage") == "grpo"
+        assert ppo == grpo
+        assert candidates(comp.tuning, "ppo") == [{}, {"grpo": {"adv": {"gae": {"critic_lr": 1e-3}}}}]
+        if variant != "quick":
+            assert list(comp.configs) == list(critic_compare.ARMS)
+            assert len(candidates(comp.tuning, "looroll")) == 2
+    assert (
+        comparison_from_dict(critic_compare.get_config("frozenlake").to_dict()).configs["ppo"].env.name == "frozenlake"
+    )

@@ -23,13 +23,16 @@ from esroll.grpo.gae import explained_variance, gae, whiten
 class GaeOptions:
     """`grpo.adv.gae.*`. gamma, lam: GAE's γ and λ (TRL and Tunix: 1, 0.95); whiten: whiten the advantages over the
     step's valid tokens; critic_lr: the critic's Adam learning rate (its own optimizer, clipped at norm 1);
-    value_clip: ε of the clipped value loss (TRL 0.2)."""
+    value_clip: ε of the clipped value loss (TRL 0.2); critic_path: a checkpoint to start the critic from (a value
+    model of the policy's architecture, or a causal LM of it whose trunk is taken with a zero value head; empty: the
+    policy's own trunk)."""
 
     gamma: float = 1.0
     lam: float = 0.95
     whiten: bool = True
     critic_lr: float = 1e-4
     value_clip: float = 0.2
+    critic_path: str = ""
 
     def __post_init__(self):
         checks = [
