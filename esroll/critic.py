@@ -91,19 +91,35 @@ def make_value_update(
     remat: str | None = None,
     mesh: Mesh | None = None,
 ):
-    """The compiled critic update of one batch: `update(params, opt_state, tokens_BxT, mask_BxT, at_BxT, old_BxT,
-    return_BxT) -> (params, opt_state, loss)`, one optimizer step on PPO's clipped value loss (`value_loss`) over the
-    positions `at_BxT` (where a value is read: the position before each generated token), `old_BxT` the values the
-    rollout saw there and `return_BxT` their targets. With `mesh`, the critic and its optimizer state come out in
-    the masters' layout (`esroll.sharding`), whatever layout they came in, so the update compiles once."""
+    """The compiled critic update of one batch: `update(params, opt_state, tokens, mask, at, old, returns) -> (params,
+    opt_state, loss)`, one optimizer step on PPO's clipped value loss (`value_loss`) over the positions `at` (where a
+    value is read: the position before each generated token), `old` the values the rollout saw there and `returns`
+    their targets. Each argument is [B, T], or [U, b, T]: U microbatches whose gradients are summed (a `lax.scan`,
+    a memory knob as the policy's: the loss is the batch's mean over all U·b rows' positions either way). `remat`
+    is the forward's (`esroll.models.forward`). With `mesh`, the critic and its optimizer state come out in the
+    masters' layout (`esroll.sharding`), whatever layout they came in, so the update compiles once."""
 
-    def loss_fn(params, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT):
+    def loss_sum(params, count, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT):
         value_BxT = values(cfg, params, tokens_BxT, mask_BxT=mask_BxT, remat=remat)
-        return value_loss(value_BxT, old_BxT, return_BxT, at_BxT, clip)
+        clipped = old_BxT + jnp.clip(value_BxT - old_BxT, -clip, clip)
+        losses = jnp.maximum((value_BxT - return_BxT) ** 2, (clipped - return_BxT) ** 2)
+        return 0.5 * jnp.sum(jnp.where(at_BxT, losses, 0.0)) / count
 
     @jax.jit
-    def update(params, opt_state, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT)
+    def update(params, opt_state, *batch):
+        if batch[0].ndim == 2:  # one microbatch
+            batch = tuple(x[None] for x in batch)
+        count = jnp.maximum(jnp.sum(batch[2]), 1).astype(jnp.float32)
+
+        def micro(total, xs):
+            loss, grads = jax.value_and_grad(loss_sum)(params, count, *xs)
+            return jax.tree.map(jnp.add, total, (loss, grads)), None
+
+        if batch[0].shape[0] == 1:
+            loss, grads = jax.value_and_grad(loss_sum)(params, count, *(x[0] for x in batch))
+        else:
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            (loss, grads), _ = jax.lax.scan(micro, zeros, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         if mesh is not None:

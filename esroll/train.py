@@ -251,9 +251,14 @@ def train_and_evaluate(
     metrics.close()
     # The model in `model.dtype`, as it was loaded; every process joins the gather of a model split across hosts.
     final = parallel.to_host(to_compute(params)) if cfg.train.export else None
+    critic = getattr(state, "critic", None) if cfg.train.export else None  # PPO's (`esroll.grpo.ppo`)
+    critic = None if critic is None else parallel.to_host(critic)
     if lead:
         plot_eval_curve(workdir / "metrics.jsonl", workdir / "eval_accuracy.png", title=cfg.method, n=len(held_out))
         if cfg.train.export:
+            if critic is not None:  # a value model, before `final` (whose config.json marks the export done)
+                value_cfg = dataclasses.replace(task.cfg, head="value")
+                save_hf(workdir / "final_critic", value_cfg, critic, tokenizer=task.tokenizer)
             save_hf(workdir / "final", task.cfg, final, tokenizer=task.tokenizer)
     summary = _summary(cfg, workdir, read_metrics(workdir / "metrics.jsonl"), start_step, step - start_step)
     if lead:

@@ -5,7 +5,9 @@ advantages (raw and corrected for the reference's reliability), on groups sample
     python -m experiments.credit --models shipped=assets/tiny-qwen3-steps,grpo50=runs/credit_grpo50/final \
         --out docs/results/credit
 
-Each model is named `label=path` (a Hugging Face folder: the shipped model, or a run's `final` export). The task,
+Each model is named `label=path` (a Hugging Face folder: the shipped model, or a run's `final` export); `--critics
+label=path` scores a PPO run's critic (its `final_critic` export) on the groups of the model of that label: rows
+`ppo` (GAE at the config's λ) and `ppo_lam1` (λ = 1). The task,
 the sampling temperature, the steps section and the new-token budget are `configs/step_level.py:grpo`'s (--config
 for another); the groups are the first --prompts held-out questions, --group completions each.
 """
@@ -28,10 +30,17 @@ from esroll.config import from_config_dict
 from esroll.grpo.credit import SCORED, measure
 from esroll.data import make_splits
 from esroll.experiment import check_names
+from esroll.models import load_hf
 from esroll.task import load_task
 from experiments._entry import quiet_tpu_probe
 
 ROWS = (*SCORED, "mc_steps_k2", "mc_steps_k4")
+CRITIC_ROWS = ("ppo", "ppo_lam1")
+
+
+def rows(results: dict) -> tuple[str, ...]:
+    """The report's rows: every estimator's, then the critics' where any model has one."""
+    return ROWS + tuple(n for n in CRITIC_ROWS if any(n in res for res in results.values()))
 
 
 def _config(spec: str, model: str):
@@ -89,7 +98,10 @@ def report(results: dict, command: str, meta: dict) -> str:
             "| method | Spearman | Spearman, corrected | sign agreement | all-equal groups with signal |",
             "|---|---|---|---|---|",
         ]
-        for name in ROWS:
+        for name in rows(results):
+            if name not in res:
+                lines.append(f"| `{name}` | " + " | ".join(["–"] * 4) + " |")
+                continue
             r = res[name]
             cells = [_cell(r, c) for c in ("spearman", "spearman_corrected", "sign_agreement", "equal_signal")]
             lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
@@ -104,18 +116,21 @@ def figure(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 3.6))
     width = 0.8 / max(len(results), 1)
+    names = rows(results)
+    nan = {"spearman": np.nan, "spearman_corrected": np.nan, "spearman_corrected_low": np.nan}
+    nan["spearman_corrected_high"] = np.nan
     for i, (label, res) in enumerate(results.items()):
-        x = np.arange(len(ROWS)) + i * width
-        y = np.array([res[n]["spearman_corrected"] for n in ROWS], np.float64)
-        low = np.array([res[n]["spearman_corrected_low"] for n in ROWS], np.float64)
-        high = np.array([res[n]["spearman_corrected_high"] for n in ROWS], np.float64)
+        x = np.arange(len(names)) + i * width
+        y = np.array([res.get(n, nan)["spearman_corrected"] for n in names], np.float64)
+        low = np.array([res.get(n, nan)["spearman_corrected_low"] for n in names], np.float64)
+        high = np.array([res.get(n, nan)["spearman_corrected_high"] for n in names], np.float64)
         err = np.nan_to_num(np.stack([y - low, high - y]))
         ax.bar(x, np.nan_to_num(y), width, yerr=err, label=f"{label}, corrected", capsize=2)
-        raw = np.array([res[n]["spearman"] for n in ROWS], np.float64)
+        raw = np.array([res.get(n, nan)["spearman"] for n in names], np.float64)
         ax.scatter(
             x, raw, marker="D", s=14, color="white", edgecolor="black", zorder=3, label="raw" if i == 0 else None
         )
-    ax.set_xticks(np.arange(len(ROWS)) + width * (len(results) - 1) / 2, ROWS, rotation=30, ha="right")
+    ax.set_xticks(np.arange(len(names)) + width * (len(results) - 1) / 2, names, rotation=30, ha="right")
     ax.set_ylabel("Spearman with MC step advantage")
     ax.axhline(0, color="black", linewidth=0.5)
     ax.legend(fontsize=8)
@@ -127,6 +142,7 @@ def figure(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="shipped=assets/tiny-qwen3-steps", help="label=path,...")
+    parser.add_argument("--critics", default="", help="label=path,...: a value model for the model of that label")
     parser.add_argument("--config", default="configs/step_level.py:grpo")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group", type=int, default=8)
@@ -141,6 +157,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: --models: expected label=path[,label=path...], got {args.models!r}")
     if args.k_ref < 2 or args.k_ref % 2:
         raise SystemExit(f"error: --k_ref: an even number >= 2 (the reliability splits it in halves), got {args.k_ref}")
+    critics = dict(m.split("=", 1) for m in args.critics.split(",") if m)
+    if set(critics) - {label for label, _ in models}:
+        raise SystemExit(f"error: --critics: {sorted(set(critics) - {label for label, _ in models})} name no model")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mesh = parallel.make_mesh(1)
@@ -152,9 +171,14 @@ def main(argv: list[str] | None = None) -> dict:
         task, params = load_task(cfg, train, held_out, mesh)
         if args.prompts > len(held_out):
             raise SystemExit(f"error: --prompts: {args.prompts} > the {len(held_out)} held-out questions")
+        critic = None
+        if label in critics:
+            critic_cfg, critic = load_hf(critics[label])
+            if critic_cfg.head != "value":
+                raise SystemExit(f"error: --critics: {critics[label]} is not a value model")
         results[label] = measure(
             cfg, task, params, mesh, held_out[: args.prompts],
-            group_size=args.group, k_ref=args.k_ref, seed=args.seed, boot=args.boot,
+            group_size=args.group, k_ref=args.k_ref, seed=args.seed, boot=args.boot, critic=critic,
         )  # fmt: skip
     command = "python -m experiments.credit " + " ".join(
         f"--{k} {v}" for k, v in vars(args).items() if v != parser.get_default(k) or k == "out"

@@ -66,6 +66,40 @@ def test_grpo_plan_on_this_machine():
     assert plan.peak_bytes_per_device >= update.temp_bytes > 0
 
 
+def test_a_ppo_plan_compiles_the_critic_beside_the_policy():
+    """With a critic (`grpo.advantage = "gae"`), the plan adds its values over the step's rows and its update on one
+    minibatch; the policy's masters and optimizer state live beside each, the critic's own bytes in its arguments,
+    and the resident optimizer state holds the critic (the policy's trunk and a 1-column head) and its Adam moments."""
+    from esroll import parallel
+    from esroll.methods import plan_step
+
+    from conftest import quick_config
+
+    grpo = quick_config("grpo_quick")
+    ppo = quick_config("grpo_quick", grpo={"advantage": "gae"})
+    model_cfg, _ = model_shapes(ppo.model.path)
+    mesh = parallel.make_mesh(1)
+    plain = plan_step(grpo, model_cfg, mesh, platform="cpu", prompt_len=16)
+    plan = plan_step(ppo, model_cfg, mesh, platform="cpu", prompt_len=16)
+    assert [p.name for p in plan.programs] == [
+        "cast",
+        "update",
+        "critic values",
+        "critic update",
+        "generate",
+        "evaluate",
+    ]
+    masters = plan.resident["masters"]
+    critic = plan.resident["optimizer state"] - plain.resident["optimizer state"]
+    lm_head = 0 if model_cfg.tie_word_embeddings else model_cfg.vocab_size * model_cfg.hidden_size * 4
+    trunk = masters - lm_head
+    critic_bytes = trunk + (model_cfg.hidden_size + 1) * 4
+    assert critic == 3 * critic_bytes + 4  # the critic, Adam's two moments, Adam's step count (int32)
+    for p in plan.programs[2:4]:
+        assert p.other_resident_bytes == masters + plan.resident["optimizer state"] - critic
+        assert p.argument_bytes >= critic_bytes and p.temp_bytes > 0
+
+
 def test_topology_without_libtpu_names_the_install_line(monkeypatch):
     from esroll.plan import topology_mesh
 

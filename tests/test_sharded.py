@@ -57,8 +57,8 @@ def grpo_case(tmp_path):
 
 
 def ppo_case(tmp_path):
-    """Two PPO steps on the 4 × 2 mesh against one device: the critic (split like the policy) reads the same values,
-    so after its first update the second step's value before the first token, its value loss and its explained
+    """Two PPO steps on the 4 × 2 mesh against one device: the critic (split like the policy, its update in 2
+    microbatches at remat "dots" against 1 without remat) reads the same values, so after its first update the second step's value before the first token, its value loss and its explained
     variance agree to float tolerance."""
     train = dict(steps=2, eval_every=100, checkpoint_every=100, export=False)
     ppo = {"advantage": "gae", "adv": {"gae": {"critic_lr": 1e-3}}}

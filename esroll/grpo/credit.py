@@ -18,8 +18,10 @@ completions:
     equal_signal        the share of the groups whose rewards are all equal that the method gives a non-zero
                         advantage;
 each with a percentile bootstrap interval over prompts. `mc_steps` itself is scored at a small count of continuations
-(`mc_ks`) sampled apart from the reference's (its V(prompt) leave-one-out from the group). `experiments.credit` runs
-it and writes the report (docs/step_level.md).
+(`mc_ks`) sampled apart from the reference's (its V(prompt) leave-one-out from the group). A learned critic (PPO's,
+`esroll.grpo.ppo`) is scored by the advantages PPO trains with: its values before each generated token, GAE at
+`grpo.adv.gae`'s options (λ as set, row `ppo`; and λ = 1, row `ppo_lam1`: the return minus the value, no
+bootstrapping), whitened as set. `experiments.credit` runs it and writes the report (docs/step_level.md).
 
 Shape letters (see `esroll`): X prompts, M completions per prompt, J steps, A samples (the fresh rollouts of a
 prompt, the continuations from the end of a step), N tokens.
@@ -27,6 +29,7 @@ prompt, the continuations from the end of a step), N tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
 
@@ -34,7 +37,7 @@ import jax
 import numpy as np
 import scipy.stats
 
-from esroll.grpo import advantages
+from esroll.grpo import advantages, ppo
 from esroll.grpo.advantages import Group
 from esroll.grpo.estimators.mc_steps import step_values
 from esroll.grpo.method import branch_rewards, estimator_group
@@ -196,10 +199,13 @@ def measure(
     seed: int = 0,
     boot: int = 1000,
     rows_per_call: int = 512,
+    critic: dict | None = None,
 ) -> dict:
     """Sample the groups, the reference and the small-count continuations, and score every method of `SCORED` and
     `mc_steps` at each of `mc_ks`. Returns {method: scores} and the sample's figures under "sample". The
-    continuations are decoded `rows_per_call` rows at a time (a memory bound; the tokens do not depend on it)."""
+    continuations are decoded `rows_per_call` rows at a time (a memory bound; the tokens do not depend on it). With
+    `critic` (a value model's parameters, `esroll.critic`, trained beside this policy), the rows `ppo` and
+    `ppo_lam1` score its GAE advantages."""
     X, M = len(examples), group_size
     sampling = Sampling(cfg.train.max_new_tokens, cfg.grpo.temperature, rows_per_device=rows_per_call)
     steps_cfg = cfg.steps
@@ -227,6 +233,14 @@ def measure(
         results[name] = scores(
             per_step(est.advantage, g), est.advantage, ref, se, equal, halves=halves, boot=boot, seed=seed + i
         )
+    if critic is not None:
+        options = advantages.ESTIMATORS.options_of(cfg.grpo.adv, "gae")
+        values = ppo.rollout_values(task.cfg, critic, out, mesh).reshape(g.token_mask.shape)
+        for i, (name, lam) in enumerate((("ppo", options.lam), ("ppo_lam1", 1.0))):
+            est = advantages.estimate("gae", g._replace(values=values), dataclasses.replace(options, lam=lam))
+            results[name] = scores(
+                per_step(est.advantage, g), est.advantage, ref, se, equal, halves=halves, boot=boot, seed=seed + i
+            )
     k_max = max(mc_ks)
     small, origin_k = branch(task, mesh, params, examples, out, jax.random.fold_in(key, 2), sampling, k_max)
     small_rewards = branch_rewards(small, origin_k, shape, k_max)

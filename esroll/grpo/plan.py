@@ -1,7 +1,8 @@
 """Will a GRPO step fit? Its programs compiled for the target's devices (`esroll.plan`): the cast of the sharded
 masters to the decoding copy, sampling the step's X·G completions (`generate`, in chunks as for ES), one optimizer
 update on one minibatch (`esroll.grpo.make_update`: gradient accumulated over its microbatches), and evaluation's
-`generate`.
+`generate`; with a critic (PPO), its values over the step's rows and its update on one minibatch
+(`esroll.grpo.ppo`).
 
 `abstract_state` builds the abstract GRPO state with the trainer's shardings; other ahead-of-time compilations of
 GRPO's update (`experiments.benchmarks.tpu_cost`) use it too."""
@@ -11,11 +12,14 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import parallel, sharding
 from esroll.config import ExperimentConfig, GRPOConfig, OptimConfig, make_optimizer
+from esroll import memory
 from esroll.grpo import method as grpo_method
+from esroll.grpo import ppo
 from esroll.grpo.update import GRPOState, Rollouts, init_state, make_update, state_shardings, update_config
 from esroll.models import ModelConfig
 from esroll.plan import Plan, Target, compile_program
@@ -60,8 +64,36 @@ def plan_grpo(
         t.cast(params, resident["optimizer state"]),
         compile_program("update", update.lower(params, state, batch, on_policy), 0)[0],
     ]
+    if ppo.keeps_critic(g):
+        programs += critic_programs(model_cfg, g, mesh, state, rows, prompt_len + N, masters_and_state)
     gen, per_device = t.fit_rows("generate", t.auto_rows(rows, resident), g.temperature, masters_and_state)
     evaluation, eval_per_device = t.fit_rows(
         "evaluate", t.auto_rows(min(256, cfg.data.eval_size), resident), 0.0, masters_and_state
     )
     return t.plan(rows, per_device, eval_per_device, resident, [*programs, gen, evaluation])
+
+
+def critic_programs(model_cfg: ModelConfig, g: GRPOConfig, mesh: Mesh, state: GRPOState, rows: int, T: int, resident):
+    """The critic's two programs, compiled as the trainer runs them: its values over all `rows` rows of T tokens (one
+    forward, `ppo.rollout_values`), and its update on one minibatch in `grpo.microbatches` (`ppo.train_critic`). Each
+    has the critic as an argument; the policy's masters and optimizer state live beside it (`resident`, less the
+    critic's own bytes, which it counts)."""
+    data = parallel.data_size(mesh)
+    critic = (state.critic, state.critic_opt)
+    beside = resident - memory.tree_bytes_per_device(critic, jax.tree.map(lambda x: x.sharding, critic))
+    padded = -(-rows // data) * data
+    row_sharding = parallel.rows(mesh)
+    tokens = jax.ShapeDtypeStruct((padded, T), jnp.int32, sharding=row_sharding)
+    mask = jax.ShapeDtypeStruct((padded, T), bool, sharding=row_sharding)
+    read = ppo.read_values(model_cfg)
+    programs = [compile_program("critic values", read.lower(state.critic, tokens, mask_BxT=mask), beside)[0]]
+    U = g.microbatches
+    b = rows // (g.minibatches * U)
+    b += -b % data
+    micro = NamedSharding(mesh, PartitionSpec(None, parallel.DATA))
+    batch = [
+        jax.ShapeDtypeStruct((U, b, T), dt, sharding=micro) for dt in (jnp.int32, bool, bool, jnp.float32, jnp.float32)
+    ]
+    update = ppo.make_critic_update(model_cfg, g, mesh)
+    programs.append(compile_program("critic update", update.lower(*critic, *batch), beside)[0])
+    return programs

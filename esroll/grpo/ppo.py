@@ -16,7 +16,7 @@ import functools
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import parallel, sharding
 from esroll.config import GRPOConfig
@@ -81,7 +81,8 @@ def critic_shardings(g: GRPOConfig, mesh: Mesh, critic: dict):
 
 
 @functools.lru_cache(maxsize=8)
-def _read(model_cfg: ModelConfig):
+def read_values(model_cfg: ModelConfig):
+    """The compiled critic forward `values` of the policy's architecture: read(critic, tokens_BxT, mask_BxT=…)."""
     return jax.jit(functools.partial(values, dataclasses.replace(model_cfg, head="value")))
 
 
@@ -93,7 +94,7 @@ def rollout_values(model_cfg: ModelConfig, critic: dict, out, mesh: Mesh) -> np.
     tokens, mask, completion_BxN = sequences(out)
     B = len(tokens)
     tokens, mask = _rows(mesh, tokens), _rows(mesh, mask)
-    v = np.asarray(_read(model_cfg)(critic, tokens, mask_BxT=mask))[:B]
+    v = np.asarray(read_values(model_cfg)(critic, tokens, mask_BxT=mask))[:B]
     return np.where(completion_BxN, v[:, P - 1 : P - 1 + N], 0.0)
 
 
@@ -104,11 +105,11 @@ def _rows(mesh: Mesh, x: np.ndarray):
 
 
 def make_critic_update(model_cfg: ModelConfig, g: GRPOConfig, mesh: Mesh):
-    """update(critic, critic_opt, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT) -> (critic, critic_opt, loss):
-    one step of the clipped value loss (`value_clip`) with the critic's optimizer, out in the master layout
-    (`esroll.critic.make_value_update`)."""
+    """update(critic, critic_opt, tokens, mask, at, old, returns) -> (critic, critic_opt, loss): one step of the
+    clipped value loss (`value_clip`) with the critic's optimizer, at the policy's `grpo.remat`, its gradient summed
+    over `grpo.microbatches` as the policy's, out in the master layout (`esroll.critic.make_value_update`)."""
     cfg = dataclasses.replace(model_cfg, head="value")
-    return make_value_update(cfg, critic_optimizer(g), advantages.options_of(g).value_clip, mesh=mesh)
+    return make_value_update(cfg, critic_optimizer(g), advantages.options_of(g).value_clip, remat=g.remat, mesh=mesh)
 
 
 def sequences(out) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -122,9 +123,9 @@ def sequences(out) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def train_critic(update, critic, critic_opt, out, loss_mask_BxN, old_BxN, returns_BxN, g: GRPOConfig, mesh: Mesh):
     """The critic's updates of one step: `grpo.inner_iterations` passes over `grpo.minibatches` contiguous row blocks,
-    each an update at the positions before the generated tokens that get loss, its rows split over the data axis
-    (padding rows read no value, so they add nothing to the loss). Returns the critic, its optimizer state and the
-    mean value loss."""
+    each an update at the positions before the generated tokens that get loss, split into `grpo.microbatches` of b
+    rows, b padded to a multiple of the data axis and split over it (padding rows read no value, so they add nothing
+    to the loss). Returns the critic, its optimizer state and the mean value loss."""
     P, N = out.prompt_BxP.shape[1], out.tokens_BxN.shape[1]
     B = len(out.length_B)
     tokens, mask, _ = sequences(out)
@@ -136,10 +137,18 @@ def train_critic(update, critic, critic_opt, out, loss_mask_BxN, old_BxN, return
 
     at = placed(loss_mask_BxN, bool)
     old, ret = placed(old_BxN, np.float32), placed(returns_BxN, np.float32)
+    U = g.microbatches
+    b = B // (g.minibatches * U)
+    padded = -(-b // parallel.data_size(mesh)) * parallel.data_size(mesh)
+    micro_rows = NamedSharding(mesh, PartitionSpec(None, parallel.AXIS))
     losses = []
     for _ in range(g.inner_iterations):
-        for rows in np.array_split(np.arange(B), g.minibatches):
-            batch = (_rows(mesh, x[rows]) for x in (tokens, mask, at, old, ret))
+        for m in range(g.minibatches):
+            rows = slice(m * U * b, (m + 1) * U * b)
+            batch = (
+                parallel.put(micro_rows, np.pad(x[rows].reshape(U, b, P + N), [(0, 0), (0, padded - b), (0, 0)]))
+                for x in (tokens, mask, at, old, ret)
+            )
             critic, critic_opt, loss = update(critic, critic_opt, *batch)
             losses.append(loss)
     return critic, critic_opt, float(np.mean(jax.device_get(losses)))

@@ -194,17 +194,29 @@ def test_scores_on_a_hand_built_case():
 def test_entry_script_writes_the_report(tmp_path):
     from experiments.credit import ROWS, main
 
+    from esroll.critic import critic_from_policy
+    from esroll.models import load_hf, save_hf
+
     model = str(REPO / "assets" / "tiny-qwen3-steps")
+    cfg, policy = load_hf(model)
+    critic_cfg, critic = critic_from_policy(cfg, policy)
+    critic["value_head"] = np.random.default_rng(0).normal(0, 0.1, critic["value_head"].shape).astype(np.float32)
+    save_hf(tmp_path / "critic", critic_cfg, critic)
     results = main(
-        ["--models", f"tiny={model}", "--prompts", "3", "--group", "2", "--k_ref", "2", "--boot", "5",
-         "--out", str(tmp_path)]
+        ["--models", f"tiny={model},again={model}", "--critics", f"tiny={tmp_path / 'critic'}", "--prompts", "3",
+         "--group", "2", "--k_ref", "2", "--boot", "5", "--out", str(tmp_path / "out")]
     )  # fmt: skip
-    text = (tmp_path / "results.md").read_text()
+    text = (tmp_path / "out" / "results.md").read_text()
     for name in ROWS:
         assert f"| `{name}` |" in text, name
+    assert {"ppo", "ppo_lam1"} <= set(results["tiny"]) and "ppo" not in results["again"]
+    assert text.count("| `ppo` |") == 2 and "| `ppo` | – | – | – | – |" in text  # the model without a critic
+    with pytest.raises(SystemExit, match="--critics"):
+        main(["--critics", f"other={tmp_path / 'critic'}", "--out", str(tmp_path)])
+    tmp_path = tmp_path / "out"
     assert set(SCORED) <= set(results["tiny"]) and (tmp_path / "credit.png").stat().st_size > 0
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["tiny"]["sample"]["prompts"] == 3 and saved["meta"]["models"] == [["tiny", model]]
+    assert saved["tiny"]["sample"]["prompts"] == 3 and saved["meta"]["models"] == [["tiny", model], ["again", model]]
     with pytest.raises(SystemExit, match="--models"):
         main(["--models", "nolabel", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--k_ref"):

@@ -209,3 +209,8 @@ def test_the_shipped_ppo_configs_train_a_critic(spec, tmp_path):
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "value_loss" in r]
     assert [r["step"] for r in steps] == [1, 2] and steps[0]["value_prompt"] == 0.0 and steps[1]["value_prompt"] != 0.0
     assert all(np.isfinite(r["value_loss"]) and r["value_loss"] >= 0 for r in steps)
+    if cfg.train.export:  # the trained critic beside the policy, as a value model that a later run can start from
+        from esroll.models import load_hf
+
+        critic_cfg, critic = load_hf(tmp_path / "final_critic")
+        assert critic_cfg.head == "value" and np.asarray(critic["value_head"]).any()
