@@ -37,6 +37,7 @@ from esroll.config.sections import (
     OptimConfig,
     ParallelConfig,
     StepsConfig,
+    TeacherConfig,
     TrainConfig,
 )
 from esroll.errors import ConfigError, InputError, check_fields
@@ -61,6 +62,7 @@ __all__ = [
     "ModelSpec",
     "OptimConfig",
     "StepsConfig",
+    "TeacherConfig",
     "Options",
     "ParallelConfig",
     "TrainConfig",

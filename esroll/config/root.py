@@ -14,6 +14,7 @@ from esroll.config.sections import (
     OptimConfig,
     ParallelConfig,
     StepsConfig,
+    TeacherConfig,
     TrainConfig,
 )
 from esroll.errors import check_fields
@@ -34,7 +35,7 @@ class ExperimentConfig:
         (`esroll.curriculum`: adaptive data scheduling, AdaPrefix), for every method. parallel: the device layout (mesh
         model axis, rollout chunks). distributed: start `jax.distributed` (multi-host; one process per host, see the
         README). steps: how completions are cut into reasoning steps and scored step by step, for the methods that read
-    steps. env: train on multi-turn episodes of a text environment instead of `data`'s prompts (off by default).
+    steps. teacher: the model that scores the student's samples, for the methods that read one. env: train on multi-turn episodes of a text environment instead of `data`'s prompts (off by default).
     `validate` checks structure and ranges; `esroll.experiment.check_names` the registered names."""
 
     method: str = "looroll"
@@ -45,6 +46,7 @@ class ExperimentConfig:
     es: ESSettings = ESSettings()
     grpo: GRPOConfig = GRPOConfig()
     steps: StepsConfig = StepsConfig()
+    teacher: TeacherConfig = TeacherConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
     optimizer: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()

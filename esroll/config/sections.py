@@ -196,6 +196,15 @@ class StepsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TeacherConfig:
+    """A config file's `teacher` section: the model whose log-probabilities score the student's samples (on-policy
+    distillation, `esroll.teacher`), read when the method asks for a teacher (an advantage estimator that needs
+    "teacher"). path: a causal LM folder sharing the student's tokenizer exactly (`esroll.teacher.check_tokenizer`)."""
+
+    path: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class CurriculumConfig:
     """A config file's `curriculum` section (`esroll.curriculum`; both methods off by default).
 

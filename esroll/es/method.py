@@ -106,6 +106,7 @@ def unread(cfg: ExperimentConfig) -> dict[str, str]:
         rules = {"steps.branches": f"method {cfg.method!r} samples no branches (es.step_weight scores the steps only)"}
     else:
         rules = {"steps.": f"method {cfg.method!r} reads no reasoning steps (es.step_weight is 0)"}
+    rules["teacher."] = f"method {cfg.method!r} reads no teacher"
     if not cfg.train.diagnostics_pg:
         rules["grpo."] = f"method {cfg.method!r} reads GRPO settings only for train.diagnostics_pg, which is off"
     for name in shaping.SHAPINGS:

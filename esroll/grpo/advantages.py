@@ -29,7 +29,7 @@ import numpy as np
 
 from esroll import baselines
 from esroll.baselines import Shaping
-from esroll.data import Example
+from esroll.data import Example, step_states
 from esroll.registry import Registry
 from esroll.steps import Steps
 
@@ -37,7 +37,15 @@ from esroll.steps import Steps
 
 Estimator = Callable[..., "Estimate"]  # fn(group: Group, options, state: dict | None) -> Estimate
 STEP_NEEDS = ("steps", "step_scores", "branches", "states")  # what reads the `steps` config section
-NEEDS = ("logprobs", "answers", "examples", *STEP_NEEDS, "turns", "values")  # what it may read beyond the rewards
+NEEDS = (
+    "logprobs",
+    "answers",
+    "examples",
+    *STEP_NEEDS,
+    "turns",
+    "values",
+    "teacher",
+)  # what it may read beyond the rewards
 
 
 class EstimatorSpec(NamedTuple):
@@ -85,7 +93,8 @@ def register_advantage(
     "states" (`Group.states`, the state each step reaches by the task's `step_state`), "turns" (`Group.turns`, the
     turns of multi-turn episodes, with the token mask: agent runs only, `esroll.agents`), "values" (`Group.values`,
     a critic's values before each generated token, with the token mask and, in agent runs, the turns: the method
-    then keeps and trains a critic on the `Estimate.returns` the estimator gives); the step fills only these
+    then keeps and trains a critic on the `Estimate.returns` the estimator gives), "teacher" (`Group.teacher_logp`,
+    the log-probability of each sampled token under the `teacher` config section's model); the step fills only these
     fields of its `Group` (and the steps, token log-probabilities and mask with any step need).
     single_rollout: it works with one completion per prompt (grpo.group_size 1 is then allowed); label_free_only:
     it needs data.reward = "majority".
@@ -148,6 +157,7 @@ class Group(NamedTuple):
     # completion's steps (`state_ids`)
     turns: Any = None  # the X·M episodes' turns (`esroll.agents.Turns`, rows prompt-major): agent runs
     values: np.ndarray | None = None  # [X, M, N] the critic's value before each generated token (`esroll.critic`)
+    teacher_logp: np.ndarray | None = None  # [X, M, N] log π_T of each sampled token (`esroll.teacher`), 0 past the end
 
 
 def state_ids(keys_per_row: list[list], X: int, M: int, J: int) -> np.ndarray:
@@ -241,3 +251,47 @@ def per_token(g: Group, step_XxMxJ: np.ndarray, plus_XxM: np.ndarray | float = 0
 
 for _name, _shaping in baselines.BUILTIN.items():
     register_advantage(_name, from_shaping(_shaping))
+
+
+def estimator_group(
+    out,
+    rewards_XxM,
+    mask_BxN,
+    examples,
+    step_index: int,
+    seed: int,
+    needs: tuple[str, ...],
+    values_BxN=None,
+    teacher_BxN=None,
+) -> Group:
+    """What the advantage estimator reads of a step's X × M sampled rows (`esroll.grpo.advantages.Group`): the
+    rewards, step and seed, and the fields its `needs` name (the parsed answers exist in the label-free mode only;
+    the critic's `values_BxN` are given when "values" is, the teacher's log-probabilities `teacher_BxN` when
+    "teacher" is)."""
+    X, M = rewards_XxM.shape
+    N = mask_BxN.shape[1]
+    fields = {}
+    step_needs = set(needs) & set(STEP_NEEDS)
+    if "logprobs" in needs:
+        seq_logp = np.where(mask_BxN, out.logprobs_BxN, 0.0).sum(1) / np.maximum(out.length_B, 1)
+        fields["seq_logp"] = seq_logp.reshape(X, M)
+    if "logprobs" in needs or step_needs or "turns" in needs or "values" in needs:
+        fields.update(token_logp=out.logprobs_BxN.reshape(X, M, N), token_mask=mask_BxN.reshape(X, M, N))
+    if "values" in needs:
+        fields.update(values=values_BxN.reshape(X, M, N), turns=out.turns)
+    if "teacher" in needs:
+        fields["teacher_logp"] = teacher_BxN.reshape(X, M, N)
+    if "answers" in needs and out.answer_B is not None:
+        fields["answers"] = out.answer_B.reshape(X, M)
+    if "examples" in needs:
+        fields["examples"] = examples
+    if step_needs:
+        fields["steps"] = out.steps
+    if "step_scores" in needs:
+        fields["step_scores"] = out.step_scores_BxJ.reshape(X, M, -1)
+    if "turns" in needs:
+        fields["turns"] = out.turns
+    if "states" in needs:
+        keys = [step_states(examples[b // M], out.steps.text[b]) for b in range(X * M)]
+        fields["states"] = state_ids(keys, X, M, max(int(out.steps.count_B.max(initial=0)), 1))
+    return Group(rewards_XxM, step=step_index, seed=seed, **fields)

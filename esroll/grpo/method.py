@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import baselines, ledger, parallel, sharding
 from esroll.config import ConfigError, ExperimentConfig, check_fields, make_optimizer
-from esroll.data import Example, step_states
+from esroll.data import Example
 from esroll.grpo import advantages, ppo
 from esroll.grpo import variants as grpo_variants
 from esroll.grpo.checks import check_grpo_names
@@ -48,11 +48,12 @@ from esroll.grpo.update import (
     state_shardings,
     update_config,
 )
-from esroll.grpo.advantages import STEP_NEEDS
+from esroll.grpo.advantages import STEP_NEEDS, estimator_group
 from esroll.grpo.variants import Sampled
 from esroll.rollout import Sampling, prompt_means, rollout, training_rewards
 from esroll.steps import branch, with_steps
 from esroll.task import Method, StepOutput, Task
+from esroll.teacher import load_teacher, teacher_logprobs
 
 
 def make_batches(
@@ -127,39 +128,6 @@ def _loss_mask(out) -> np.ndarray:
     return mask_BxN if out.loss_mask_BxN is None else mask_BxN & out.loss_mask_BxN
 
 
-def estimator_group(
-    out, rewards_XxM, mask_BxN, examples, step_index: int, seed: int, needs: tuple[str, ...], values_BxN=None
-) -> advantages.Group:
-    """What the advantage estimator reads of a step's X × M sampled rows (`esroll.grpo.advantages.Group`): the
-    rewards, step and seed, and the fields its `needs` name (the parsed answers exist in the label-free mode only;
-    the critic's `values_BxN` are given when "values" is)."""
-    X, M = rewards_XxM.shape
-    N = mask_BxN.shape[1]
-    fields = {}
-    step_needs = set(needs) & set(STEP_NEEDS)
-    if "logprobs" in needs:
-        seq_logp = np.where(mask_BxN, out.logprobs_BxN, 0.0).sum(1) / np.maximum(out.length_B, 1)
-        fields["seq_logp"] = seq_logp.reshape(X, M)
-    if "logprobs" in needs or step_needs or "turns" in needs or "values" in needs:
-        fields.update(token_logp=out.logprobs_BxN.reshape(X, M, N), token_mask=mask_BxN.reshape(X, M, N))
-    if "values" in needs:
-        fields.update(values=values_BxN.reshape(X, M, N), turns=out.turns)
-    if "answers" in needs and out.answer_B is not None:
-        fields["answers"] = out.answer_B.reshape(X, M)
-    if "examples" in needs:
-        fields["examples"] = examples
-    if step_needs:
-        fields["steps"] = out.steps
-    if "step_scores" in needs:
-        fields["step_scores"] = out.step_scores_BxJ.reshape(X, M, -1)
-    if "turns" in needs:
-        fields["turns"] = out.turns
-    if "states" in needs:
-        keys = [step_states(examples[b // M], out.steps.text[b]) for b in range(X * M)]
-        fields["states"] = advantages.state_ids(keys, X, M, max(int(out.steps.count_B.max(initial=0)), 1))
-    return advantages.Group(rewards_XxM, step=step_index, seed=seed, **fields)
-
-
 def branch_rewards(branched, origin_Bx2: np.ndarray, shape: tuple[int, ...], branches: int) -> np.ndarray:
     """[X, M, J, A] the rewards of the A branches from the end of each step (`esroll.steps.branch`'s rows and
     origins), NaN where none was sampled."""
@@ -175,7 +143,8 @@ def branch_rewards(branched, origin_Bx2: np.ndarray, shape: tuple[int, ...], bra
 def check_config(cfg: ExperimentConfig) -> None:
     """Raise the one-line ConfigError of the first setting a GRPO run cannot work with: an estimator of turns
     without episodes or of reasoning steps with them, a vote without a group,
-    minibatches and microbatches that do not divide the step's rows, diagnostics it does not have or cannot split."""
+    minibatches and microbatches that do not divide the step's rows, diagnostics it does not have or cannot split, an
+    estimator that reads a teacher without `teacher.path`."""
     needs = advantages.ESTIMATORS[cfg.grpo.advantage].needs if cfg.grpo.advantage in advantages.ESTIMATORS else ()
     if not cfg.env.name and "turns" in needs:
         expected = f"an estimator of single-turn completions without env.name ({cfg.grpo.advantage} reads turns)"
@@ -215,6 +184,9 @@ def check_config(cfg: ExperimentConfig) -> None:
         ),
     ]
     check_fields(cfg, checks, "config")
+    if "teacher" in needs and not cfg.teacher.path:
+        expected = f"a teacher model's folder (grpo.advantage {cfg.grpo.advantage!r} reads a teacher)"
+        raise ConfigError("teacher.path", cfg.teacher.path, expected)
     if advantages.ESTIMATORS[cfg.grpo.advantage].label_free_only and not cfg.data.label_free:
         expected = (
             f"an estimator that reads gold rewards, or data.reward='majority' ({cfg.grpo.advantage} is label-free only)"
@@ -230,6 +202,8 @@ def unread(cfg: ExperimentConfig) -> dict[str, str]:
     for key, need in (("steps.", STEP_NEEDS), ("steps.verifier", ("step_scores",)), ("steps.branches", ("branches",))):
         if not set(need) & set(needs):
             rules[key] = f"grpo.advantage {cfg.grpo.advantage!r} does not read {' or '.join(need)}"
+    if "teacher" not in needs:
+        rules["teacher."] = f"grpo.advantage {cfg.grpo.advantage!r} does not read a teacher"
     for name in advantages.ESTIMATORS:
         if name != cfg.grpo.advantage:
             rules[f"grpo.adv.{name}."] = (
@@ -284,6 +258,10 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     update_flops = passes * ledger.train_flops(task.cfg, X * M, task.prompt_multiple, N, remat=g.remat)
     if keeps_reference(g):
         update_flops += passes * ledger.forward_flops(task.cfg, X * M, task.prompt_multiple + N, head_positions=N)
+    teacher = None
+    if "teacher" in needs:  # one cache-free teacher forward over each step's rows (`esroll.teacher`)
+        teacher = load_teacher(cfg.teacher.path, task.tokenizer, dtype=jnp.dtype(cfg.model.dtype))
+        update_flops += ledger.forward_flops(teacher[0], X * M, task.prompt_multiple + N, head_positions=N)
     critic_update = ppo.make_critic_update(task.cfg, g, mesh) if ppo.keeps_critic(g) else None
     if critic_update is not None:  # the critic's forward for the rollout's values, then a forward + backward per pass
         trunk = ledger.forward_flops(task.cfg, X * M, task.prompt_multiple + N, head_positions=0)
@@ -331,7 +309,8 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         # ---- advantages, then the variants' token weights
         own, variant_state = split_host(g, state.host)
         old_BxN = None if critic_update is None else ppo.rollout_values(task.cfg, state.critic, out, mesh)
-        group = estimator_group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs, old_BxN)
+        teacher_BxN = None if teacher is None else teacher_logprobs(*teacher, out)
+        group = estimator_group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs, old_BxN, teacher_BxN)
         if "branches" in needs:
             shape = (X, M, steps.max_steps)
             group = group._replace(branch_rewards=branch_rewards(branched, origin, shape, steps.branches))

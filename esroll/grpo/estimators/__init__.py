@@ -20,12 +20,14 @@ step-level ones and GuAE: docs/step_level.md):
     discounted  multi-turn episodes: discounted per-turn returns normalised over the group (docs/agents.md)
     gigpo     GiGPO: the episode's group advantage plus the turn's return against turns from the same state
     gae       PPO: GAE over generated tokens from a learned critic's values (docs/critics.md)
+    opd gndpo opd_plus  on-policy distillation from a teacher's token log-probabilities (docs/distillation.md)
 """
 
 from esroll.grpo.estimators import (  # noqa: F401 — registers them
     agrae,
     bv_blend,
     ddrl,
+    distill,
     gmae,
     graft,
     guae,
