@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import parallel, sharding
 from esroll.config import GRPOConfig
+from esroll.errors import InputError
 from esroll.critic import critic_params, make_value_update, values
 from esroll.grpo import advantages
 from esroll.models import ModelConfig, load_hf
@@ -50,7 +51,7 @@ def load_critic(g: GRPOConfig, model_cfg: ModelConfig, mesh: Mesh, dtype) -> dic
     device reads its shards), or None when the path is empty (`init_critic`'s trunk of the policy stands). The
     checkpoint is a value model (transformers' token classification with one label) or a causal LM, whose trunk is
     taken with a zero value head; either must have the policy's architecture, since the critic is read with it. Any
-    other checkpoint is refused in one line naming the key."""
+    other checkpoint is refused (an InputError: one line at the command line) naming the key."""
     path = advantages.options_of(g).critic_path
     if not path:
         return None
@@ -61,10 +62,10 @@ def load_critic(g: GRPOConfig, model_cfg: ModelConfig, mesh: Mesh, dtype) -> dic
             folder, dtype=dtype, shardings=lambda c: sharding.master_shardings(mesh, abstract_params(c))
         )
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"config: '{key}': {e}") from None
+        raise InputError(f"config: '{key}': {e}") from None
     same = {"head": "lm", "tie_word_embeddings": False}
     if dataclasses.replace(cfg, **same) != dataclasses.replace(model_cfg, **same):
-        raise ValueError(
+        raise InputError(
             f"config: '{key}': {folder} is not of the policy's architecture (critic {_shape(cfg)}, policy "
             f"{_shape(model_cfg)}); the critic is read with the policy's"
         )

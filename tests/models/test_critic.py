@@ -100,6 +100,7 @@ def test_a_critic_starts_from_the_checkpoint_the_config_names(value_model, tmp_p
 
     from esroll import parallel
     from esroll.config import from_config_dict
+    from esroll.errors import InputError
     from esroll.grpo import ppo
 
     family, folder, _ = value_model
@@ -125,10 +126,10 @@ def test_a_critic_starts_from_the_checkpoint_the_config_names(value_model, tmp_p
     assert not np.asarray(from_lm["value_head"]).any() and not np.asarray(from_lm["value_bias"]).any()
     wider = dataclasses.replace(policy_cfg, num_layers=cfg.num_layers + 1)
     with pytest.raises(
-        ValueError, match=r"^config: 'grpo.adv.gae.critic_path': .* is not of the policy's architecture"
+        InputError, match=r"^config: 'grpo.adv.gae.critic_path': .* is not of the policy's architecture"
     ):
         ppo.load_critic(grpo(folder), wider, mesh, jnp.float32)
-    with pytest.raises(ValueError, match=r"^config: 'grpo.adv.gae.critic_path': "):
+    with pytest.raises(InputError, match=r"^config: 'grpo.adv.gae.critic_path': "):
         ppo.load_critic(grpo(tmp_path / "absent"), policy_cfg, mesh, jnp.float32)
     from esroll.experiment import unread_keys
 
