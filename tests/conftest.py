@@ -163,6 +163,16 @@ def torch_logits(model, tokens, mask):
     return out.logits.numpy()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test file. Each CPU executable keeps its own memory mappings, and a
+    worker that runs hundreds of files exhausts the kernel's per-process limit (vm.max_map_count, 65530 by default),
+    at which point the next compile dies with SIGSEGV. Programs shared within a file stay compiled; the next file
+    reads them back from the persistent cache above."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def qwen3_06b_2layers(tmp_path_factory):
     """A random 2-layer model at Qwen3-0.6B's true width and vocabulary, float32, with the Qwen tokenizer, written by
