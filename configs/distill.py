@@ -11,10 +11,16 @@ The variant is comma-separated: one method, then modifiers (`quick` first or las
     gndpo     GNDPO: the clipped teacher log-ratio whitened over the step's tokens ("gndpo")
     opd_plus  OPD+: the exact f-divergence weight, reverse KL unless `grpo.adv.opd_plus.divergence` says otherwise
               ("opd_plus")
+    gkd       GKD: the generalised JSD (β 0.5) to the teacher's whole next-token distribution at every token, half
+              the steps on the student's samples and half on the data's worked solutions ("gkd")
+    looroll_teacher  LOO-ROLL whose fitness is the teacher's: each row's mean log π_T − log π_i over its tokens
+                     (`es.teacher_weight` 1; `es.teacher_fitness`); the verifier's reward is mixed in below 1
+    eggroll_teacher  the same with EGGROLL's antithetic pairs
     quick     a seconds-long smoke run (tests)
-Each full run is `configs/step_level.py:grpo` with the estimator swapped and `teacher.path` set: 16 prompts × 8
+Each GRPO-side run is `configs/step_level.py:grpo` with the estimator swapped and `teacher.path` set: 16 prompts × 8
 completions at temperature 1, AdamW lr 1e-4, 10 minutes of wall time on 2 CPU cores, no verifier reward in the
-advantage (`grpo.adv.<name>.reward_weight` mixes GRPO's in).
+advantage (`grpo.adv.<name>.reward_weight` mixes GRPO's in). Each ES run is `configs/step_level.py:looroll`
+(population 32 on 16 prompts, σ 0.005, Adam lr 3e-4) with the teacher as its whole fitness.
 """
 
 from configs import step_level
@@ -23,7 +29,11 @@ METHODS = {
     "opd": "on-policy distillation: the per-token teacher log-ratio",
     "gndpo": "GNDPO: the clipped teacher log-ratio whitened over the batch's tokens",
     "opd_plus": "OPD+: the exact score-function weight of an f-divergence to the teacher",
+    "gkd": "GKD: the generalised JSD to the teacher's whole next-token distributions, as a loss",
+    "looroll_teacher": "LOO-ROLL with the teacher's fitness (es.teacher_weight = 1)",
+    "eggroll_teacher": "EGGROLL with the teacher's fitness (es.teacher_weight = 1)",
 }
+ES_TEACHER = {"looroll_teacher": "looroll", "eggroll_teacher": "eggroll"}  # the ES methods with the teacher fitness
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)"}
 VARIANTS = {
     **{f"{name} (method)": what for name, what in METHODS.items()},
@@ -41,6 +51,11 @@ def get_config(arg: str | None = None):
             f"configs/distill.py: variant {arg!r} must name one method ({', '.join(METHODS)}) and optionally "
             f"{', '.join(MODIFIERS)}"
         )
-    c = step_level.get_config(",".join([methods[0], *(p for p in parts if p in MODIFIERS)]))
+    (method,) = methods
+    modifiers = [p for p in parts if p in MODIFIERS]
+    c = step_level.get_config(",".join(["looroll" if method in ES_TEACHER else method, *modifiers]))
+    if method in ES_TEACHER:
+        c.method = ES_TEACHER[method]
+        c.es.teacher_weight = 1.0
     c.teacher.path = TEACHER
     return c

@@ -229,6 +229,38 @@ def rollout(
     return out
 
 
+def given_rollout(task: Any, examples: Sequence[Example], example_B: np.ndarray, max_new_tokens: int) -> Rollout:
+    """The rows of `example_B` answered by the data instead of the model: each example's `target_text` (its
+    supervised completion), EOS appended, cut to `max_new_tokens`, scored by `task.rewards` as a sampled row is.
+    What GKD trains on for the share of its steps that are not on the student's own samples. The log-probabilities
+    are left 0 (nothing was sampled: the caller scores them if it needs them); single-turn tasks only."""
+    if getattr(task, "env", None) is not None:
+        raise ValueError("given_rollout: episodes have no given completions")
+    example_B = np.asarray(example_B)
+    B, N = len(example_B), max_new_tokens
+    tokens_XxP, mask_XxP = pad_prompts(task.prompt_ids(examples), multiple=task.prompt_multiple, pad_id=task.pad_id)
+    eos = [task.eos_ids[0]] if task.eos_ids else []
+    targets = [task.tokenizer.encode(e.target_text, add_special_tokens=False) + eos for e in examples]
+    tokens_BxN = np.full((B, N), task.pad_id, np.int32)
+    length_B = np.zeros(B, np.int32)
+    for b, x in enumerate(example_B):
+        ids = targets[x][:N]
+        tokens_BxN[b, : len(ids)], length_B[b] = ids, len(ids)
+    start = time.perf_counter()
+    reward_B = task.rewards([examples[x] for x in example_B], tokens_BxN, length_B)
+    return Rollout(
+        example_B=example_B,
+        prompt_BxP=tokens_XxP[example_B].astype(np.int32),
+        prompt_mask_BxP=mask_XxP[example_B],
+        reward_B=np.asarray(reward_B, np.float32),
+        length_B=length_B,
+        tokens_BxN=tokens_BxN,
+        logprobs_BxN=np.zeros((B, N), np.float32),
+        scores=None,
+        seconds={"generate": 0.0, "score": time.perf_counter() - start},
+    )
+
+
 def _with_prefixes(prefixes, prefix_R, idx, cont_RxM, cont_len_R, cont_logp_RxM, N: int, task):
     """Rows [R, N] of prefix + continuation for the local rows `idx`: each continuation cut to N − its prefix
     tokens (as a fresh completion is cut at N), padding after, log-probabilities 0 on the prefix."""

@@ -15,8 +15,11 @@ V vocabulary, C chunks of the completion tokens, Z tokens per chunk.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from esroll.models import ModelConfig, Perturbation, forward
 from esroll.models.transformer import head
@@ -38,7 +41,8 @@ def sequence_logprobs(
     with_entropy: bool = False,
     layer_params=None,
     unroll: int = 1,
-) -> Array | tuple[Array, Array]:
+    divergence: tuple[Array, float] | None = None,
+) -> Array | tuple[Array, ...]:
     """Log-probability [B, N] of each completion token given its prefix, from one full forward over prompt+completion;
     with `with_entropy`, also the entropy [B, N] of the whole next-token distribution at each completion position.
 
@@ -53,6 +57,12 @@ def sequence_logprobs(
     per-layer rematerialisation (`esroll.models.transformer.REMAT_POLICIES`), `layer_params` its per-layer map of the
     weights, `unroll` its layers per scan iteration (`forward`). The entropy is a
     metric: it carries no gradient.
+
+    divergence: (a teacher's log-distributions [B, N, V], β): also GKD's generalised JSD [B, N] between the teacher's
+    and the model's whole next-token distribution at each completion position (`generalized_jsd`),
+    computed chunk by chunk beside the log-probabilities (so the model's [B, N, V] log-distribution is never held),
+    with its gradient. Returns log-probabilities, then the entropy (with `with_entropy`), then the divergence (with
+    `divergence`): a tuple when there is more than the first.
     """
     P, N = prompt_BxP.shape[1], completion_BxN.shape[1]
     tokens_BxT = jnp.concatenate([prompt_BxP, completion_BxN], 1)
@@ -69,13 +79,15 @@ def sequence_logprobs(
         unroll=unroll,
     )
     # The hidden state at position P-1+j predicts completion token j.
-    logprobs_BxN, entropy_BxN = _completion_logprobs(
-        cfg, params, hidden_BxTxD[:, P - 1 : -1], completion_BxN, perturb, chunk or N, with_entropy
+    logprobs_BxN, entropy_BxN, divergence_BxN = _completion_logprobs(
+        cfg, params, hidden_BxTxD[:, P - 1 : -1], completion_BxN, perturb, chunk or N, with_entropy, divergence
     )
-    logprobs_BxN = jnp.where(completion_mask_BxN, logprobs_BxN, 0.0)
-    if not with_entropy:
-        return logprobs_BxN
-    return logprobs_BxN, jnp.where(completion_mask_BxN, entropy_BxN, 0.0)
+    outs = [jnp.where(completion_mask_BxN, logprobs_BxN, 0.0)]
+    if with_entropy:
+        outs.append(jnp.where(completion_mask_BxN, entropy_BxN, 0.0))
+    if divergence is not None:
+        outs.append(jnp.where(completion_mask_BxN, divergence_BxN, 0.0))
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def _completion_logprobs(
@@ -86,40 +98,88 @@ def _completion_logprobs(
     perturb: Perturbation | None,
     chunk: int,
     with_entropy: bool,
-) -> tuple[Array, Array | None]:
-    """log softmax(head(h))[token] and, with_entropy, the entropy of softmax(head(h)), [B, N] each, over chunks of
-    `chunk` positions (a `lax.map`; N is zero-padded up to a multiple, and the padding sliced off). Each chunk runs
-    under `jax.checkpoint`, so only its hidden states and outputs outlive it."""
+    divergence: tuple[Array, float] | None = None,
+) -> tuple[Array, Array | None, Array | None]:
+    """log softmax(head(h))[token], with_entropy the entropy of softmax(head(h)), and with `divergence` (a teacher's
+    log-distributions [B, N, V], β) the generalised JSD to the teacher's, [B, N] each, over chunks of `chunk`
+    positions (a `lax.map`; N is zero-padded up to a multiple, and the padding sliced off). Each chunk runs under
+    `jax.checkpoint`, so only its hidden states and outputs outlive it."""
     B, N, D = hidden_BxNxD.shape
     Z = max(1, min(chunk, N))  # the length of a chunk
     C = -(-N // Z)  # chunks
     pad = C * Z - N
-    hidden_BxNxD = jnp.pad(hidden_BxNxD, ((0, 0), (0, pad), (0, 0)))
-    tokens_BxN = jnp.pad(tokens_BxN, ((0, 0), (0, pad)))
-    hidden_CxBxZxD = hidden_BxNxD.reshape(B, C, Z, D).swapaxes(0, 1)
-    tokens_CxBxZ = tokens_BxN.reshape(B, C, Z).swapaxes(0, 1)
+
+    def chunked(x_BxN):  # [B, N, ...] -> [C, B, Z, ...], N zero-padded to C·Z
+        x_BxN = jnp.pad(x_BxN, ((0, 0), (0, pad)) + ((0, 0),) * (x_BxN.ndim - 2))
+        return x_BxN.reshape(B, C, Z, *x_BxN.shape[2:]).swapaxes(0, 1)
+
+    xs = [chunked(hidden_BxNxD), chunked(tokens_BxN)]
+    if divergence is not None:
+        # The padding positions' teacher log-distribution is 0 everywhere (not a distribution); their divergence is
+        # sliced off below, and they get no gradient.
+        xs.append(chunked(divergence[0]))
 
     @jax.checkpoint
     def one_chunk(xs):
-        h_BxZxD, tokens_BxZ = xs
+        h_BxZxD, tokens_BxZ = xs[:2]
         logits_BxZxV = head(cfg, params, h_BxZxD, perturb)
         lse_BxZ = jax.nn.logsumexp(logits_BxZxV, axis=-1)
         token_logit_BxZ = jnp.take_along_axis(logits_BxZxV, tokens_BxZ[..., None], -1)[..., 0]
+        div_BxZ = None
+        if divergence is not None:
+            div_BxZ = generalized_jsd(xs[2], logits_BxZxV - lse_BxZ[..., None], divergence[1])
         if not with_entropy:
-            return token_logit_BxZ - lse_BxZ, None
+            return token_logit_BxZ - lse_BxZ, None, div_BxZ
         # H = logsumexp(z) - Σ softmax(z)·z, of the logits without their gradient (a metric).
         logits_BxZxV = jax.lax.stop_gradient(logits_BxZxV)
         sg_lse_BxZ = jax.lax.stop_gradient(lse_BxZ)
         probs_BxZxV = jnp.exp(logits_BxZxV - sg_lse_BxZ[..., None])
         entropy_BxZ = sg_lse_BxZ - jnp.sum(probs_BxZxV * logits_BxZxV, axis=-1)
-        return token_logit_BxZ - lse_BxZ, entropy_BxZ
+        return token_logit_BxZ - lse_BxZ, entropy_BxZ, div_BxZ
 
     if C == 1:
-        logprobs_CxBxZ, entropy_CxBxZ = jax.tree.map(lambda y: y[None], one_chunk((hidden_CxBxZxD[0], tokens_CxBxZ[0])))
+        outs_C = jax.tree.map(lambda y: y[None], one_chunk([x[0] for x in xs]))
     else:
-        logprobs_CxBxZ, entropy_CxBxZ = jax.lax.map(one_chunk, (hidden_CxBxZxD, tokens_CxBxZ))
+        outs_C = jax.lax.map(one_chunk, xs)
 
     def unchunk(y_CxBxZ):
-        return y_CxBxZ.swapaxes(0, 1).reshape(B, C * Z)[:, :N]
+        return None if y_CxBxZ is None else y_CxBxZ.swapaxes(0, 1).reshape(B, C * Z)[:, :N]
 
-    return unchunk(logprobs_CxBxZ), None if entropy_CxBxZ is None else unchunk(entropy_CxBxZ)
+    return tuple(unchunk(y) for y in outs_C)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _completion_logprobs_jit(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN):
+    return sequence_logprobs(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN)
+
+
+def rollout_logprobs(cfg: ModelConfig, params: dict, out) -> np.ndarray:
+    """[B, N] float32: log π of each token of the rollout `out`'s completions (an `esroll.rollout.Rollout` with its
+    completions) under the model (`cfg`, `params`), given the prompt and the tokens before it, from one jitted
+    cache-free forward; 0 past each completion's length."""
+    N = out.tokens_BxN.shape[1]
+    mask_BxN = np.arange(N)[None, :] < np.asarray(out.length_B)[:, None]
+    logp = _completion_logprobs_jit(cfg, params, out.prompt_BxP, out.prompt_mask_BxP, out.tokens_BxN, mask_BxN)
+    return np.asarray(logp, np.float32)
+
+
+def generalized_jsd(log_teacher_V, log_student_V, beta: float):
+    """[...]: GKD's generalised JSD of the distributions over the last axis (log-probabilities, each row summing to 1),
+    teacher P and student Q, mixture M = β·P + (1 − β)·Q:
+
+        JSD_β(P‖Q) = β·KL(P‖M) + (1 − β)·KL(Q‖M)
+
+    It tends to β·KL(P‖Q) as β → 0 and to (1 − β)·KL(Q‖P) as β → 1, so β = 0 is taken as the forward KL, KL(P‖Q),
+    and β = 1 as the reverse KL, KL(Q‖P) (TRL's `GKDTrainer` reads β the same way). β = 0.5 is the usual JSD.
+    Differentiable in both; GKD's loss differentiates it through the student's only."""
+    p, q = jnp.asarray(log_teacher_V, jnp.float32), jnp.asarray(log_student_V, jnp.float32)
+
+    def kl(a, b):  # Σ e^a (a − b), a term 0 where e^a is 0 (a teacher's −inf log-probability)
+        return jnp.sum(jnp.where(a > -jnp.inf, jnp.exp(a) * (a - b), 0.0), axis=-1)
+
+    if beta == 0.0:
+        return kl(p, q)
+    if beta == 1.0:
+        return kl(q, p)
+    m = jax.nn.logsumexp(jnp.stack([p + jnp.log(beta), q + jnp.log1p(-beta)]), axis=0)
+    return beta * kl(p, m) + (1 - beta) * kl(q, m)

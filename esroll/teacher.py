@@ -7,7 +7,7 @@
 A teacher reads the student's token ids, so it must share the student's tokenizer exactly: the same vocabulary,
 merges, pre-tokenisation, normalisation and special tokens. One that differs is refused in one line naming what
 differs, never silently scored through the wrong ids. Each call is one cache-free forward over prompt and completion
-(`esroll.scoring.sequence_logprobs`: the log-softmax of the raw logits, as the student's own `Rollout.logprobs_BxN`).
+(`esroll.scoring.rollout_logprobs`: the log-softmax of the raw logits, as the student's own `Rollout.logprobs_BxN`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from esroll.errors import InputError, reading
 from esroll.models import ModelConfig, forward, load_hf
 from esroll.models.transformer import head
-from esroll.scoring import sequence_logprobs
+from esroll.scoring import rollout_logprobs
 
 _PARTS = ("model", "pre_tokenizer", "normalizer", "decoder", "added_tokens")  # what decides the ids of a text
 
@@ -65,11 +65,6 @@ def load_teacher(path: str, student_tokenizer, where: str = "teacher.path", dtyp
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _logprobs(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN):
-    return sequence_logprobs(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN)
-
-
-@functools.partial(jax.jit, static_argnums=0)
 def _log_distributions(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN):
     P = prompt_BxP.shape[1]
     tokens_BxT = jnp.concatenate([prompt_BxP, tokens_BxN], 1)
@@ -87,9 +82,7 @@ def _completion_mask(out) -> np.ndarray:
 def teacher_logprobs(cfg: ModelConfig, params: dict, out) -> np.ndarray:
     """[B, N] float32: log π_T of each token of the rollout `out`'s completions (a `Rollout` with its completions),
     given the prompt and the tokens before it; 0 past each completion's length."""
-    mask = _completion_mask(out)
-    logp = _logprobs(cfg, params, out.prompt_BxP, out.prompt_mask_BxP, out.tokens_BxN, mask)
-    return np.asarray(logp, np.float32)
+    return rollout_logprobs(cfg, params, out)
 
 
 def teacher_log_distributions(cfg: ModelConfig, params: dict, out) -> np.ndarray:
@@ -97,3 +90,12 @@ def teacher_log_distributions(cfg: ModelConfig, params: dict, out) -> np.ndarray
     for exact divergences; [B, N, V] is small at a small vocabulary); 0 past each completion's length."""
     mask = _completion_mask(out)
     return np.asarray(_log_distributions(cfg, params, out.prompt_BxP, out.prompt_mask_BxP, out.tokens_BxN, mask))
+
+
+def teacher_signals(cfg: ModelConfig, params: dict, out, distributions: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """(log π_T of each sampled token [B, N], and with `distributions` the whole log-distributions [B, N, V], the
+    sampled tokens' then taken from them): one teacher forward over the rollout `out` either way."""
+    if not distributions:
+        return teacher_logprobs(cfg, params, out), None
+    logq_BxNxV = teacher_log_distributions(cfg, params, out)
+    return np.take_along_axis(logq_BxNxV, np.asarray(out.tokens_BxN)[..., None], -1)[..., 0], logq_BxNxV

@@ -87,6 +87,11 @@ def check_config(cfg: ExperimentConfig) -> None:
         ("curriculum.ads", not cfg.curriculum.ads, "False with env.name set (episodes have no clusters)"),
         ("curriculum.prefix", not cfg.curriculum.prefix, "False with env.name set (episodes have no solutions)"),
         ("es.step_weight", cfg.es.step_weight == 0, "0 with env.name set (episodes have no reasoning steps)"),
+        (
+            "es.teacher_weight",
+            cfg.es.teacher_weight == 0,
+            "0 with env.name set (a teacher scores completions; an episode's environment tokens are not the model's)",
+        ),
     ]
     check_fields(cfg, checks, "config")
 

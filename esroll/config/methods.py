@@ -12,6 +12,9 @@ from esroll.errors import check_fields
 from esroll.schedules import SCHEDULES
 
 
+TEACHER_FITNESS = ("log_ratio", "log_likelihood")  # `ESSettings.teacher_fitness`
+
+
 @dataclasses.dataclass(frozen=True)
 class ESSettings:
     """The ES settings a config file's `es` section holds (the estimator, `method`, is the experiment's top level).
@@ -36,6 +39,14 @@ class ESSettings:
     steps' verifier scores; `steps.boundary`, `steps.max_steps`, `steps.verifier`; a completion with no step scores
     0), before the samples are reduced. 0: the outcome alone. The mixed reward is still a function of the member's
     own completion, so the estimators stay unbiased for the mixed objective (not for the outcome's).
+    teacher_weight: a teacher fitness, w in [0, 1] (`teacher.path` names the teacher): each row's reward becomes
+    (1 − w)·reward + w·(its teacher score), after `step_weight`'s mix and before the samples are reduced. The score
+    is a mean over the row's completion tokens (EOS included) of `teacher_fitness`: log_ratio, log π_T − log π_i
+    (π_i the member's own perturbed model at temperature 1: the negative of a one-sample reverse-KL estimate, so the
+    fitness rewards members whose samples the teacher finds likely and who are not over-confident in them), or
+    log_likelihood, log π_T alone. 0: no teacher. Like the step fitness, the score is a function of the member's own
+    samples, so the estimators stay unbiased for the mixed objective; ES needs no gradient of it, so there is no
+    stop-gradient question (docs/distillation.md).
     shaping_options: the options of the shapings that registered some, by name (`es.shaping_options.<name>.<key>`).
     Leaf selection by path regex (see `esroll.es.noise`): defaults freeze embed / lm_head and vectors, perturb other
     matrices.
@@ -55,6 +66,8 @@ class ESSettings:
     sample_reduce: str = "mean"
     prompt_shaping: str = "raw"
     step_weight: float = 0.0
+    teacher_weight: float = 0.0
+    teacher_fitness: str = "log_ratio"
     shaping_options: Options = Options()
     lowrank_patterns: tuple[str, ...] = (".*",)
     dense_patterns: tuple[str, ...] = ()
@@ -77,6 +90,8 @@ class ESSettings:
             ("samples", self.samples >= 1, ">= 1"),
             ("sample_reduce", self.sample_reduce in ("mean", "max"), "mean or max"),
             ("step_weight", 0 <= self.step_weight <= 1, "in [0, 1] (the weight of the mean step score)"),
+            ("teacher_weight", 0 <= self.teacher_weight <= 1, "in [0, 1] (the weight of the teacher score)"),
+            ("teacher_fitness", self.teacher_fitness in TEACHER_FITNESS, f"one of {', '.join(TEACHER_FITNESS)}"),
             ("chunk_size", self.chunk_size >= 0, ">= 0 (0: all directions at once)"),
             ("min_valid_fraction", 0 <= self.min_valid_fraction <= 1, "in [0, 1]"),
         ]

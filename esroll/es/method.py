@@ -18,6 +18,7 @@ import functools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from esroll import baselines, es, ledger, memory, parallel, sharding
@@ -29,6 +30,7 @@ from esroll.models import abstract_params
 from esroll.rollout import Sampling, prompt_means, rollout, training_rewards
 from esroll.steps import with_steps
 from esroll.task import Method, StepOutput, Task
+from esroll.teacher import load_teacher, teacher_logprobs
 
 
 @functools.cache
@@ -81,6 +83,11 @@ def check_config(cfg: ExperimentConfig) -> None:
             "1 when train.temperature is 0 (greedy decoding gives K identical answers)",
         ),
         (
+            "teacher.path",
+            not cfg.es.teacher_weight or bool(cfg.teacher.path),
+            "a teacher model's folder (es.teacher_weight > 0 reads a teacher)",
+        ),
+        (
             "train.diagnostics_pg",
             not cfg.train.diagnostics_pg or cfg.train.diagnostics_every > 0,
             "False unless an ES method logs diagnostics (train.diagnostics_every > 0)",
@@ -106,7 +113,9 @@ def unread(cfg: ExperimentConfig) -> dict[str, str]:
         rules = {"steps.branches": f"method {cfg.method!r} samples no branches (es.step_weight scores the steps only)"}
     else:
         rules = {"steps.": f"method {cfg.method!r} reads no reasoning steps (es.step_weight is 0)"}
-    rules["teacher."] = f"method {cfg.method!r} reads no teacher"
+    if not cfg.es.teacher_weight:
+        rules["teacher."] = f"method {cfg.method!r} reads no teacher (es.teacher_weight is 0)"
+        rules["es.teacher_fitness"] = "es.teacher_weight is 0: no teacher score to compute"
     if not cfg.train.diagnostics_pg:
         rules["grpo."] = f"method {cfg.method!r} reads GRPO settings only for train.diagnostics_pg, which is off"
     for name in shaping.SHAPINGS:
@@ -155,7 +164,10 @@ def decode_rows(cfg: ExperimentConfig, model_cfg, prompt_len: int, mesh) -> int:
 def strategy_config(es_cfg: ESConfig) -> ESConfig:
     """`es_cfg` without how rewards become fitness (host-side): runs that differ only there share one compiled
     strategy, and the planner compiles the trainer's program."""
-    return dataclasses.replace(es_cfg, samples=1, sample_reduce="mean", prompt_shaping="raw", step_weight=0.0)
+    return dataclasses.replace(
+        es_cfg, samples=1, sample_reduce="mean", prompt_shaping="raw", step_weight=0.0, teacher_weight=0.0,
+        teacher_fitness="log_ratio",
+    )  # fmt: skip
 
 
 def mean_step_scores(step_scores_BxJ: np.ndarray) -> np.ndarray:
@@ -170,6 +182,17 @@ def dense_rewards(reward_B: np.ndarray, step_mean_B: np.ndarray, weight: float) 
     """[B] the dense step fitness of `es.step_weight`: (1 − w)·reward + w·(the row's mean step score,
     `mean_step_scores`). A non-finite reward stays non-finite (the member is dropped)."""
     return ((1.0 - weight) * np.asarray(reward_B, np.float64) + weight * step_mean_B).astype(np.float32)
+
+
+def teacher_scores(teacher_BxN: np.ndarray, logprobs_BxN: np.ndarray, length_B: np.ndarray, kind: str) -> np.ndarray:
+    """[B] each row's teacher score (`es.teacher_fitness`): the mean over its `length_B` completion tokens of
+    log π_T − log π (log_ratio) or of log π_T (log_likelihood); 0 for a row with no tokens."""
+    N = np.asarray(teacher_BxN).shape[1]
+    mask = np.arange(N)[None, :] < np.asarray(length_B)[:, None]
+    per_token = np.asarray(teacher_BxN, np.float64)
+    if kind == "log_ratio":
+        per_token = per_token - np.asarray(logprobs_BxN, np.float64)
+    return np.where(mask, per_token, 0.0).sum(axis=1) / np.maximum(mask.sum(axis=1), 1)
 
 
 def member_fitness(es_settings, reward_B: np.ndarray, M: int, X: int, gold_B: np.ndarray | None = None) -> np.ndarray:
@@ -215,7 +238,10 @@ def make_es_method(
     sample_key = jax.random.key(cfg.seed + 1)
     chunk = rows_per_device or decode_rows(cfg, task.cfg, task.prompt_multiple, mesh)
     sampling = Sampling.of(cfg.train.max_new_tokens, cfg.train.temperature, cfg.parallel, chunk)
-    step_weight = cfg.es.step_weight
+    step_weight, teacher_weight = cfg.es.step_weight, cfg.es.teacher_weight
+    teacher = None
+    if teacher_weight:  # one cache-free teacher forward over each step's rows (`esroll.teacher`)
+        teacher = load_teacher(cfg.teacher.path, task.tokenizer, dtype=jnp.dtype(cfg.model.dtype))
     every = cfg.train.diagnostics_every
     diagnose, ranks = _diagnostics(es_cfg, task.cfg)
     first = jax.local_devices()[0]  # where `ranks` runs
@@ -239,7 +265,7 @@ def make_es_method(
             sampling,
             deltas=strategy.ask(state, compute),
             member_B=member_B,
-            completions=bool(step_weight),
+            completions=bool(step_weight or teacher_weight),
             answers=label_free,
         )
         if step_weight:
@@ -253,6 +279,20 @@ def make_es_method(
             extra["outcome_mean"] = _finite_mean(outcome_B)  # before mixing; reward_mean below is the mixed reward
             extra["step_score_mean"] = float(step_mean_B.mean())
             reward_B = dense_rewards(outcome_B, step_mean_B, step_weight)
+        teacher_flops = 0.0
+        if teacher is not None:
+            teacher_BxN = teacher_logprobs(*teacher, out)
+            score_B = teacher_scores(teacher_BxN, out.logprobs_BxN, out.length_B, cfg.es.teacher_fitness)
+            ratio_B = teacher_scores(teacher_BxN, out.logprobs_BxN, out.length_B, "log_ratio")
+            extra.update(teacher_score_mean=float(score_B.mean()), teacher_log_ratio=float(ratio_B.mean()))
+            extra.setdefault("outcome_mean", _finite_mean(outcome_B))
+            reward_B = ((1.0 - teacher_weight) * np.asarray(reward_B, np.float64) + teacher_weight * score_B).astype(
+                np.float32
+            )
+            context = out.prompt_BxP.shape[1] + out.tokens_BxN.shape[1]
+            teacher_flops = ledger.forward_flops(
+                teacher[0], len(score_B), context, head_positions=out.tokens_BxN.shape[1]
+            )
         fitness_M = member_fitness(cfg.es, reward_B, M, X, gold_B=out.reward_B if label_free else None)
         fitness = parallel.put_replicated(mesh, fitness_M)
         extra["s_scoring"] = out.seconds["score"] + time.perf_counter() - start
@@ -273,13 +313,15 @@ def make_es_method(
         extra.update(
             s_rollout=out.seconds["generate"], flops_generate=float(generate_flops), flops_update=float(update_flops)
         )
+        if teacher is not None:
+            extra["flops_teacher"] = float(teacher_flops)
         # The prompts whose rows' outcomes are all equal, and those of them the fitness still tells apart.
         by_prompt = [
             np.asarray(v, np.float64).reshape(M, X, A).swapaxes(0, 1).reshape(X, M * A) for v in (outcome_B, reward_B)
         ]
         extra.update(baselines.equal_groups(by_prompt[0], (by_prompt[1] - by_prompt[1][:, :1]).ravel()))
         prompt_reward = prompt_means(example_B, outcome_B, X)  # each prompt's success, as the curriculum reads it
-        flops = generate_flops + update_flops
+        flops = generate_flops + update_flops + teacher_flops
         return StepOutput(params, state, {**metrics, **extra}, int(out.length_B.sum()), prompt_reward, flops)
 
     return Method(init, step, headline="fitness_mean")

@@ -3,6 +3,9 @@
 - `opd_advantage`: each sampled token's advantage −(log π_S − log π_T), the per-token reverse KL's negative (the
   on-policy distillation recipe: minimise KL(π_S‖π_T) on the student's own samples).
 - `gndpo_advantage`: GNDPO's clip(log π_T − log π_old, ±c) whitened over every valid token of the batch.
+- `generalized_jsd`: GKD's generalised Jensen–Shannon divergence between the teacher's and the student's whole
+  next-token distributions (a loss over the vocabulary, differentiated through the student's logits, not an
+  advantage; it lives in `esroll.scoring`, which computes it chunk by chunk beside the head's logits).
 - `f_weight`: OPD+'s per-sample weight for an f-divergence D_f(π_θ‖π_T) = Σ_y π_T(y)·f(u(y)) = E_{π_θ}[f(u)/u], with
   u = π_θ/π_T. Its exact gradient is E_{π_θ}[f'(u)·∇ log π_θ] (differentiate Σ π_T f(π_θ/π_T): π_T·f'(u)·∇π_θ/π_T =
   π_θ·f'(u)·∇ log π_θ), so the exact score-function weight is f'(u). The usual stop-gradient weight treats the
@@ -20,6 +23,12 @@ from __future__ import annotations
 import numpy as np
 
 from esroll.grpo.gae import whiten
+from esroll.scoring import generalized_jsd  # GKD's divergence: computed where the head's logits are
+
+__all__ = [
+    "DIVERGENCES", "GNDPO_CLIP", "f_derivative", "f_value", "f_weight", "generalized_jsd", "gndpo_advantage",
+    "opd_advantage",
+]  # fmt: skip
 
 DIVERGENCES = ("reverse_kl", "forward_kl", "js", "alpha")
 GNDPO_CLIP = 5.0

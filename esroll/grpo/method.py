@@ -48,23 +48,28 @@ from esroll.grpo.update import (
     state_shardings,
     update_config,
 )
-from esroll.grpo.advantages import STEP_NEEDS, estimator_group
+from esroll.grpo.advantages import STEP_NEEDS, TEACHER_NEEDS, estimator_group
 from esroll.grpo.variants import Sampled
-from esroll.rollout import Sampling, prompt_means, rollout, training_rewards
+from esroll.rollout import Sampling, given_rollout, prompt_means, rollout, training_rewards
+from esroll.scoring import rollout_logprobs
 from esroll.steps import branch, with_steps
 from esroll.task import Method, StepOutput, Task
-from esroll.teacher import load_teacher, teacher_logprobs
+from esroll.teacher import load_teacher, teacher_signals
 
 
+# fmt: off
 def make_batches(
-    out, mask_BxN, advantage_BxN, factor_BxN, aggregation: str, minibatches: int, microbatches: int, mesh: Mesh
+    out, mask_BxN, advantage_BxN, factor_BxN, aggregation: str, minibatches: int, microbatches: int, mesh: Mesh,
+    teacher_BxNxV: np.ndarray | None = None,
 ) -> list[Rollouts]:
+    # fmt: on
     """A step's B sampled rows as `minibatches` `Rollouts` on `mesh`, each split into `microbatches` of b rows (b
     padded to a multiple of the data axis with masked rows). Minibatch m is rows [m·B/n_mini, (m+1)·B/n_mini), whole
     prompt groups when n_mini divides X; its token weights (`token_weights`, times `factor_BxN`) are computed over
     its real rows, before the padding. `mask_BxN` is the tokens that get loss (`_loss_mask`); the forward attends to
     every completion token (an episode's environment answers too), which the rows carry apart only where they differ
-    (`out.loss_mask_BxN`, episodes)."""
+    (`out.loss_mask_BxN`, episodes). `teacher_BxNxV`, a teacher's log-distributions, travels with the rows when the
+    loss reads it (GKD)."""
     B, N = mask_BxN.shape
     b = B // (minibatches * microbatches)  # rows per microbatch
     data = parallel.data_size(mesh)
@@ -77,17 +82,23 @@ def make_batches(
         weight = (
             np.asarray(token_weights(mask_BxN[rows], aggregation)) * np.broadcast_to(factor_BxN, mask_BxN.shape)[rows]
         )
-        fields = (
-            out.prompt_BxP[rows],
-            out.prompt_mask_BxP[rows],
-            out.tokens_BxN[rows],
-            attend_BxN[rows],
-            out.logprobs_BxN[rows],
-            advantage_BxN[rows],
-            weight.astype(np.float32),
-        ) + (() if out.loss_mask_BxN is None else (mask_BxN[rows],))
-        split = (pad_rows(x.reshape(microbatches, b, *x.shape[1:]), b_padded) for x in fields)
-        batches.append(Rollouts(*(parallel.put(micro_rows, x) for x in split)))
+        fields = dict(
+            prompt=out.prompt_BxP[rows],
+            prompt_mask=out.prompt_mask_BxP[rows],
+            completion=out.tokens_BxN[rows],
+            completion_mask=attend_BxN[rows],
+            logp_old=out.logprobs_BxN[rows],
+            advantage=advantage_BxN[rows],
+            weight=weight.astype(np.float32),
+            loss_mask=None if out.loss_mask_BxN is None else mask_BxN[rows],
+            teacher_logq=None if teacher_BxNxV is None else np.asarray(teacher_BxNxV[rows], np.float32),
+        )
+        split = {
+            k: parallel.put(micro_rows, pad_rows(x.reshape(microbatches, b, *x.shape[1:]), b_padded))
+            for k, x in fields.items()
+            if x is not None
+        }
+        batches.append(Rollouts(**split))
     return batches
 
 
@@ -184,7 +195,11 @@ def check_config(cfg: ExperimentConfig) -> None:
         ),
     ]
     check_fields(cfg, checks, "config")
-    if "teacher" in needs and not cfg.teacher.path:
+    if "teacher_distributions" in needs and cfg.env.name and advantages.options_of(cfg.grpo).student_fraction < 1:
+        expected = "1 with env.name set (episodes have no data completions to train on)"
+        key = f"grpo.adv.{cfg.grpo.advantage}.student_fraction"
+        raise ConfigError(key, advantages.options_of(cfg.grpo).student_fraction, expected)
+    if TEACHER_NEEDS & set(needs) and not cfg.teacher.path:
         expected = f"a teacher model's folder (grpo.advantage {cfg.grpo.advantage!r} reads a teacher)"
         raise ConfigError("teacher.path", cfg.teacher.path, expected)
     if advantages.ESTIMATORS[cfg.grpo.advantage].label_free_only and not cfg.data.label_free:
@@ -202,7 +217,7 @@ def unread(cfg: ExperimentConfig) -> dict[str, str]:
     for key, need in (("steps.", STEP_NEEDS), ("steps.verifier", ("step_scores",)), ("steps.branches", ("branches",))):
         if not set(need) & set(needs):
             rules[key] = f"grpo.advantage {cfg.grpo.advantage!r} does not read {' or '.join(need)}"
-    if "teacher" not in needs:
+    if not TEACHER_NEEDS & set(needs):
         rules["teacher."] = f"grpo.advantage {cfg.grpo.advantage!r} does not read a teacher"
     for name in advantages.ESTIMATORS:
         if name != cfg.grpo.advantage:
@@ -258,8 +273,11 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     update_flops = passes * ledger.train_flops(task.cfg, X * M, task.prompt_multiple, N, remat=g.remat)
     if keeps_reference(g):
         update_flops += passes * ledger.forward_flops(task.cfg, X * M, task.prompt_multiple + N, head_positions=N)
+    # GKD: the teacher's whole distributions in the loss; the share of steps on the student's own samples.
+    gkd = "teacher_distributions" in needs
+    student_fraction = advantages.options_of(g).student_fraction if gkd else 1.0
     teacher = None
-    if "teacher" in needs:  # one cache-free teacher forward over each step's rows (`esroll.teacher`)
+    if TEACHER_NEEDS & set(needs):  # one cache-free teacher forward over each step's rows (`esroll.teacher`)
         teacher = load_teacher(cfg.teacher.path, task.tokenizer, dtype=jnp.dtype(cfg.model.dtype))
         update_flops += ledger.forward_flops(teacher[0], X * M, task.prompt_multiple + N, head_positions=N)
     critic_update = ppo.make_critic_update(task.cfg, g, mesh) if ppo.keeps_critic(g) else None
@@ -280,20 +298,17 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         # ---- sample M completions per prompt and score them
         key = jax.random.fold_in(sample_key, step_index)
         compute = to_compute(params)
-        out = rollout(
-            task,
-            mesh,
-            compute,
-            examples,
-            example_B,
-            key,
-            sampling,
-            completions=True,
-            answers=label_free,
-        )
+        on_student = student_fraction >= 1 or np.random.default_rng([cfg.seed, step_index]).random() < student_fraction
+        if on_student:
+            out = rollout(task, mesh, compute, examples, example_B, key, sampling, completions=True, answers=label_free)
+        else:  # GKD's share of steps on the data's completions, scored by the student as if it had sampled them
+            out = given_rollout(task, examples, example_B, N)
+            out = out._replace(logprobs_BxN=rollout_logprobs(task.cfg, compute, out))
         if steps is not None:
             out = with_steps(out, task, examples, steps, "step_scores" in needs)
         reward_B, metrics = training_rewards(out, label_free)
+        if student_fraction < 1:
+            metrics["student_data"] = float(on_student)
         branched, branch_flops, branch_tokens = None, 0.0, 0
         if "branches" in needs:  # A continuations from the end of each step but the last
             branched, origin = branch(
@@ -309,7 +324,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         # ---- advantages, then the variants' token weights
         own, variant_state = split_host(g, state.host)
         old_BxN = None if critic_update is None else ppo.rollout_values(task.cfg, state.critic, out, mesh)
-        teacher_BxN = None if teacher is None else teacher_logprobs(*teacher, out)
+        teacher_BxN, teacher_BxNxV = (None, None) if teacher is None else teacher_signals(*teacher, out, gkd)
         group = estimator_group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs, old_BxN, teacher_BxN)
         if "branches" in needs:
             shape = (X, M, steps.max_steps)
@@ -327,8 +342,9 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
 
         def batches_of(factor):
             return make_batches(
-                out, mask_BxN, advantage_BxN, factor_BxN * factor, g.aggregation, g.minibatches, g.microbatches, mesh
-            )
+                out, mask_BxN, advantage_BxN, factor_BxN * factor, g.aggregation, g.minibatches, g.microbatches, mesh,
+                teacher_BxNxV,
+            )  # fmt: skip
 
         # ---- on diagnostic steps, the split-half figures of the step's gradient at its start (never fed back)
         start = time.perf_counter()
@@ -363,6 +379,8 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         if host:
             state = state._replace(host=parallel.put_replicated(mesh, jax.tree.map(jnp.asarray, host)))
         generate_flops = ledger.rollout_flops(task.cfg, out.prompt_BxP.shape[1], out.length_B) + branch_flops
+        if not on_student:  # nothing decoded: the student's one forward over the given rows instead
+            generate_flops = ledger.forward_flops(task.cfg, X * M, out.prompt_BxP.shape[1] + N, head_positions=N)
         metrics.update(
             update_metrics,
             reward_mean=rewards_XxM.mean(),
@@ -383,7 +401,8 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             )
         prompt_reward = prompt_means(example_B, reward_B, X)
         flops = generate_flops + update_flops
-        return StepOutput(params, state, metrics, int(out.length_B.sum()) + branch_tokens, prompt_reward, flops)
+        tokens = int(out.length_B.sum()) if on_student else 0
+        return StepOutput(params, state, metrics, tokens + branch_tokens, prompt_reward, flops)
 
     return Method(init, step, headline="reward_mean")
 

@@ -142,6 +142,9 @@ class Rollouts(NamedTuple):
     # [U, b, N] bool: the tokens that get loss, where they are not every completion token: a multi-turn episode's
     # actions, its environment's answers attended to but never trained on (`esroll.agents`); None: completion_mask.
     loss_mask: Array | None = None
+    # [U, b, N, V] float32: a teacher's log-distribution at each completion position, for the estimators whose loss
+    # adds GKD's divergence to it ("teacher_distributions"); None: no teacher in the loss.
+    teacher_logq: Array | None = None
 
     @property
     def trained(self) -> Array:
@@ -174,9 +177,11 @@ def _minibatch_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: 
     The variants with loss hooks (`Variant.in_loss`) change the per-token advantages and clip ranges and add
     metrics."""
     variants = [v for _, v in grpo_variants.active(grpo) if v.in_loss]
+    gkd_beta = divergence_beta(grpo)
 
-    def logprobs(p, micro: Rollouts):
-        """(log π [b, N], entropy [b, N]) of the microbatch's completions under parameters `p`."""
+    def logprobs(p, micro: Rollouts, divergence=None):
+        """(log π [b, N], entropy [b, N]) of the microbatch's completions under parameters `p`, and with `divergence`
+        (teacher log-distributions, β) the generalised JSD to the teacher's at each position."""
         if compute_dtype is not None:  # cast the shards: the gathers then move model-dtype bytes
             p = jax.tree.map(lambda x: x.astype(compute_dtype), p)
         # The top-level leaves (embedding, head, final norm) are gathered here; each layer's weights inside the
@@ -193,10 +198,13 @@ def _minibatch_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: 
             chunk=grpo.logprob_chunk,
             with_entropy=True,
             layer_params=functools.partial(_gather_layer, mesh),
+            divergence=divergence,
         )
 
     def micro_loss(params, ref_params, micro: Rollouts, on_policy):
-        logp, entropy = logprobs(params, micro)  # the entropy: a metric, from the same forward
+        # The entropy (a metric) and GKD's divergence to the teacher come from the same forward.
+        divergence = None if micro.teacher_logq is None else (micro.teacher_logq, gkd_beta)
+        logp, entropy, *jsd = logprobs(params, micro, divergence)
         # The reference is scored by the very computation that scores the policy, so log π_θ − log π_ref is exactly
         # 0 at the reference parameters.
         logp_ref = None if ref_params is None else jax.lax.stop_gradient(logprobs(ref_params, micro)[0])
@@ -216,6 +224,10 @@ def _minibatch_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: 
             aggregation=grpo.aggregation,
             weights_BxN=micro.weight,
         )
+        if jsd:  # GKD: the divergence's token weights are the surrogate's (the aggregation's, times the factors)
+            gkd_loss = jnp.where(micro.trained, micro.weight * jsd[0], 0.0).sum()
+            loss = loss + gkd_loss
+            metrics["divergence_sum"] = jnp.where(micro.trained, jax.lax.stop_gradient(jsd[0]), 0.0).sum()
         # Sums, so that the minibatch's entropy is a mean over its tokens whatever the microbatches hold (padding).
         metrics["entropy_sum"] = jnp.where(micro.trained, jax.lax.stop_gradient(entropy), 0.0).sum()
         metrics["tokens"] = jnp.asarray(micro.trained, jnp.float32).sum()
@@ -237,11 +249,21 @@ def _minibatch_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: 
             "clip_fraction": metrics_U["clip_fraction"].mean(),
             "entropy": metrics_U["entropy_sum"].sum() / jnp.maximum(metrics_U["tokens"].sum(), 1.0),
         }
+        if "divergence_sum" in metrics_U:
+            metrics["gkd_divergence"] = metrics_U["divergence_sum"].sum() / jnp.maximum(metrics_U["tokens"].sum(), 1.0)
         for v, m_U in zip(variants, extra_U):
             metrics.update(v.reduce_metrics(grpo, m_U))
         return grads, metrics
 
     return gradient
+
+
+def divergence_beta(g: GRPOConfig) -> float | None:
+    """GKD's β when `g`'s estimator puts the teacher's whole distributions in the loss (it needs
+    "teacher_distributions" and its options hold `beta`); None otherwise."""
+    if "teacher_distributions" not in advantages.ESTIMATORS.lookup(g.advantage).needs:
+        return None
+    return float(advantages.options_of(g).beta)
 
 
 @functools.cache
@@ -302,9 +324,13 @@ def pad_rows(x_Uxb: np.ndarray, rows: int) -> np.ndarray:
 
 
 def update_config(g: GRPOConfig) -> GRPOConfig:
-    """`g` without what acts only on the host (the estimator, the group size, the variants without loss hooks and
-    their options): runs that differ only there share one compiled update, and the planner compiles the trainer's
+    """`g` without what acts only on the host (the estimator unless its options shape the loss, the group size, the
+    variants without loss hooks and their options): runs that differ only there share one compiled update, and the planner compiles the trainer's
     program."""
     kept = tuple(name for name, v in grpo_variants.active(g) if v.in_loss)
     options = Options({name: o for name, o in g.variant_options.items() if name in kept})
-    return dataclasses.replace(g, advantage="grpo", adv=Options(), group_size=2, variants=kept, variant_options=options)
+    if divergence_beta(g) is not None:  # the estimator's β shapes the loss (GKD): it stays, with its options
+        estimator = dict(advantage=g.advantage, adv=Options({k: o for k, o in g.adv.items() if k == g.advantage}))
+    else:
+        estimator = dict(advantage="grpo", adv=Options())
+    return dataclasses.replace(g, **estimator, group_size=2, variants=kept, variant_options=options)

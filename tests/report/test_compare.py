@@ -473,3 +473,29 @@ def test_critic_comparison_pairs_ppo_with_grpo_s_tuned_setting():
     assert (
         comparison_from_dict(critic_compare.get_config("frozenlake").to_dict()).configs["ppo"].env.name == "frozenlake"
     )
+
+
+def test_distill_comparison_builds_every_arm_with_the_teacher():
+    """configs/distill_compare.py: the 7 arms paired against plain GRPO; each distillation arm and LOO-ROLL with the
+    teacher fitness read the shipped teacher, plain GRPO and LOO-ROLL none; OPD+ at the Jensen–Shannon f; the
+    distillation arms start from GRPO's chosen setting with no option of their own, LOO-ROLL with the teacher from
+    LOO-ROLL's. The quick variant builds its 3 arms."""
+    from configs import distill_compare
+    from esroll.compare import candidates
+    from esroll.experiment import unread_keys
+
+    comp = comparison_from_dict(distill_compare.get_config("steps").to_dict())
+    assert comp.reference == "grpo" and list(comp.configs) == list(distill_compare.ARMS)
+    for arm, cfg in comp.configs.items():
+        reads = arm not in ("grpo", "looroll")
+        assert (cfg.teacher.path == "assets/tiny-qwen3-steps-teacher") == reads, arm
+        assert ("teacher.path" in unread_keys(cfg)) != reads, arm
+    assert comp.configs["opd_plus_js"].grpo.adv["opd_plus"].divergence == "js"
+    assert comp.configs["gkd"].grpo.advantage == "gkd" and comp.configs["looroll_teacher"].es.teacher_weight == 1.0
+    assert dict(comp.tuning.inherit) == distill_compare.INHERIT
+    assert all(candidates(comp.tuning, arm) == [{}] for arm in distill_compare.INHERIT)
+    assert len(candidates(comp.tuning, "grpo")) == len(candidates(comp.tuning, "looroll")) == 2
+    quick = comparison_from_dict(distill_compare.get_config("quick").to_dict())
+    assert list(quick.configs) == ["grpo", "opd", "looroll_teacher"]
+    with pytest.raises(ValueError, match="configs/distill_compare.py"):
+        distill_compare.get_config("hard")

@@ -7,6 +7,9 @@
     opd_plus  OPD+: −f'(u), u = π_old/π_T, the exact score-function weight of the f-divergence D_f(π‖π_T)
               (`divergence`, `alpha`); `exact = False` gives the usual stop-gradient weight −f(u)/u, biased for
               every f but reverse KL
+    gkd       GKD: no advantage of its own; the update adds the generalised JSD_β between the teacher's and the
+              student's whole next-token distributions at every trained token (`beta`), on the student's own
+              samples for a `student_fraction` of the steps and on the data's target completions for the rest
 
 Each may add the verifier's signal, `reward_weight` times GRPO's group-normalised reward advantage on every token of
 a completion (users combine them; 0, the default, distils alone). The formulas, worked by hand: docs/distillation.md.
@@ -66,6 +69,24 @@ class OpdPlusOptions(OpdOptions):
         check_fields(self, checks, "OpdPlusOptions")
 
 
+@dataclasses.dataclass(frozen=True)
+class GkdOptions(OpdOptions):
+    """`grpo.adv.gkd.*`. beta: the generalised JSD's β (0: forward KL(π_T‖π_θ), 1: reverse KL(π_θ‖π_T), 0.5: JSD;
+    TRL's default 0.5); student_fraction: the share of steps trained on the student's own samples, the rest on the
+    data's target completions (GKD's λ; TRL's default 0.5); reward_weight: as `opd`'s (on the student's steps)."""
+
+    beta: float = 0.5
+    student_fraction: float = 0.5
+
+    def __post_init__(self):
+        super().__post_init__()
+        checks = [
+            ("beta", 0 <= self.beta <= 1, "in [0, 1]"),
+            ("student_fraction", 0 <= self.student_fraction <= 1, "in [0, 1]"),
+        ]
+        check_fields(self, checks, "GkdOptions")
+
+
 def _mask(g: Group) -> np.ndarray:
     """[X, M, N]: the tokens of valid completions."""
     _, valid = valid_rewards(g)
@@ -110,7 +131,17 @@ def opd_plus(g: Group, o: OpdPlusOptions, state=None) -> Estimate:
     return _with_reward(g, -f_weight(o.divergence, log_u, o.exact, o.alpha), mask, o)
 
 
+def gkd(g: Group, o: GkdOptions, state=None) -> Estimate:
+    """GKD's signal is a loss, not an advantage: the update adds β's generalised JSD between the teacher's and the
+    student's whole next-token distributions at every trained token ("teacher_distributions",
+    `esroll.grpo.distill.generalized_jsd`), weighted as the surrogate's tokens are. The advantage is
+    `reward_weight` × GRPO's (0 by default: distillation alone)."""
+    mask = _mask(g)
+    return _with_reward(g, np.zeros(mask.shape), mask, o)
+
+
 NEEDS = ("teacher", "logprobs")
 register_advantage("opd", opd, options=OpdOptions, needs=NEEDS, single_rollout=True)
 register_advantage("gndpo", gndpo, options=GndpoOptions, needs=NEEDS, single_rollout=True)
 register_advantage("opd_plus", opd_plus, options=OpdPlusOptions, needs=NEEDS, single_rollout=True)
+register_advantage("gkd", gkd, options=GkdOptions, needs=(*NEEDS, "teacher_distributions"), single_rollout=True)
