@@ -39,10 +39,20 @@ def critic_from_policy(cfg: ModelConfig, params: dict) -> tuple[ModelConfig, dic
 def critic_params(params: dict) -> dict:
     """The parameters of `critic_from_policy`: the policy's trunk and a zero value head in the trunk's dtype."""
     dtype, D = params["final_norm"].dtype, params["final_norm"].shape[-1]
-    critic = {k: params[k] for k in ("embed", "final_norm", STACKED)}
+    critic = {k: params[k] for k in TRUNK}
     critic["value_head"] = jnp.zeros((D, 1), dtype)
     critic["value_bias"] = jnp.zeros((1,), dtype)
     return critic
+
+
+TRUNK = ("embed", "final_norm", STACKED)  # what a critic shares with its policy's architecture
+HEAD = ("value_head", "value_bias")
+
+
+def on_trunk(critic: dict, params: dict) -> dict:
+    """A whole critic from `critic`: itself when it has a trunk of its own; a value head alone (a critic on the
+    policy's shared trunk) joined to the trunk of the policy's `params`."""
+    return critic if "embed" in critic else {**{k: params[k] for k in TRUNK}, **critic}
 
 
 def values(
@@ -97,26 +107,31 @@ def make_value_update(
     their targets. Each argument is [B, T], or [U, b, T]: U microbatches whose gradients are summed (a `lax.scan`,
     a memory knob as the policy's: the loss is the batch's mean over all U·b rows' positions either way). `remat`
     is the forward's (`esroll.models.forward`). With `mesh`, the critic and its optimizer state come out in the
-    masters' layout (`esroll.sharding`), whatever layout they came in, so the update compiles once."""
+    masters' layout (`esroll.sharding`), whatever layout they came in, so the update compiles once.
 
-    def loss_sum(params, count, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT):
-        value_BxT = values(cfg, params, tokens_BxT, mask_BxT=mask_BxT, remat=remat)
+    `update(head, opt_state, *batch, trunk=trunk)`: a value head on a shared trunk (`on_trunk`): the values read the
+    trunk's hidden states, and only the head is trained (no gradient reaches the trunk, so no backward runs through
+    it)."""
+
+    def loss_sum(params, trunk, count, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT):
+        whole = params if trunk is None else {**jax.lax.stop_gradient(trunk), **params}
+        value_BxT = values(cfg, whole, tokens_BxT, mask_BxT=mask_BxT, remat=remat)
         clipped = old_BxT + jnp.clip(value_BxT - old_BxT, -clip, clip)
         losses = jnp.maximum((value_BxT - return_BxT) ** 2, (clipped - return_BxT) ** 2)
         return 0.5 * jnp.sum(jnp.where(at_BxT, losses, 0.0)) / count
 
     @jax.jit
-    def update(params, opt_state, *batch):
+    def update(params, opt_state, *batch, trunk=None):
         if batch[0].ndim == 2:  # one microbatch
             batch = tuple(x[None] for x in batch)
         count = jnp.maximum(jnp.sum(batch[2]), 1).astype(jnp.float32)
 
         def micro(total, xs):
-            loss, grads = jax.value_and_grad(loss_sum)(params, count, *xs)
+            loss, grads = jax.value_and_grad(loss_sum)(params, trunk, count, *xs)
             return jax.tree.map(jnp.add, total, (loss, grads)), None
 
         if batch[0].shape[0] == 1:
-            loss, grads = jax.value_and_grad(loss_sum)(params, count, *(x[0] for x in batch))
+            loss, grads = jax.value_and_grad(loss_sum)(params, trunk, count, *(x[0] for x in batch))
         else:
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
             (loss, grads), _ = jax.lax.scan(micro, zeros, batch)

@@ -101,6 +101,13 @@ def data_size(mesh: Mesh) -> int:
     return mesh.shape[DATA]
 
 
+def padded_rows(rows: int, mesh: Mesh) -> int:
+    """`rows` rounded up to a multiple of the data axis: what a batch split over it holds once masked rows (which
+    add nothing to a loss, a gradient or a value) fill its last devices."""
+    data = data_size(mesh)
+    return -(-rows // data) * data
+
+
 def model_size(mesh: Mesh) -> int:
     return mesh.shape.get(MODEL, 1)
 

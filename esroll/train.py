@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from esroll import agents, memory, methods, parallel, sharding
 from esroll.checkpoint import Checkpointer, check_workdir, claim_workdir, extension, saved_config, workdir_path
 from esroll.config import ExperimentConfig, dotted, make_schedule
+from esroll.critic import on_trunk
 from esroll.curriculum import Curriculum
 from esroll.data import Example, make_splits
 from esroll.errors import InputError, Interrupted, reading
@@ -252,7 +253,7 @@ def train_and_evaluate(
     # The model in `model.dtype`, as it was loaded; every process joins the gather of a model split across hosts.
     final = parallel.to_host(to_compute(params)) if cfg.train.export else None
     critic = getattr(state, "critic", None) if cfg.train.export else None  # PPO's (`esroll.grpo.ppo`)
-    critic = None if critic is None else parallel.to_host(critic)
+    critic = None if critic is None else parallel.to_host(on_trunk(critic, params))  # a head on the policy's trunk
     if lead:
         plot_eval_curve(workdir / "metrics.jsonl", workdir / "eval_accuracy.png", title=cfg.method, n=len(held_out))
         if cfg.train.export:

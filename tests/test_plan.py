@@ -69,7 +69,8 @@ def test_grpo_plan_on_this_machine():
 def test_a_ppo_plan_compiles_the_critic_beside_the_policy():
     """With a critic (`grpo.advantage = "gae"`), the plan adds its values over the step's rows and its update on one
     minibatch; the policy's masters and optimizer state live beside each, the critic's own bytes in its arguments,
-    and the resident optimizer state holds the critic (the policy's trunk and a 1-column head) and its Adam moments."""
+    and the resident optimizer state holds the critic (the policy's trunk and a 1-column head) and its Adam moments;
+    with `shared_trunk`, the head and its moments alone."""
     from esroll import parallel
     from esroll.methods import plan_step
 
@@ -98,6 +99,14 @@ def test_a_ppo_plan_compiles_the_critic_beside_the_policy():
     for p in plan.programs[2:4]:
         assert p.other_resident_bytes == masters + plan.resident["optimizer state"] - critic
         assert p.argument_bytes >= critic_bytes and p.temp_bytes > 0
+    # A value head on the policy's trunk: the resident state adds the head and its moments only; both programs still
+    # compile, reading the trunk from the masters.
+    shared = quick_config("grpo_quick", grpo={"advantage": "gae", "adv": {"gae": {"shared_trunk": True}}})
+    plan = plan_step(shared, model_cfg, mesh, platform="cpu", prompt_len=16)
+    head = (model_cfg.hidden_size + 1) * 4
+    assert plan.resident["optimizer state"] - plain.resident["optimizer state"] == 3 * head + 4
+    assert [p.name for p in plan.programs][2:4] == ["critic values", "critic update"]
+    assert all(p.argument_bytes >= trunk and p.temp_bytes > 0 for p in plan.programs[2:4])
 
 
 def test_topology_without_libtpu_names_the_install_line(monkeypatch):

@@ -72,8 +72,7 @@ def make_batches(
     loss reads it (GKD)."""
     B, N = mask_BxN.shape
     b = B // (minibatches * microbatches)  # rows per microbatch
-    data = parallel.data_size(mesh)
-    b_padded = -(-b // data) * data
+    b_padded = parallel.padded_rows(b, mesh)
     micro_rows = NamedSharding(mesh, PartitionSpec(None, parallel.AXIS))
     attend_BxN = np.arange(N)[None, :] < out.length_B[:, None]
     batches = []
@@ -323,7 +322,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
 
         # ---- advantages, then the variants' token weights
         own, variant_state = split_host(g, state.host)
-        old_BxN = None if critic_update is None else ppo.rollout_values(task.cfg, state.critic, out, mesh)
+        old_BxN = None if critic_update is None else ppo.rollout_values(task.cfg, state.critic, out, mesh, params)
         teacher_BxN, teacher_BxNxV = (None, None) if teacher is None else teacher_signals(*teacher, out, gkd)
         group = estimator_group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs, old_BxN, teacher_BxN)
         if "branches" in needs:
@@ -367,7 +366,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         if critic_update is not None:  # then the critic, on the same schedule, toward the estimator's returns
             returns_BxN = estimate.returns.reshape(X * M, N)
             critic, critic_opt, metrics["value_loss"] = ppo.train_critic(
-                critic_update, state.critic, state.critic_opt, out, mask_BxN, old_BxN, returns_BxN, g, mesh
+                critic_update, state.critic, state.critic_opt, out, mask_BxN, old_BxN, returns_BxN, g, mesh, params
             )
             state = state._replace(critic=critic, critic_opt=critic_opt)
         jax.block_until_ready(params)

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import parallel, sharding
 from esroll.config import ExperimentConfig, GRPOConfig, OptimConfig, make_optimizer
+from esroll.critic import TRUNK, on_trunk
 from esroll import memory
 from esroll.grpo import method as grpo_method
 from esroll.grpo import ppo
@@ -65,7 +66,7 @@ def plan_grpo(
         compile_program("update", update.lower(params, state, batch, on_policy), 0)[0],
     ]
     if ppo.keeps_critic(g):
-        programs += critic_programs(model_cfg, g, mesh, state, rows, prompt_len + N, masters_and_state)
+        programs += critic_programs(model_cfg, g, mesh, state, rows, prompt_len + N, masters_and_state, params)
     gen, per_device = t.fit_rows("generate", t.auto_rows(rows, resident), g.temperature, masters_and_state)
     evaluation, eval_per_device = t.fit_rows(
         "evaluate", t.auto_rows(min(256, cfg.data.eval_size), resident), 0.0, masters_and_state
@@ -73,27 +74,29 @@ def plan_grpo(
     return t.plan(rows, per_device, eval_per_device, resident, [*programs, gen, evaluation])
 
 
-def critic_programs(model_cfg: ModelConfig, g: GRPOConfig, mesh: Mesh, state: GRPOState, rows: int, T: int, resident):
+def critic_programs(
+    model_cfg: ModelConfig, g: GRPOConfig, mesh: Mesh, state: GRPOState, rows: int, T: int, resident, params
+):
     """The critic's two programs, compiled as the trainer runs them: its values over all `rows` rows of T tokens (one
     forward, `ppo.rollout_values`), and its update on one minibatch in `grpo.microbatches` (`ppo.train_critic`). Each
-    has the critic as an argument; the policy's masters and optimizer state live beside it (`resident`, less the
-    critic's own bytes, which it counts)."""
-    data = parallel.data_size(mesh)
+    has the critic as an argument (a value head alone reads the trunk of the policy's masters `params`); the policy's
+    masters and optimizer state live beside it (`resident`, less the critic's own bytes, which it counts)."""
     critic = (state.critic, state.critic_opt)
     beside = resident - memory.tree_bytes_per_device(critic, jax.tree.map(lambda x: x.sharding, critic))
-    padded = -(-rows // data) * data
+    padded = parallel.padded_rows(rows, mesh)
     row_sharding = parallel.rows(mesh)
     tokens = jax.ShapeDtypeStruct((padded, T), jnp.int32, sharding=row_sharding)
     mask = jax.ShapeDtypeStruct((padded, T), bool, sharding=row_sharding)
     read = ppo.read_values(model_cfg)
-    programs = [compile_program("critic values", read.lower(state.critic, tokens, mask_BxT=mask), beside)[0]]
+    whole = on_trunk(state.critic, params)
+    programs = [compile_program("critic values", read.lower(whole, tokens, mask_BxT=mask), beside)[0]]
     U = g.microbatches
-    b = rows // (g.minibatches * U)
-    b += -b % data
+    b = parallel.padded_rows(rows // (g.minibatches * U), mesh)
     micro = NamedSharding(mesh, PartitionSpec(None, parallel.DATA))
     batch = [
         jax.ShapeDtypeStruct((U, b, T), dt, sharding=micro) for dt in (jnp.int32, bool, bool, jnp.float32, jnp.float32)
     ]
     update = ppo.make_critic_update(model_cfg, g, mesh)
-    programs.append(compile_program("critic update", update.lower(*critic, *batch), beside)[0])
+    trunk = None if "embed" in state.critic else {k: params[k] for k in TRUNK}
+    programs.append(compile_program("critic update", update.lower(*critic, *batch, trunk=trunk), beside)[0])
     return programs

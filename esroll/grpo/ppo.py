@@ -1,8 +1,8 @@
 """The critic of a GRPO run whose advantage estimator reads "values" (PPO: `grpo.advantage = "gae"`): its values over
 a rollout, and its updates on the estimator's returns.
 
-The critic (`esroll.critic`) starts as the policy's trunk with a zero value head, lives in `GRPOState.critic` (with
-its own Adam, `critic_opt`) and is checkpointed, restored and sharded with the rest of the state. Each step reads the
+The critic (`esroll.critic`) starts as the policy's trunk with a zero value head (or, with `shared_trunk`, is a value
+head alone on the policy's own trunk), lives in `GRPOState.critic` (with its own Adam, `critic_opt`) and is checkpointed, restored and sharded with the rest of the state. Each step reads the
 critic's value before every generated token in one forward over prompt and completion (what GAE uses, "the values
 the rollout saw"), then, after the policy's updates, takes one critic update per minibatch per pass (`grpo.minibatches`
 × `grpo.inner_iterations`, the policy's schedule) on PPO's clipped value loss against the estimator's returns.
@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from esroll import parallel, sharding
 from esroll.config import GRPOConfig
 from esroll.errors import InputError
-from esroll.critic import critic_params, make_value_update, values
+from esroll.critic import HEAD, TRUNK, critic_params, make_value_update, on_trunk, values
 from esroll.grpo import advantages
 from esroll.models import ModelConfig, load_hf
 from esroll.models.hf import abstract_params, resolve
@@ -40,9 +40,17 @@ def critic_optimizer(g: GRPOConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(CRITIC_MAX_GRAD_NORM), optax.adam(lr))
 
 
+def shares_trunk(g: GRPOConfig) -> bool:
+    """Whether the critic is a value head on the policy's trunk (`shared_trunk` of the estimator's options)."""
+    return keeps_critic(g) and bool(getattr(advantages.options_of(g), "shared_trunk", False))
+
+
 def init_critic(g: GRPOConfig, params: dict) -> tuple[dict, optax.OptState]:
-    """(critic parameters, their optimizer state) from the policy's masters: its trunk and a zero value head."""
+    """(critic parameters, their optimizer state) from the policy's masters: its trunk and a zero value head, or the
+    head alone on a shared trunk (`shares_trunk`)."""
     critic = critic_params(params)
+    if shares_trunk(g):
+        critic = {k: critic[k] for k in HEAD}
     return critic, critic_optimizer(g).init(critic)
 
 
@@ -87,21 +95,22 @@ def read_values(model_cfg: ModelConfig):
     return jax.jit(functools.partial(values, dataclasses.replace(model_cfg, head="value")))
 
 
-def rollout_values(model_cfg: ModelConfig, critic: dict, out, mesh: Mesh) -> np.ndarray:
+def rollout_values(model_cfg: ModelConfig, critic: dict, out, mesh: Mesh, params: dict | None = None) -> np.ndarray:
     """[B, N]: the critic's value before each generated token of `out` (position P−1+n for token n, as its
-    log-probability), 0 past each completion's length. The rows are split over the mesh's data axis, as the policy's
-    (a replicated batch would have every device compute every row)."""
+    log-probability), 0 past each completion's length; a value head alone reads the trunk of the policy's `params`
+    (`esroll.critic.on_trunk`). The rows are split over the mesh's data axis, as the policy's (a replicated batch
+    would have every device compute every row)."""
     P, N = out.prompt_BxP.shape[1], out.tokens_BxN.shape[1]
     tokens, mask, completion_BxN = sequences(out)
     B = len(tokens)
     tokens, mask = _rows(mesh, tokens), _rows(mesh, mask)
-    v = np.asarray(read_values(model_cfg)(critic, tokens, mask_BxT=mask))[:B]
+    v = np.asarray(read_values(model_cfg)(on_trunk(critic, params), tokens, mask_BxT=mask))[:B]
     return np.where(completion_BxN, v[:, P - 1 : P - 1 + N], 0.0)
 
 
 def _rows(mesh: Mesh, x: np.ndarray):
     """`x` with zero (masked) rows appended to a multiple of the data axis, split over it."""
-    padded = -(-len(x) // parallel.data_size(mesh)) * parallel.data_size(mesh)
+    padded = parallel.padded_rows(len(x), mesh)
     return parallel.put_rows(mesh, np.pad(x, [(0, padded - len(x))] + [(0, 0)] * (x.ndim - 1)))
 
 
@@ -122,11 +131,15 @@ def sequences(out) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tokens_BxT, np.concatenate([out.prompt_mask_BxP, completion_BxN], 1), completion_BxN
 
 
-def train_critic(update, critic, critic_opt, out, loss_mask_BxN, old_BxN, returns_BxN, g: GRPOConfig, mesh: Mesh):
+def train_critic(
+    update, critic, critic_opt, out, loss_mask_BxN, old_BxN, returns_BxN, g: GRPOConfig, mesh: Mesh, params=None
+):
     """The critic's updates of one step: `grpo.inner_iterations` passes over `grpo.minibatches` contiguous row blocks,
     each an update at the positions before the generated tokens that get loss, split into `grpo.microbatches` of b
     rows, b padded to a multiple of the data axis and split over it (padding rows read no value, so they add nothing
-    to the loss). Returns the critic, its optimizer state and the mean value loss."""
+    to the loss). A value head alone trains on the trunk of the policy's `params` (after the policy's updates), which
+    it leaves as it is. Returns the critic, its optimizer state and the mean value loss."""
+    trunk = None if "embed" in critic else {k: params[k] for k in TRUNK}
     P, N = out.prompt_BxP.shape[1], out.tokens_BxN.shape[1]
     B = len(out.length_B)
     tokens, mask, _ = sequences(out)
@@ -140,7 +153,7 @@ def train_critic(update, critic, critic_opt, out, loss_mask_BxN, old_BxN, return
     old, ret = placed(old_BxN, np.float32), placed(returns_BxN, np.float32)
     U = g.microbatches
     b = B // (g.minibatches * U)
-    padded = -(-b // parallel.data_size(mesh)) * parallel.data_size(mesh)
+    padded = parallel.padded_rows(b, mesh)
     micro_rows = NamedSharding(mesh, PartitionSpec(None, parallel.AXIS))
     losses = []
     for _ in range(g.inner_iterations):
@@ -150,6 +163,6 @@ def train_critic(update, critic, critic_opt, out, loss_mask_BxN, old_BxN, return
                 parallel.put(micro_rows, np.pad(x[rows].reshape(U, b, P + N), [(0, 0), (0, padded - b), (0, 0)]))
                 for x in (tokens, mask, at, old, ret)
             )
-            critic, critic_opt, loss = update(critic, critic_opt, *batch)
+            critic, critic_opt, loss = update(critic, critic_opt, *batch, trunk=trunk)
             losses.append(loss)
     return critic, critic_opt, float(np.mean(jax.device_get(losses)))

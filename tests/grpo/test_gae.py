@@ -3,6 +3,7 @@ expected value worked out by hand in the docstrings below."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import jax
@@ -187,11 +188,64 @@ def test_ppo_policy_gradient_against_a_cache_free_reference(tmp_path):
     assert largest > 0
 
 
+def test_a_value_head_on_the_policys_trunk_by_hand(tmp_path):
+    """`grpo.adv.gae.shared_trunk`: the critic is a value head alone ({value_head, value_bias}); its values are
+    w·h_t + b over the policy's own final hidden states (h from a cache-free forward here), and one update of it with
+    plain SGD (lr 1) on the clipped value loss, its old values the current ones (so the clip is inactive), moves
+    w by −Σ (V − R)·h / n and b by −Σ (V − R) / n over the n positions before the completion tokens, R drawn here.
+    The trunk is an argument the update reads and never returns."""
+    import optax
+
+    from conftest import build_tiny_hf
+    from esroll import parallel
+    from esroll.config import from_config_dict
+    from esroll.critic import HEAD, TRUNK, make_value_update
+    from esroll.experiment import check_names
+    from esroll.grpo import ppo
+    from esroll.models import forward, load_hf
+    from test_grpo import scored_rows
+
+    build_tiny_hf("qwen3", tmp_path, initializer_range=0.2)
+    cfg, params = load_hf(tmp_path)
+    run = check_names(from_config_dict({"grpo": {"advantage": "gae", "adv": {"gae": {"shared_trunk": True}}}}))
+    assert ppo.shares_trunk(run.grpo) and sorted(ppo.init_critic(run.grpo, params)[0]) == sorted(HEAD)
+    rng = np.random.default_rng(4)
+    w = rng.normal(0, 0.3, (cfg.hidden_size, 1)).astype(np.float32)
+    head = {"value_head": jnp.asarray(w), "value_bias": jnp.asarray([0.1], jnp.float32)}
+    prompt, prompt_mask, completion, completion_mask = scored_rows(cfg.vocab_size, rows=3)
+    B, P, N = 3, prompt.shape[1], completion.shape[1]
+    out = types.SimpleNamespace(
+        prompt_BxP=prompt, prompt_mask_BxP=prompt_mask, tokens_BxN=completion, length_B=completion_mask.sum(1)
+    )
+    got = ppo.rollout_values(cfg, head, out, parallel.make_mesh(1), params)
+    tokens, mask = np.concatenate([prompt, completion], 1), np.concatenate([prompt_mask, completion_mask], 1)
+    h = np.asarray(forward(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask), return_hidden=True)[0])
+    value = h.astype(np.float64) @ w[:, 0] + 0.1
+    np.testing.assert_allclose(got, np.where(completion_mask, value[:, P - 1 : P - 1 + N], 0), atol=1e-5)
+
+    at = np.zeros((B, P + N), bool)
+    at[:, P - 1 : P - 1 + N] = completion_mask
+    ret = rng.normal(0, 1, (B, P + N)).astype(np.float32)
+    value_cfg = dataclasses.replace(cfg, head="value")
+    update = make_value_update(value_cfg, optax.sgd(1.0), clip=0.2)
+    trunk = {k: params[k] for k in TRUNK}
+    new, _, loss = update(head, optax.sgd(1.0).init(head), tokens, mask, at, value.astype(np.float32), ret, trunk=trunk)
+    assert sorted(new) == sorted(HEAD)
+    err = np.where(at, value - ret, 0.0)
+    n = at.sum()
+    np.testing.assert_allclose(
+        np.asarray(new["value_head"])[:, 0], w[:, 0] - (err[..., None] * h).sum((0, 1)) / n, atol=1e-5
+    )
+    np.testing.assert_allclose(np.asarray(new["value_bias"]), [0.1 - err.sum() / n], atol=1e-5)
+    assert float(loss) == pytest.approx(0.5 * (err**2).sum() / n, rel=1e-4)
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("spec", ["step_level:quick,ppo", "agents:quick,ppo"])
+@pytest.mark.parametrize("spec", ["step_level:quick,ppo", "agents:quick,ppo", "step_level:quick,ppo,shared"])
 def test_the_shipped_ppo_configs_train_a_critic(spec, tmp_path):
     """configs/step_level.py:quick,ppo and configs/agents.py:quick,ppo: two steps, the critic's values move off their
-    zero start and its loss is logged (on episodes, from the turns' rewards)."""
+    zero start and its loss is logged (on episodes, from the turns' rewards). With a value head on the policy's trunk
+    (`shared_trunk`), the exported critic is the final policy's trunk with the trained head."""
     import importlib
 
     from conftest import REPO
@@ -201,8 +255,11 @@ def test_the_shipped_ppo_configs_train_a_critic(spec, tmp_path):
     from esroll.train import train_and_evaluate
 
     module, variant = spec.split(":")
-    cd = importlib.import_module(f"configs.{module}").get_config(variant)
+    shared = variant.endswith(",shared")
+    cd = importlib.import_module(f"configs.{module}").get_config(variant.removesuffix(",shared"))
     cd.model.path = str(REPO / cd.model.path)
+    if shared:
+        cd.grpo.adv = {"gae": {"shared_trunk": True}}
     cfg = check_names(from_config_dict(cd.to_dict()))
     assert cfg.method == "grpo" and cfg.grpo.advantage == "gae"
     train_and_evaluate(cfg, tmp_path, progress=False)
@@ -214,3 +271,7 @@ def test_the_shipped_ppo_configs_train_a_critic(spec, tmp_path):
 
         critic_cfg, critic = load_hf(tmp_path / "final_critic")
         assert critic_cfg.head == "value" and np.asarray(critic["value_head"]).any()
+        if shared:
+            _, policy = load_hf(tmp_path / "final")
+            for a, b in zip(jax.tree.leaves(policy["layers"]), jax.tree.leaves(critic["layers"]), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

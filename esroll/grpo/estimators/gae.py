@@ -25,7 +25,8 @@ class GaeOptions:
     step's valid tokens; critic_lr: the critic's Adam learning rate (its own optimizer, clipped at norm 1);
     value_clip: ε of the clipped value loss (TRL 0.2); critic_path: a checkpoint to start the critic from (a value
     model of the policy's architecture, or a causal LM of it whose trunk is taken with a zero value head; empty: the
-    policy's own trunk)."""
+    policy's own trunk); shared_trunk: no trunk of the critic's own: a value head on the policy's trunk, trained on
+    the policy's hidden states by its own optimizer, the trunk trained by the policy's loss alone (docs/critics.md)."""
 
     gamma: float = 1.0
     lam: float = 0.95
@@ -33,6 +34,7 @@ class GaeOptions:
     critic_lr: float = 1e-4
     value_clip: float = 0.2
     critic_path: str = ""
+    shared_trunk: bool = False
 
     def __post_init__(self):
         checks = [
@@ -40,6 +42,11 @@ class GaeOptions:
             ("lam", 0 <= self.lam <= 1, "in [0, 1]"),
             ("critic_lr", self.critic_lr > 0, "> 0"),
             ("value_clip", self.value_clip > 0, "> 0"),
+            (
+                "critic_path",
+                not (self.shared_trunk and self.critic_path),
+                "empty with shared_trunk (the trunk is the policy's)",
+            ),
         ]
         check_fields(self, checks, "GaeOptions")
 
