@@ -71,11 +71,6 @@ def get_config(arg: str | None = None) -> ConfigDict:
     inherit = {arm: "grpo" for arm in GRPO_ARMS if arm != "grpo"}
     c = compare.own_option_protocol(experiments, ARMS, OWN_OPTION, inherit, time_budget_s=180.0, tuning_budget_s=90.0)
     if quick:
-        c.experiment.data.eval_size = 8
-        c.experiment.data.validation_size = 4
-        c.methods = "grpo,gigpo,looroll"
         c.tuning.runs = 1
-        c.tuning.space = {m: OWN_OPTION[m] for m in c.methods.split(",")}
-        c.tuning.inherit = {"gigpo": "grpo"}
-        compare.quick_protocol(c)
+        compare.quick_arms(c, "grpo,gigpo,looroll", eval_size=8, validation_size=4)
     return c

@@ -118,6 +118,19 @@ def own_option_protocol(experiments, arms, space, inherit, time_budget_s: float,
     return c
 
 
+def quick_arms(c: ConfigDict, methods: str, eval_size: int, validation_size: int) -> ConfigDict:
+    """`c` cut to the test suite's few arms `methods` (comma-separated, in their order): each tuned on its own space,
+    inheriting only from an arm that runs, held-out splits of `eval_size` and `validation_size`, and
+    `quick_protocol`'s seconds-long runs."""
+    names = methods.split(",")
+    c.experiment.data.eval_size = eval_size
+    c.experiment.data.validation_size = validation_size
+    c.methods = methods
+    c.tuning.space = {m: c.tuning.space[m] for m in names}
+    c.tuning.inherit = {m: source for m, source in c.tuning.inherit.items() if m in names and source in names}
+    return quick_protocol(c)
+
+
 def quick_protocol(c: ConfigDict) -> ConfigDict:
     """`c` cut to seconds for the test suite: 2 evaluation seeds, runs of 2 steps, no warm-up compilation runs."""
     c.seeds = (0, 1)

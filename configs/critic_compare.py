@@ -77,9 +77,5 @@ def get_config(arg: str | None = None) -> ConfigDict:
         tuning_budget_s=tuning_budget_s,
     )
     if quick:
-        c.experiment.data.eval_size = 32
-        c.experiment.data.validation_size = 16
-        c.methods = "grpo,ppo"
-        c.tuning.space = {m: c.tuning.space[m] for m in c.methods.split(",")}
-        compare.quick_protocol(c)
+        compare.quick_arms(c, "grpo,ppo", eval_size=32, validation_size=16)
     return c

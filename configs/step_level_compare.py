@@ -94,10 +94,5 @@ def get_config(arg: str | None = None) -> ConfigDict:
         tuning_budget_s=40.0,
     )
     if arg == "quick":
-        c.experiment.data.eval_size = 32
-        c.experiment.data.validation_size = 16
-        c.methods = "grpo,verigate,looroll_dense"
-        c.tuning.space = {m: c.tuning.space[m] for m in c.methods.split(",")}
-        c.tuning.inherit = {"verigate": "grpo"}
-        compare.quick_protocol(c)
+        compare.quick_arms(c, "grpo,verigate,looroll_dense", eval_size=32, validation_size=16)
     return c

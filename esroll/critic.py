@@ -49,10 +49,16 @@ TRUNK = ("embed", "final_norm", STACKED)  # what a critic shares with its policy
 HEAD = ("value_head", "value_bias")
 
 
+def trunk_of(critic: dict, params: dict) -> dict | None:
+    """The trunk a value head alone (a critic on the policy's shared trunk) reads: that of the policy's `params`;
+    None when `critic` has a trunk of its own."""
+    return None if "embed" in critic else {k: params[k] for k in TRUNK}
+
+
 def on_trunk(critic: dict, params: dict) -> dict:
-    """A whole critic from `critic`: itself when it has a trunk of its own; a value head alone (a critic on the
-    policy's shared trunk) joined to the trunk of the policy's `params`."""
-    return critic if "embed" in critic else {**{k: params[k] for k in TRUNK}, **critic}
+    """A whole critic from `critic`: itself when it has a trunk of its own, else the head on `trunk_of`'s trunk."""
+    trunk = trunk_of(critic, params)
+    return critic if trunk is None else {**trunk, **critic}
 
 
 def values(

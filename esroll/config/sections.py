@@ -199,7 +199,8 @@ class StepsConfig:
 class TeacherConfig:
     """A config file's `teacher` section: the model whose log-probabilities score the student's samples (on-policy
     distillation, `esroll.teacher`), read when the method asks for a teacher (an advantage estimator that needs
-    "teacher", or ES with `es.teacher_weight` > 0). path: a causal LM folder sharing the student's tokenizer exactly (`esroll.teacher.check_tokenizer`)."""
+    "teacher", or ES with `es.teacher_weight` > 0). path: a causal LM folder sharing the student's tokenizer exactly
+    (`esroll.teacher.check_tokenizer`)."""
 
     path: str = ""
 

@@ -178,10 +178,11 @@ def mean_step_scores(step_scores_BxJ: np.ndarray) -> np.ndarray:
     return np.where(n_B > 0, np.where(counted, scores, 0.0).sum(axis=1) / np.maximum(n_B, 1), 0.0)
 
 
-def dense_rewards(reward_B: np.ndarray, step_mean_B: np.ndarray, weight: float) -> np.ndarray:
-    """[B] the dense step fitness of `es.step_weight`: (1 − w)·reward + w·(the row's mean step score,
-    `mean_step_scores`). A non-finite reward stays non-finite (the member is dropped)."""
-    return ((1.0 - weight) * np.asarray(reward_B, np.float64) + weight * step_mean_B).astype(np.float32)
+def dense_rewards(reward_B: np.ndarray, score_B: np.ndarray, weight: float) -> np.ndarray:
+    """[B] a reward mixed with a dense per-row score: (1 − w)·reward + w·score (`es.step_weight` with the row's mean
+    step score, `mean_step_scores`; `es.teacher_weight` with its teacher score, `teacher_scores`). A non-finite
+    reward stays non-finite (the member is dropped)."""
+    return ((1.0 - weight) * np.asarray(reward_B, np.float64) + weight * score_B).astype(np.float32)
 
 
 def teacher_scores(teacher_BxN: np.ndarray, logprobs_BxN: np.ndarray, length_B: np.ndarray, kind: str) -> np.ndarray:
@@ -282,13 +283,13 @@ def make_es_method(
         teacher_flops = 0.0
         if teacher is not None:
             teacher_BxN = teacher_logprobs(*teacher, out)
-            score_B = teacher_scores(teacher_BxN, out.logprobs_BxN, out.length_B, cfg.es.teacher_fitness)
             ratio_B = teacher_scores(teacher_BxN, out.logprobs_BxN, out.length_B, "log_ratio")
+            score_B = ratio_B
+            if cfg.es.teacher_fitness != "log_ratio":
+                score_B = teacher_scores(teacher_BxN, out.logprobs_BxN, out.length_B, cfg.es.teacher_fitness)
             extra.update(teacher_score_mean=float(score_B.mean()), teacher_log_ratio=float(ratio_B.mean()))
             extra.setdefault("outcome_mean", _finite_mean(outcome_B))
-            reward_B = ((1.0 - teacher_weight) * np.asarray(reward_B, np.float64) + teacher_weight * score_B).astype(
-                np.float32
-            )
+            reward_B = dense_rewards(reward_B, score_B, teacher_weight)
             context = out.prompt_BxP.shape[1] + out.tokens_BxN.shape[1]
             teacher_flops = ledger.forward_flops(
                 teacher[0], len(score_B), context, head_positions=out.tokens_BxN.shape[1]

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import parallel, sharding
 from esroll.config import ExperimentConfig, GRPOConfig, OptimConfig, make_optimizer
-from esroll.critic import TRUNK, on_trunk
+from esroll.critic import on_trunk, trunk_of
 from esroll import memory
 from esroll.grpo import method as grpo_method
 from esroll.grpo import ppo
@@ -97,6 +97,6 @@ def critic_programs(
         jax.ShapeDtypeStruct((U, b, T), dt, sharding=micro) for dt in (jnp.int32, bool, bool, jnp.float32, jnp.float32)
     ]
     update = ppo.make_critic_update(model_cfg, g, mesh)
-    trunk = None if "embed" in state.critic else {k: params[k] for k in TRUNK}
+    trunk = trunk_of(state.critic, params)
     programs.append(compile_program("critic update", update.lower(*critic, *batch, trunk=trunk), beside)[0])
     return programs

@@ -2,10 +2,11 @@
 a rollout, and its updates on the estimator's returns.
 
 The critic (`esroll.critic`) starts as the policy's trunk with a zero value head (or, with `shared_trunk`, is a value
-head alone on the policy's own trunk), lives in `GRPOState.critic` (with its own Adam, `critic_opt`) and is checkpointed, restored and sharded with the rest of the state. Each step reads the
-critic's value before every generated token in one forward over prompt and completion (what GAE uses, "the values
-the rollout saw"), then, after the policy's updates, takes one critic update per minibatch per pass (`grpo.minibatches`
-× `grpo.inner_iterations`, the policy's schedule) on PPO's clipped value loss against the estimator's returns.
+head alone on the policy's own trunk), lives in `GRPOState.critic` (with its own Adam, `critic_opt`) and is
+checkpointed, restored and sharded with the rest of the state. Each step reads the critic's value before every
+generated token in one forward over prompt and completion (what GAE uses, "the values the rollout saw"), then, after
+the policy's updates, takes one critic update per minibatch per pass (`grpo.minibatches` × `grpo.inner_iterations`,
+the policy's schedule) on PPO's clipped value loss against the estimator's returns.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from esroll import parallel, sharding
 from esroll.config import GRPOConfig
 from esroll.errors import InputError
-from esroll.critic import HEAD, TRUNK, critic_params, make_value_update, on_trunk, values
+from esroll.critic import HEAD, critic_params, make_value_update, on_trunk, trunk_of, values
 from esroll.grpo import advantages
 from esroll.models import ModelConfig, load_hf
 from esroll.models.hf import abstract_params, resolve
@@ -139,7 +140,7 @@ def train_critic(
     rows, b padded to a multiple of the data axis and split over it (padding rows read no value, so they add nothing
     to the loss). A value head alone trains on the trunk of the policy's `params` (after the policy's updates), which
     it leaves as it is. Returns the critic, its optimizer state and the mean value loss."""
-    trunk = None if "embed" in critic else {k: params[k] for k in TRUNK}
+    trunk = trunk_of(critic, params)
     P, N = out.prompt_BxP.shape[1], out.tokens_BxN.shape[1]
     B = len(out.length_B)
     tokens, mask, _ = sequences(out)

@@ -325,8 +325,8 @@ def pad_rows(x_Uxb: np.ndarray, rows: int) -> np.ndarray:
 
 def update_config(g: GRPOConfig) -> GRPOConfig:
     """`g` without what acts only on the host (the estimator unless its options shape the loss, the group size, the
-    variants without loss hooks and their options): runs that differ only there share one compiled update, and the planner compiles the trainer's
-    program."""
+    variants without loss hooks and their options): runs that differ only there share one compiled update, and the
+    planner compiles the trainer's program."""
     kept = tuple(name for name, v in grpo_variants.active(g) if v.in_loss)
     options = Options({name: o for name, o in g.variant_options.items() if name in kept})
     if divergence_beta(g) is not None:  # the estimator's β shapes the loss (GKD): it stays, with its options

@@ -210,9 +210,9 @@ def test_es_teacher_scores_by_hand():
 
 @pytest.mark.e2e
 def test_an_es_step_with_the_teacher_fitness():
-    """One LOO-ROLL step from one state on the same prompts and sampling keys, with the verifier's reward alone, half and half
-    with the teacher's log-ratio, and with a "teacher" that is the student itself. The members decode the same
-    completions each time; the outcome is the plain step's reward; the mixed reward is (outcome + teacher score) / 2.
+    """One LOO-ROLL step from one state on the same prompts and sampling keys, with the verifier's reward alone, half
+    and half with the teacher's log-ratio, and with a "teacher" that is the student itself. The members decode the
+    same completions each time; the outcome is the plain step's reward; the mixed reward is (outcome + teacher score) / 2.
     The student's own log-probabilities as the teacher give a log-ratio within the members' perturbation of 0 (a
     teacher forward shifted by a token against the rollout's log-probabilities would not), and the real teacher's
     is clearly below it."""
