@@ -14,6 +14,7 @@ The variant is comma-separated, each part at most once: an environment, a method
     eggroll     antithetic EGGROLL, otherwise as looroll
     grpo        GRPO: 8 episodes × 8 sampled at temperature 1, AdamW clipped at norm 1
     ppo         PPO: as grpo, with GAE over the actions from a learned critic (docs/critics.md)
+    hygae       HyGAE: as ppo, with turn-level and token-level GAE mixed (α 0.5, γ 0.99, λ 1; docs/critics.md)
     quick       a seconds-long smoke run (tests)
 A row is one episode: its reward is the episode's return (ES: a member's fitness is the mean return of its episodes;
 GRPO: the return's group advantage on every action token, none on the environment's). Held-out "accuracy" is the
@@ -31,7 +32,9 @@ METHOD_PARTS = {
     "eggroll": "antithetic EGGROLL",
     "grpo": "GRPO on the episode return",
     "ppo": "PPO: GAE over the actions from a learned critic (grpo.advantage = 'gae')",
+    "hygae": "HyGAE: turn-level and token-level GAE mixed, one critic (grpo.advantage = 'hygae')",
 }
+CRITIC_METHODS = {"ppo": "gae", "hygae": "hygae"}  # GRPO's sampling and update with a learned critic's estimator
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)"}
 VARIANTS = {
     **{f"{name} (environment)": what for name, what in ENVS.items()},
@@ -76,10 +79,10 @@ def get_config(arg: str | None = None):
     c.train.steps = 10_000  # the time budget ends the run
     c.train.eval_every = 10
     c.train.checkpoint_every = 10
-    c.method = "grpo" if method == "ppo" else method
-    if method in ("grpo", "ppo"):
-        if method == "ppo":
-            c.grpo.advantage = "gae"
+    c.method = "grpo" if method in CRITIC_METHODS else method
+    if method == "grpo" or method in CRITIC_METHODS:
+        if method in CRITIC_METHODS:
+            c.grpo.advantage = CRITIC_METHODS[method]
         c.grpo.group_size = 8
         c.grpo.temperature = 1.0
         c.optimizer.name = "adamw"

@@ -15,6 +15,8 @@ The variant is comma-separated: one method name, then modifiers.
     graft       GRPO with GRAFT's step credit on the group's graph of states ("graft"; graft_gae: Graph GAE on it)
     progpo      GRPO with ProGPO's exact-prefix comparison and transition credit ("progpo")
     ppo         PPO: GAE over the generated tokens from a learned critic ("gae", docs/critics.md)
+    srppo       SR-PPO: one completion per prompt (128 prompts a step), token credit from a learned success head's
+                pass@4 ("srppo", docs/critics.md)
     NAME        GRPO with any other registered advantage estimator (`grpo.advantage = NAME`; docs/extending.md)
     quick       a seconds-long smoke run (tests)
     hard        5 operands to train and evaluate on, instead of 3 or 4
@@ -38,8 +40,10 @@ METHOD_PARTS = {
     "graft_gae": "GRPO with Graph GAE on GRAFT's state graph",
     "progpo": "GRPO with ProGPO's exact-prefix comparison and transition credit",
     "ppo": "PPO: GAE from a learned critic (grpo.advantage = 'gae'), GRPO's sampling and clipped update",
+    "srppo": "SR-PPO: one completion per prompt, credit from a learned success head (grpo.advantage = 'srppo')",
 }
 ESTIMATOR_VARIANTS = tuple(m for m in METHOD_PARTS if m not in ("grpo", "looroll", "ppo"))  # grpo.advantage = m
+SINGLE_ROLLOUT = ("srppo",)  # one completion per prompt, the step's rows as GRPO's: 128 prompts
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)", "hard": "5 operands instead of 3 or 4"}
 VARIANTS = {
     **{f"{name} (method)": what for name, what in METHOD_PARTS.items()},
@@ -99,4 +103,7 @@ def get_config(arg: str | None = None):
         c.train.max_new_tokens = 40 if "hard" not in parts else 56
         c.es.population = 4
         c.grpo.group_size = 4
+    if method in SINGLE_ROLLOUT:
+        c.train.prompts_per_step *= c.grpo.group_size
+        c.grpo.group_size = 1
     return c

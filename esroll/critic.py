@@ -103,15 +103,18 @@ def value_loss(value_BxN: Array, old_value_BxN: Array, return_BxN: Array, mask_B
 def make_value_update(
     cfg: ModelConfig,
     optimizer: optax.GradientTransformation,
-    clip: float,
+    clip: float | None,
     remat: str | None = None,
     mesh: Mesh | None = None,
+    loss: str = "clipped",
 ):
     """The compiled critic update of one batch: `update(params, opt_state, tokens, mask, at, old, returns) -> (params,
-    opt_state, loss)`, one optimizer step on PPO's clipped value loss (`value_loss`) over the positions `at` (where a
-    value is read: the position before each generated token), `old` the values the rollout saw there and `returns`
-    their targets. Each argument is [B, T], or [U, b, T]: U microbatches whose gradients are summed (a `lax.scan`,
-    a memory knob as the policy's: the loss is the batch's mean over all U·b rows' positions either way). `remat`
+    opt_state, loss)`, one optimizer step on PPO's clipped value loss (`value_loss`, ε = `clip`) over the positions
+    `at` (where a value is read: the position before each generated token), `old` the values the rollout saw there
+    and `returns` their targets. With `loss = "logistic"` the values are logits of a success probability and the loss
+    is the binary cross-entropy to targets in [0, 1] (a success head, SR-PPO's; `clip` and `old` are not read). Each
+    argument is [B, T], or [U, b, T]: U microbatches whose gradients are summed (a `lax.scan`, a memory knob as the
+    policy's: the loss is the batch's mean over all U·b rows' positions either way). `remat`
     is the forward's (`esroll.models.forward`). With `mesh`, the critic and its optimizer state come out in the
     masters' layout (`esroll.sharding`), whatever layout they came in, so the update compiles once.
 
@@ -122,9 +125,12 @@ def make_value_update(
     def loss_sum(params, trunk, count, tokens_BxT, mask_BxT, at_BxT, old_BxT, return_BxT):
         whole = params if trunk is None else {**jax.lax.stop_gradient(trunk), **params}
         value_BxT = values(cfg, whole, tokens_BxT, mask_BxT=mask_BxT, remat=remat)
-        clipped = old_BxT + jnp.clip(value_BxT - old_BxT, -clip, clip)
-        losses = jnp.maximum((value_BxT - return_BxT) ** 2, (clipped - return_BxT) ** 2)
-        return 0.5 * jnp.sum(jnp.where(at_BxT, losses, 0.0)) / count
+        if loss == "logistic":
+            losses = optax.sigmoid_binary_cross_entropy(value_BxT, return_BxT)
+        else:
+            clipped = old_BxT + jnp.clip(value_BxT - old_BxT, -clip, clip)
+            losses = 0.5 * jnp.maximum((value_BxT - return_BxT) ** 2, (clipped - return_BxT) ** 2)
+        return jnp.sum(jnp.where(at_BxT, losses, 0.0)) / count
 
     @jax.jit
     def update(params, opt_state, *batch, trunk=None):

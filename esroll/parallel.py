@@ -146,6 +146,12 @@ def put_replicated(mesh: Mesh, tree):
     return jax.tree.map(place, tree)
 
 
+def replicate(mesh: Mesh, tree):
+    """Copies of a pytree of device arrays (split any way over `mesh`) on every device, gathered on the devices (no
+    round trip through a host, so it holds on several hosts)."""
+    return jax.jit(lambda t: t, out_shardings=replicated(mesh))(tree)
+
+
 def local_rows(x: jax.Array) -> tuple[np.ndarray, np.ndarray]:
     """(row indices, values) of the rows of a row-split array that live on this process."""
     shards = sorted({(s.index[0].start or 0, s.index[0].stop or x.shape[0]): s for s in x.addressable_shards}.items())

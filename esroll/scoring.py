@@ -16,6 +16,7 @@ V vocabulary, C chunks of the completion tokens, Z tokens per chunk.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,17 @@ from esroll.models import ModelConfig, Perturbation, forward
 from esroll.models.transformer import head
 
 Array = jax.Array
+
+
+class Divergence(NamedTuple):
+    """What GKD's divergence reads of a teacher (`sequence_logprobs(divergence=…)`): its model config (a Python value
+    that shapes the program), its head's weights (`esroll.teacher.teacher_head`), its final-normed hidden states at
+    the completion positions [B, N, D_T] (position n: the state that predicts completion token n), and β."""
+
+    cfg: ModelConfig
+    head: dict
+    hidden_BxNxD: Array
+    beta: float
 
 
 def sequence_logprobs(
@@ -41,7 +53,7 @@ def sequence_logprobs(
     with_entropy: bool = False,
     layer_params=None,
     unroll: int = 1,
-    divergence: tuple[Array, float] | None = None,
+    divergence: Divergence | None = None,
 ) -> Array | tuple[Array, ...]:
     """Log-probability [B, N] of each completion token given its prefix, from one full forward over prompt+completion;
     with `with_entropy`, also the entropy [B, N] of the whole next-token distribution at each completion position.
@@ -58,11 +70,12 @@ def sequence_logprobs(
     weights, `unroll` its layers per scan iteration (`forward`). The entropy is a
     metric: it carries no gradient.
 
-    divergence: (a teacher's log-distributions [B, N, V], β): also GKD's generalised JSD [B, N] between the teacher's
-    and the model's whole next-token distribution at each completion position (`generalized_jsd`),
-    computed chunk by chunk beside the log-probabilities (so the model's [B, N, V] log-distribution is never held),
-    with its gradient. Returns log-probabilities, then the entropy (with `with_entropy`), then the divergence (with
-    `divergence`): a tuple when there is more than the first.
+    divergence: a teacher's final hidden states at the completion positions and its head (`Divergence`): also GKD's
+    generalised JSD [B, N] between the teacher's and the model's whole next-token distribution at each completion
+    position (`generalized_jsd`), both heads applied chunk by chunk beside the log-probabilities (so neither [B, N, V]
+    log-distribution is ever held: at a real vocabulary the teacher's would be 150k floats per token, its hidden
+    state a few thousand), with its gradient (none reaches the teacher). Returns log-probabilities, then the entropy
+    (with `with_entropy`), then the divergence (with `divergence`): a tuple when there is more than the first.
     """
     P, N = prompt_BxP.shape[1], completion_BxN.shape[1]
     tokens_BxT = jnp.concatenate([prompt_BxP, completion_BxN], 1)
@@ -98,10 +111,10 @@ def _completion_logprobs(
     perturb: Perturbation | None,
     chunk: int,
     with_entropy: bool,
-    divergence: tuple[Array, float] | None = None,
+    divergence: Divergence | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
     """log softmax(head(h))[token], with_entropy the entropy of softmax(head(h)), and with `divergence` (a teacher's
-    log-distributions [B, N, V], β) the generalised JSD to the teacher's, [B, N] each, over chunks of `chunk`
+    hidden states and head) the generalised JSD to the teacher's distribution, [B, N] each, over chunks of `chunk`
     positions (a `lax.map`; N is zero-padded up to a multiple, and the padding sliced off). Each chunk runs under
     `jax.checkpoint`, so only its hidden states and outputs outlive it."""
     B, N, D = hidden_BxNxD.shape
@@ -115,9 +128,9 @@ def _completion_logprobs(
 
     xs = [chunked(hidden_BxNxD), chunked(tokens_BxN)]
     if divergence is not None:
-        # The padding positions' teacher log-distribution is 0 everywhere (not a distribution); their divergence is
-        # sliced off below, and they get no gradient.
-        xs.append(chunked(divergence[0]))
+        # The padding positions' teacher hidden states are 0 (a uniform distribution); their divergence is sliced off
+        # below, and they get no gradient.
+        xs.append(chunked(divergence.hidden_BxNxD))
 
     @jax.checkpoint
     def one_chunk(xs):
@@ -127,7 +140,10 @@ def _completion_logprobs(
         token_logit_BxZ = jnp.take_along_axis(logits_BxZxV, tokens_BxZ[..., None], -1)[..., 0]
         div_BxZ = None
         if divergence is not None:
-            div_BxZ = generalized_jsd(xs[2], logits_BxZxV - lse_BxZ[..., None], divergence[1])
+            h_T = xs[2].astype(next(iter(divergence.head.values())).dtype)  # the teacher's head in its own dtype
+            teacher_logits_BxZxV = jax.lax.stop_gradient(head(divergence.cfg, divergence.head, h_T))
+            teacher_BxZxV = jax.nn.log_softmax(teacher_logits_BxZxV, axis=-1)
+            div_BxZ = generalized_jsd(teacher_BxZxV, logits_BxZxV - lse_BxZ[..., None], divergence.beta)
         if not with_entropy:
             return token_logit_BxZ - lse_BxZ, None, div_BxZ
         # H = logsumexp(z) - Σ softmax(z)·z, of the logits without their gradient (a metric).
@@ -146,6 +162,13 @@ def _completion_logprobs(
         return None if y_CxBxZ is None else y_CxBxZ.swapaxes(0, 1).reshape(B, C * Z)[:, :N]
 
     return tuple(unchunk(y) for y in outs_C)
+
+
+def completion_logprobs(cfg: ModelConfig, params: dict, hidden_BxNxD: Array, tokens_BxN: Array, chunk: int = 0):
+    """[B, N]: log softmax(head(h))[token] of final-normed hidden states `hidden_BxNxD` (position n: the state that
+    predicts token n), the head applied `chunk` positions at a time (0: all N), as `sequence_logprobs` does after its
+    forward."""
+    return _completion_logprobs(cfg, params, hidden_BxNxD, tokens_BxN, None, chunk or tokens_BxN.shape[1], False)[0]
 
 
 @functools.partial(jax.jit, static_argnums=0)

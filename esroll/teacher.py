@@ -3,11 +3,17 @@
     cfg, params = load_teacher("assets/tiny-qwen3-steps-teacher", task.tokenizer)
     logp_BxN = teacher_logprobs(cfg, params, out)            # log π_T of each token the student generated
     logq_BxNxV = teacher_log_distributions(cfg, params, out)  # π_T's whole next-token distribution, in log space
+    logp_BxN, h_BxNxD = teacher_signals(cfg, params, out, distributions=True)  # what GKD's loss reads instead
 
 A teacher reads the student's token ids, so it must share the student's tokenizer exactly: the same vocabulary,
 merges, pre-tokenisation, normalisation and special tokens. One that differs is refused in one line naming what
 differs, never silently scored through the wrong ids. Each call is one cache-free forward over prompt and completion
 (`esroll.scoring.rollout_logprobs`: the log-softmax of the raw logits, as the student's own `Rollout.logprobs_BxN`).
+
+GKD's loss needs the teacher's whole next-token distribution at every completion position. Rather than [B, N, V]
+log-probabilities (at a 150k vocabulary, 600 kB a token in float32), the rows carry the teacher's final hidden states
+[B, N, D_T] and the loss applies the teacher's head (`teacher_head`) chunk by chunk beside the student's
+(`esroll.scoring.Divergence`).
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from esroll import sharding
 from esroll.errors import InputError, reading
 from esroll.models import ModelConfig, forward, load_hf
+from esroll.models.hf import abstract_params
 from esroll.models.transformer import head
-from esroll.scoring import rollout_logprobs
+from esroll.scoring import completion_logprobs, rollout_logprobs
 
 _PARTS = ("model", "pre_tokenizer", "normalizer", "decoder", "added_tokens")  # what decides the ids of a text
 
@@ -50,13 +59,18 @@ def check_tokenizer(student, teacher, where: str = "teacher.path") -> None:
 _MUST = "a teacher must share the student's tokenizer exactly"
 
 
-def load_teacher(path: str, student_tokenizer, where: str = "teacher.path", dtype=None) -> tuple[ModelConfig, dict]:
+def load_teacher(
+    path: str, student_tokenizer, where: str = "teacher.path", dtype=None, mesh: Mesh | None = None
+) -> tuple[ModelConfig, dict]:
     """The teacher model in folder `path` (a causal LM: `esroll.models.load_hf`), after checking its tokenizer against
-    the student's (`check_tokenizer`); any error reading it is one line naming `where`."""
+    the student's (`check_tokenizer`); any error reading it is one line naming `where`. With `mesh`, its parameters
+    are split over the mesh as the student's masters are (`esroll.sharding.master_shardings`; each device reads its
+    shards from the file), so a teacher larger than one device's memory scores the rows under GSPMD."""
     from transformers import AutoTokenizer
 
+    shardings = None if mesh is None else (lambda c: sharding.master_shardings(mesh, abstract_params(c)))
     with reading(where):
-        cfg, params = load_hf(path, dtype)
+        cfg, params = load_hf(path, dtype, shardings=shardings)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     if cfg.head != "lm":
         raise InputError(f"{where}: {path} is a {cfg.head} model; a teacher is a causal language model")
@@ -92,10 +106,32 @@ def teacher_log_distributions(cfg: ModelConfig, params: dict, out) -> np.ndarray
     return np.asarray(_log_distributions(cfg, params, out.prompt_BxP, out.prompt_mask_BxP, out.tokens_BxN, mask))
 
 
-def teacher_signals(cfg: ModelConfig, params: dict, out, distributions: bool) -> tuple[np.ndarray, np.ndarray | None]:
-    """(log π_T of each sampled token [B, N], and with `distributions` the whole log-distributions [B, N, V], the
-    sampled tokens' then taken from them): one teacher forward over the rollout `out` either way."""
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _hidden_and_logprobs(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN, chunk):
+    P = prompt_BxP.shape[1]
+    tokens_BxT = jnp.concatenate([prompt_BxP, tokens_BxN], 1)
+    mask_BxT = jnp.concatenate([prompt_mask_BxP, mask_BxN], 1)
+    hidden_BxTxD, _ = forward(cfg, params, tokens_BxT, mask_BxT=mask_BxT, return_hidden=True)
+    hidden_BxNxD = jnp.where(mask_BxN[..., None], hidden_BxTxD[:, P - 1 : -1], 0)  # position P-1+n predicts token n
+    logp_BxN = completion_logprobs(cfg, params, hidden_BxNxD, tokens_BxN, chunk)
+    return jnp.where(mask_BxN, logp_BxN, 0.0), hidden_BxNxD.astype(jnp.float32)
+
+
+def teacher_head(cfg: ModelConfig, params: dict) -> dict:
+    """The weights the teacher's output head reads (`esroll.models.transformer.head`): its embedding when tied, else
+    its `lm_head`."""
+    return {k: params[k] for k in (("embed",) if cfg.tie_word_embeddings else ("lm_head",))}
+
+
+def teacher_signals(
+    cfg: ModelConfig, params: dict, out, distributions: bool, chunk: int = 0
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """(log π_T of each sampled token [B, N], and with `distributions` the teacher's final-normed hidden states at the
+    completion positions [B, N, D_T] float32, from which its head gives the whole distributions, 0 past each
+    completion's length): one teacher forward over the rollout `out` either way, its head applied `chunk` positions
+    at a time (0: all; `esroll.scoring.completion_logprobs`)."""
     if not distributions:
         return teacher_logprobs(cfg, params, out), None
-    logq_BxNxV = teacher_log_distributions(cfg, params, out)
-    return np.take_along_axis(logq_BxNxV, np.asarray(out.tokens_BxN)[..., None], -1)[..., 0], logq_BxNxV
+    mask = _completion_mask(out)
+    logp, hidden = _hidden_and_logprobs(cfg, params, out.prompt_BxP, out.prompt_mask_BxP, out.tokens_BxN, mask, chunk)
+    return np.asarray(logp), np.asarray(hidden)

@@ -7,7 +7,8 @@ advantages (raw and corrected for the reference's reliability), on groups sample
 
 Each model is named `label=path` (a Hugging Face folder: the shipped model, or a run's `final` export); `--critics
 label=path` scores a PPO run's critic (its `final_critic` export) on the groups of the model of that label: rows
-`ppo` (GAE at the config's λ) and `ppo_lam1` (λ = 1). The task,
+`ppo` (GAE at the config's λ) and `ppo_lam1` (λ = 1); `--success_heads label=path` an SR-PPO run's success head
+(its `final_critic`): rows `srppo_k1` and `srppo_k4` (its pass@k credit). The task,
 the sampling temperature, the steps section and the new-token budget are `configs/step_level.py:grpo`'s (--config
 for another); the groups are the first --prompts held-out questions, --group completions each.
 """
@@ -35,7 +36,7 @@ from esroll.task import load_task
 from experiments._entry import quiet_tpu_probe
 
 ROWS = (*SCORED, "mc_steps_k2", "mc_steps_k4")
-CRITIC_ROWS = ("ppo", "ppo_lam1")
+CRITIC_ROWS = ("ppo", "ppo_lam1", "srppo_k1", "srppo_k4")
 
 
 def rows(results: dict) -> tuple[str, ...]:
@@ -139,10 +140,23 @@ def figure(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _value_model(flag: str, path: str | None) -> dict | None:
+    """The parameters of the value model at `path` (None: none named); anything else is refused naming `flag`."""
+    if path is None:
+        return None
+    cfg, params = load_hf(path)
+    if cfg.head != "value":
+        raise SystemExit(f"error: {flag}: {path} is not a value model")
+    return params
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="shipped=assets/tiny-qwen3-steps", help="label=path,...")
     parser.add_argument("--critics", default="", help="label=path,...: a value model for the model of that label")
+    parser.add_argument(
+        "--success_heads", default="", help="label=path,...: an SR-PPO run's success head, as --critics"
+    )
     parser.add_argument("--config", default="configs/step_level.py:grpo")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--group", type=int, default=8)
@@ -157,9 +171,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: --models: expected label=path[,label=path...], got {args.models!r}")
     if args.k_ref < 2 or args.k_ref % 2:
         raise SystemExit(f"error: --k_ref: an even number >= 2 (the reliability splits it in halves), got {args.k_ref}")
-    critics = dict(m.split("=", 1) for m in args.critics.split(",") if m)
-    if set(critics) - {label for label, _ in models}:
-        raise SystemExit(f"error: --critics: {sorted(set(critics) - {label for label, _ in models})} name no model")
+    critics, heads = (dict(m.split("=", 1) for m in a.split(",") if m) for a in (args.critics, args.success_heads))
+    for flag, named in (("--critics", critics), ("--success_heads", heads)):
+        if set(named) - {label for label, _ in models}:
+            raise SystemExit(f"error: {flag}: {sorted(set(named) - {label for label, _ in models})} name no model")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mesh = parallel.make_mesh(1)
@@ -171,14 +186,12 @@ def main(argv: list[str] | None = None) -> dict:
         task, params = load_task(cfg, train, held_out, mesh)
         if args.prompts > len(held_out):
             raise SystemExit(f"error: --prompts: {args.prompts} > the {len(held_out)} held-out questions")
-        critic = None
-        if label in critics:
-            critic_cfg, critic = load_hf(critics[label])
-            if critic_cfg.head != "value":
-                raise SystemExit(f"error: --critics: {critics[label]} is not a value model")
+        critic, head = (
+            _value_model(flag, named.get(label)) for flag, named in (("--critics", critics), ("--success_heads", heads))
+        )
         results[label] = measure(
             cfg, task, params, mesh, held_out[: args.prompts],
-            group_size=args.group, k_ref=args.k_ref, seed=args.seed, boot=args.boot, critic=critic,
+            group_size=args.group, k_ref=args.k_ref, seed=args.seed, boot=args.boot, critic=critic, success_head=head,
         )  # fmt: skip
     command = "python -m experiments.credit " + " ".join(
         f"--{k} {v}" for k, v in vars(args).items() if v != parser.get_default(k) or k == "out"

@@ -145,9 +145,9 @@ def test_adaprefix_prefix_is_prompt_and_outside_the_grpo_loss(adaprefix_grpo, mo
     def recording_make_update(*args, **kwargs):
         update = real_make_update(*args, **kwargs)
 
-        def recorded(params, state, batch, on_policy):
+        def recorded(params, state, batch, on_policy, *teacher_head):
             updated.append(jax.device_get(batch))
-            return update(params, state, batch, on_policy)
+            return update(params, state, batch, on_policy, *teacher_head)
 
         return recorded
 

@@ -14,7 +14,9 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("name", ["variance_analysis.ipynb", "training_dynamics.ipynb", "training_variance.ipynb"])
+@pytest.mark.parametrize(
+    "name", ["variance_analysis.ipynb", "training_dynamics.ipynb", "training_variance.ipynb", "td_variance.ipynb"]
+)
 def test_notebook_runs(name, monkeypatch):
     monkeypatch.setenv("ESROLL_NOTEBOOK_FAST", "1")
     # One CPU device, as a reader would have; conftest's cheaper XLA passes (compilation dominates these runs).

@@ -242,7 +242,7 @@ def make_es_method(
     step_weight, teacher_weight = cfg.es.step_weight, cfg.es.teacher_weight
     teacher = None
     if teacher_weight:  # one cache-free teacher forward over each step's rows (`esroll.teacher`)
-        teacher = load_teacher(cfg.teacher.path, task.tokenizer, dtype=jnp.dtype(cfg.model.dtype))
+        teacher = load_teacher(cfg.teacher.path, task.tokenizer, dtype=jnp.dtype(cfg.model.dtype), mesh=mesh)
     every = cfg.train.diagnostics_every
     diagnose, ranks = _diagnostics(es_cfg, task.cfg)
     first = jax.local_devices()[0]  # where `ranks` runs

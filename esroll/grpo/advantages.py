@@ -97,8 +97,9 @@ def register_advantage(
     a critic's values before each generated token, with the token mask and, in agent runs, the turns: the method
     then keeps and trains a critic on the `Estimate.returns` the estimator gives), "teacher" (`Group.teacher_logp`,
     the log-probability of each sampled token under the `teacher` config section's model), "teacher_distributions"
-    (not read by the estimator but by the update: the teacher's whole next-token distribution at each completion
-    position travels with the rows, and the loss adds GKD's generalised JSD to it with the β of the estimator's
+    (not read by the estimator but by the update: the teacher's hidden states at each completion position travel
+    with the rows, its head gives its whole next-token distributions there, and the loss adds GKD's generalised JSD
+    to them with the β of the estimator's
     options, `beta`; `esroll.grpo.estimators.distill.gkd`); the step fills only these
     fields of its `Group` (and the steps, token log-probabilities and mask with any step need).
     single_rollout: it works with one completion per prompt (grpo.group_size 1 is then allowed); label_free_only:

@@ -21,7 +21,8 @@ each with a percentile bootstrap interval over prompts. `mc_steps` itself is sco
 (`mc_ks`) sampled apart from the reference's (its V(prompt) leave-one-out from the group). A learned critic (PPO's,
 `esroll.grpo.ppo`) is scored by the advantages PPO trains with: its values before each generated token, GAE at
 `grpo.adv.gae`'s options (λ as set, row `ppo`; and λ = 1, row `ppo_lam1`: the return minus the value, no
-bootstrapping), whitened as set. `experiments.credit` runs it and writes the report (docs/step_level.md).
+bootstrapping), whitened as set; an SR-PPO success head by its pass@k credit at k = 1 and 4 (rows `srppo_k1`,
+`srppo_k4`, `esroll.grpo.estimators.srppo`). `experiments.credit` runs it and writes the report (docs/step_level.md).
 
 Shape letters (see `esroll`): X prompts, M completions per prompt, J steps, A samples (the fresh rollouts of a
 prompt, the continuations from the end of a step), N tokens.
@@ -38,6 +39,7 @@ import numpy as np
 import scipy.stats
 
 from esroll.grpo import advantages, ppo
+from esroll.grpo.estimators.srppo import SrPpoOptions
 from esroll.grpo.advantages import Group
 from esroll.grpo.estimators.mc_steps import step_values
 from esroll.grpo.method import branch_rewards, estimator_group
@@ -200,12 +202,14 @@ def measure(
     boot: int = 1000,
     rows_per_call: int = 512,
     critic: dict | None = None,
+    success_head: dict | None = None,
 ) -> dict:
     """Sample the groups, the reference and the small-count continuations, and score every method of `SCORED` and
     `mc_steps` at each of `mc_ks`. Returns {method: scores} and the sample's figures under "sample". The
     continuations are decoded `rows_per_call` rows at a time (a memory bound; the tokens do not depend on it). With
     `critic` (a value model's parameters, `esroll.critic`, trained beside this policy), the rows `ppo` and
-    `ppo_lam1` score its GAE advantages."""
+    `ppo_lam1` score its GAE advantages; with `success_head` (an SR-PPO run's critic), `srppo_k1` and `srppo_k4` score
+    its pass@k credit."""
     X, M = len(examples), group_size
     sampling = Sampling(cfg.train.max_new_tokens, cfg.grpo.temperature, rows_per_device=rows_per_call)
     steps_cfg = cfg.steps
@@ -240,6 +244,13 @@ def measure(
             est = advantages.estimate("gae", g._replace(values=values), dataclasses.replace(options, lam=lam))
             results[name] = scores(
                 per_step(est.advantage, g), est.advantage, ref, se, equal, halves=halves, boot=boot, seed=seed + i
+            )
+    if success_head is not None:
+        logits = ppo.rollout_values(task.cfg, success_head, out, mesh).reshape(g.token_mask.shape)
+        for k in (1, 4):
+            est = advantages.estimate("srppo", g._replace(values=logits), SrPpoOptions(k=float(k)))
+            results[f"srppo_k{k}"] = scores(
+                per_step(est.advantage, g), est.advantage, ref, se, equal, halves=halves, boot=boot, seed=seed + k
             )
     k_max = max(mc_ks)
     small, origin_k = branch(task, mesh, params, examples, out, jax.random.fold_in(key, 2), sampling, k_max)

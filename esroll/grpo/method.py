@@ -54,13 +54,13 @@ from esroll.rollout import Sampling, given_rollout, prompt_means, rollout, train
 from esroll.scoring import rollout_logprobs
 from esroll.steps import branch, with_steps
 from esroll.task import Method, StepOutput, Task
-from esroll.teacher import load_teacher, teacher_signals
+from esroll.teacher import load_teacher, teacher_head, teacher_signals
 
 
 # fmt: off
 def make_batches(
     out, mask_BxN, advantage_BxN, factor_BxN, aggregation: str, minibatches: int, microbatches: int, mesh: Mesh,
-    teacher_BxNxV: np.ndarray | None = None,
+    teacher_BxNxD: np.ndarray | None = None,
 ) -> list[Rollouts]:
     # fmt: on
     """A step's B sampled rows as `minibatches` `Rollouts` on `mesh`, each split into `microbatches` of b rows (b
@@ -68,8 +68,8 @@ def make_batches(
     prompt groups when n_mini divides X; its token weights (`token_weights`, times `factor_BxN`) are computed over
     its real rows, before the padding. `mask_BxN` is the tokens that get loss (`_loss_mask`); the forward attends to
     every completion token (an episode's environment answers too), which the rows carry apart only where they differ
-    (`out.loss_mask_BxN`, episodes). `teacher_BxNxV`, a teacher's log-distributions, travels with the rows when the
-    loss reads it (GKD)."""
+    (`out.loss_mask_BxN`, episodes). `teacher_BxNxD`, a teacher's final hidden states, travels with the rows when
+    the loss reads it (GKD)."""
     B, N = mask_BxN.shape
     b = B // (minibatches * microbatches)  # rows per microbatch
     b_padded = parallel.padded_rows(b, mesh)
@@ -90,7 +90,7 @@ def make_batches(
             advantage=advantage_BxN[rows],
             weight=weight.astype(np.float32),
             loss_mask=None if out.loss_mask_BxN is None else mask_BxN[rows],
-            teacher_logq=None if teacher_BxNxV is None else np.asarray(teacher_BxNxV[rows], np.float32),
+            teacher_hidden=None if teacher_BxNxD is None else np.asarray(teacher_BxNxD[rows], np.float32),
         )
         split = {
             k: parallel.put(micro_rows, pad_rows(x.reshape(microbatches, b, *x.shape[1:]), b_padded))
@@ -261,7 +261,13 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     sample_key = jax.random.key(cfg.seed + 1)
     sampling = Sampling.of(N, g.temperature, cfg.parallel, rows_per_device or cfg.parallel.rows_per_device)
     compiled = update_config(g)
-    step_update = make_update(task.cfg, compiled, cfg.optimizer, mesh, cfg.model.dtype)
+    teacher = None
+    if TEACHER_NEEDS & set(needs):  # one cache-free teacher forward over each step's rows (`esroll.teacher`)
+        teacher = load_teacher(cfg.teacher.path, task.tokenizer, dtype=jnp.dtype(cfg.model.dtype), mesh=mesh)
+    # GKD: the teacher's whole distributions in the loss, from its hidden states and its head (an update argument)
+    gkd = "teacher_distributions" in needs
+    teacher_cfg, head = (teacher[0], parallel.replicate(mesh, teacher_head(*teacher))) if gkd else (None, None)
+    step_update = make_update(task.cfg, compiled, cfg.optimizer, mesh, cfg.model.dtype, teacher_cfg)
     optimizer = make_optimizer(cfg.optimizer)
     variants = grpo_variants.active(g)
     example_B = np.repeat(np.arange(X), M)  # rows prompt-major: row x·M + j answers prompt x
@@ -272,13 +278,10 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     update_flops = passes * ledger.train_flops(task.cfg, X * M, task.prompt_multiple, N, remat=g.remat)
     if keeps_reference(g):
         update_flops += passes * ledger.forward_flops(task.cfg, X * M, task.prompt_multiple + N, head_positions=N)
-    # GKD: the teacher's whole distributions in the loss; the share of steps on the student's own samples.
-    gkd = "teacher_distributions" in needs
-    student_fraction = advantages.options_of(g).student_fraction if gkd else 1.0
-    teacher = None
-    if TEACHER_NEEDS & set(needs):  # one cache-free teacher forward over each step's rows (`esroll.teacher`)
-        teacher = load_teacher(cfg.teacher.path, task.tokenizer, dtype=jnp.dtype(cfg.model.dtype))
+    student_fraction = advantages.options_of(g).student_fraction if gkd else 1.0  # GKD's steps on the student's samples
+    if teacher is not None:  # its forward; with GKD its head at each generated position of each pass's loss, twice
         update_flops += ledger.forward_flops(teacher[0], X * M, task.prompt_multiple + N, head_positions=N)
+        update_flops += gkd * passes * 4.0 * X * M * N * teacher[0].hidden_size * teacher[0].vocab_size  # and again
     critic_update = ppo.make_critic_update(task.cfg, g, mesh) if ppo.keeps_critic(g) else None
     if critic_update is not None:  # the critic's forward for the rollout's values, then a forward + backward per pass
         trunk = ledger.forward_flops(task.cfg, X * M, task.prompt_multiple + N, head_positions=0)
@@ -323,7 +326,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         # ---- advantages, then the variants' token weights
         own, variant_state = split_host(g, state.host)
         old_BxN = None if critic_update is None else ppo.rollout_values(task.cfg, state.critic, out, mesh, params)
-        teacher_BxN, teacher_BxNxV = (None, None) if teacher is None else teacher_signals(*teacher, out, gkd)
+        teacher_BxN, teacher_BxNxD = (None, None) if teacher is None else teacher_signals(*teacher, out, gkd, g.logprob_chunk)
         group = estimator_group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs, old_BxN, teacher_BxN)
         if "branches" in needs:
             shape = (X, M, steps.max_steps)
@@ -342,13 +345,14 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         def batches_of(factor):
             return make_batches(
                 out, mask_BxN, advantage_BxN, factor_BxN * factor, g.aggregation, g.minibatches, g.microbatches, mesh,
-                teacher_BxNxV,
+                teacher_BxNxD,
             )  # fmt: skip
 
         # ---- on diagnostic steps, the split-half figures of the step's gradient at its start (never fed back)
         start = time.perf_counter()
         if every and (step_index + 1) % every == 0:
-            gradient = make_gradient(task.cfg, compiled, mesh, cfg.model.dtype)
+            gradient = make_gradient(task.cfg, compiled, mesh, cfg.model.dtype, teacher_cfg)
+            gradient = functools.partial(gradient, teacher_head=head)
             metrics.update(split_half_diagnostics(gradient, params, state.ref_params, batches_of, X, M))
             metrics["s_diagnostics"] = time.perf_counter() - start
             start = time.perf_counter()
@@ -359,7 +363,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         for iteration in range(g.inner_iterations):
             for m, batch in enumerate(batches):
                 params, state, update_metrics = step_update(
-                    params, state, batch, jnp.asarray(iteration == 0 and m == 0)
+                    params, state, batch, jnp.asarray(iteration == 0 and m == 0), head
                 )
                 history.append(update_metrics)
         update_metrics = jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *history)

@@ -56,15 +56,15 @@ def init_critic(g: GRPOConfig, params: dict) -> tuple[dict, optax.OptState]:
 
 
 def load_critic(g: GRPOConfig, model_cfg: ModelConfig, mesh: Mesh, dtype) -> dict | None:
-    """The critic's starting parameters from `grpo.adv.gae.critic_path`, in `dtype` and the masters' layout (each
-    device reads its shards), or None when the path is empty (`init_critic`'s trunk of the policy stands). The
+    """The critic's starting parameters from `grpo.adv.<estimator>.critic_path`, in `dtype` and the masters' layout
+    (each device reads its shards), or None when the path is empty (`init_critic`'s trunk of the policy stands). The
     checkpoint is a value model (transformers' token classification with one label) or a causal LM, whose trunk is
     taken with a zero value head; either must have the policy's architecture, since the critic is read with it. Any
     other checkpoint is refused (an InputError: one line at the command line) naming the key."""
     path = advantages.options_of(g).critic_path
     if not path:
         return None
-    key = "grpo.adv.gae.critic_path"
+    key = f"grpo.adv.{g.advantage}.critic_path"
     try:
         folder = resolve(path)
         cfg, critic = load_hf(
@@ -117,10 +117,14 @@ def _rows(mesh: Mesh, x: np.ndarray):
 
 def make_critic_update(model_cfg: ModelConfig, g: GRPOConfig, mesh: Mesh):
     """update(critic, critic_opt, tokens, mask, at, old, returns) -> (critic, critic_opt, loss): one step of the
-    clipped value loss (`value_clip`) with the critic's optimizer, at the policy's `grpo.remat`, its gradient summed
-    over `grpo.microbatches` as the policy's, out in the master layout (`esroll.critic.make_value_update`)."""
+    clipped value loss (`value_clip`), or of the estimator's `critic_loss` ("logistic": a success head), with the
+    critic's optimizer, at the policy's `grpo.remat`, its gradient summed over `grpo.microbatches` as the policy's,
+    out in the master layout (`esroll.critic.make_value_update`)."""
     cfg = dataclasses.replace(model_cfg, head="value")
-    return make_value_update(cfg, critic_optimizer(g), advantages.options_of(g).value_clip, remat=g.remat, mesh=mesh)
+    o = advantages.options_of(g)
+    loss = getattr(o, "critic_loss", "clipped")
+    clip = getattr(o, "value_clip", None)
+    return make_value_update(cfg, critic_optimizer(g), clip, remat=g.remat, mesh=mesh, loss=loss)
 
 
 def sequences(out) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

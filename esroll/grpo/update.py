@@ -36,7 +36,7 @@ from esroll.grpo.checks import check_grpo_names
 from esroll.grpo.loss import grpo_loss
 from esroll.grpo.variants import LossTerms
 from esroll.models import STACKED
-from esroll.scoring import sequence_logprobs
+from esroll.scoring import Divergence, sequence_logprobs
 
 Array = jax.Array
 
@@ -142,9 +142,10 @@ class Rollouts(NamedTuple):
     # [U, b, N] bool: the tokens that get loss, where they are not every completion token: a multi-turn episode's
     # actions, its environment's answers attended to but never trained on (`esroll.agents`); None: completion_mask.
     loss_mask: Array | None = None
-    # [U, b, N, V] float32: a teacher's log-distribution at each completion position, for the estimators whose loss
-    # adds GKD's divergence to it ("teacher_distributions"); None: no teacher in the loss.
-    teacher_logq: Array | None = None
+    # [U, b, N, D_T] float32: a teacher's final-normed hidden states at the completion positions, whose head (an
+    # argument of the update) gives its distributions, for the estimators whose loss adds GKD's divergence to it
+    # ("teacher_distributions"); None: no teacher in the loss.
+    teacher_hidden: Array | None = None
 
     @property
     def trained(self) -> Array:
@@ -171,17 +172,18 @@ class Rollouts(NamedTuple):
         )
 
 
-def _minibatch_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: str | None):
-    """gradient(params, ref_params, batch, on_policy) -> (grads, metrics): the loss's gradient on one minibatch,
-    summed over its microbatches (a `lax.scan`), and its metrics; traceable, for `make_update` and `make_gradient`.
-    The variants with loss hooks (`Variant.in_loss`) change the per-token advantages and clip ranges and add
-    metrics."""
+def _minibatch_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: str | None, teacher_cfg=None):
+    """gradient(params, ref_params, batch, on_policy, teacher_head=None) -> (grads, metrics): the loss's gradient on
+    one minibatch, summed over its microbatches (a `lax.scan`), and its metrics; traceable, for `make_update` and
+    `make_gradient`. The variants with loss hooks (`Variant.in_loss`) change the per-token advantages and clip ranges
+    and add metrics. GKD (`teacher_cfg`, and the batch's `teacher_hidden`): the teacher's head weights
+    `teacher_head` give its distributions."""
     variants = [v for _, v in grpo_variants.active(grpo) if v.in_loss]
     gkd_beta = divergence_beta(grpo)
 
     def logprobs(p, micro: Rollouts, divergence=None):
         """(log π [b, N], entropy [b, N]) of the microbatch's completions under parameters `p`, and with `divergence`
-        (teacher log-distributions, β) the generalised JSD to the teacher's at each position."""
+        (`esroll.scoring.Divergence`) the generalised JSD to the teacher's distribution at each position."""
         if compute_dtype is not None:  # cast the shards: the gathers then move model-dtype bytes
             p = jax.tree.map(lambda x: x.astype(compute_dtype), p)
         # The top-level leaves (embedding, head, final norm) are gathered here; each layer's weights inside the
@@ -201,9 +203,11 @@ def _minibatch_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: 
             divergence=divergence,
         )
 
-    def micro_loss(params, ref_params, micro: Rollouts, on_policy):
+    def micro_loss(params, ref_params, micro: Rollouts, on_policy, teacher_head):
         # The entropy (a metric) and GKD's divergence to the teacher come from the same forward.
-        divergence = None if micro.teacher_logq is None else (micro.teacher_logq, gkd_beta)
+        divergence = None
+        if micro.teacher_hidden is not None:
+            divergence = Divergence(teacher_cfg, teacher_head, micro.teacher_hidden, gkd_beta)
         logp, entropy, *jsd = logprobs(params, micro, divergence)
         # The reference is scored by the very computation that scores the policy, so log π_θ − log π_ref is exactly
         # 0 at the reference parameters.
@@ -235,10 +239,13 @@ def _minibatch_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: 
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
-    def gradient(params, ref_params, batch: Rollouts, on_policy: Array):
+    def gradient(params, ref_params, batch: Rollouts, on_policy: Array, teacher_head: dict | None = None):
+        if (batch.teacher_hidden is None) != (teacher_head is None) or (teacher_head is not None and not teacher_cfg):
+            raise ValueError("GKD's loss needs the batch's teacher_hidden, the teacher's head and its config together")
+
         def accumulate(grads, micro: Rollouts):
             micro = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, parallel.rows(mesh)), micro)
-            (loss, (metrics, extra)), g = grad_fn(params, ref_params, micro, on_policy)
+            (loss, (metrics, extra)), g = grad_fn(params, ref_params, micro, on_policy, teacher_head)
             return jax.tree.map(jnp.add, grads, g), ({"loss": loss, **metrics}, extra)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -267,26 +274,30 @@ def divergence_beta(g: GRPOConfig) -> float | None:
 
 
 @functools.cache
-def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, compute_dtype: str | None = None):
+def make_update(
+    model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, compute_dtype: str | None = None, teacher_cfg=None
+):
     """The jitted optimizer step on one minibatch, its gradient summed over microbatches (a `lax.scan`):
-    update(params, state, batch, on_policy) -> (params, state, metrics).
+    update(params, state, batch, on_policy, teacher_head=None) -> (params, state, metrics).
 
     `on_policy` (traced bool) marks the update whose parameters sampled the batch: π_old := stop_gradient(π_θ).
     With `compute_dtype`, the loss runs on the gathered parameters cast to it (the masters keep their dtype, and the
     gradient arrives in it). The variants with loss hooks (`Variant.in_loss`) change the per-token advantages and
     clip ranges and add metrics. Parameters and state come out FSDP-sharded, whatever their input sharding. One per
     (model, GRPO config, optimizer config, mesh) in a process, so that runs of one process share their compilation.
-    A name in `grpo` that no module implements is refused first (`check_grpo_names`).
+    A name in `grpo` that no module implements is refused first (`check_grpo_names`). GKD: `teacher_cfg` is the
+    teacher's model config, `teacher_head` its head's weights (`esroll.teacher.teacher_head`) and the batch carries
+    its hidden states.
     """
     check_grpo_names(grpo)
     optimizer = make_optimizer(optim)
-    gradient = _minibatch_gradient(model_cfg, grpo, mesh, compute_dtype)
+    gradient = _minibatch_gradient(model_cfg, grpo, mesh, compute_dtype, teacher_cfg)
 
     # Not donated: on the 1.7B plan (v5e:2x2) donating params and state raised the update's temporaries from 4.7 to
     # 11.2 GiB per chip (copies XLA inserts so that the scan over microbatches still reads the old masters).
     @jax.jit
-    def update(params, state: GRPOState, batch: Rollouts, on_policy: Array):
-        grads, metrics = gradient(params, state.ref_params, batch, on_policy)
+    def update(params, state: GRPOState, batch: Rollouts, on_policy: Array, teacher_head: dict | None = None):
+        grads, metrics = gradient(params, state.ref_params, batch, on_policy, teacher_head)
         updates, opt_state = optimizer.update(grads, state.opt_state, params)
         params = optax.apply_updates(params, updates)
         masters = sharding.master_shardings(mesh, params)  # out in the layout they came in: one compilation
@@ -301,15 +312,16 @@ def make_update(model_cfg, grpo: GRPOConfig, optim: OptimConfig, mesh: Mesh, com
 
 
 @functools.cache
-def make_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: str | None = None):
+def make_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: str | None = None, teacher_cfg=None):
     """The jitted gradient of the loss on one minibatch, no optimizer step: gradient(params, ref_params, batch,
-    on_policy) -> (grads, metrics), grads in the masters' layout (what the estimator diagnostics compare)."""
+    on_policy, teacher_head=None) -> (grads, metrics), grads in the masters' layout (what the estimator diagnostics
+    compare); GKD's teacher as `make_update`'s."""
     check_grpo_names(grpo)
-    gradient = _minibatch_gradient(model_cfg, grpo, mesh, compute_dtype)
+    gradient = _minibatch_gradient(model_cfg, grpo, mesh, compute_dtype, teacher_cfg)
 
     @jax.jit
-    def run(params, ref_params, batch: Rollouts, on_policy: Array):
-        grads, metrics = gradient(params, ref_params, batch, on_policy)
+    def run(params, ref_params, batch: Rollouts, on_policy: Array, teacher_head: dict | None = None):
+        grads, metrics = gradient(params, ref_params, batch, on_policy, teacher_head)
         return jax.lax.with_sharding_constraint(grads, sharding.master_shardings(mesh, grads)), metrics
 
     return run

@@ -204,15 +204,19 @@ def test_entry_script_writes_the_report(tmp_path):
     save_hf(tmp_path / "critic", critic_cfg, critic)
     results = main(
         ["--models", f"tiny={model},again={model}", "--critics", f"tiny={tmp_path / 'critic'}", "--prompts", "3",
-         "--group", "2", "--k_ref", "2", "--boot", "5", "--out", str(tmp_path / "out")]
+         "--group", "2", "--k_ref", "2", "--boot", "5", "--out", str(tmp_path / "out"),
+         "--success_heads", f"again={tmp_path / 'critic'}"]
     )  # fmt: skip
     text = (tmp_path / "out" / "results.md").read_text()
     for name in ROWS:
         assert f"| `{name}` |" in text, name
     assert {"ppo", "ppo_lam1"} <= set(results["tiny"]) and "ppo" not in results["again"]
+    assert {"srppo_k1", "srppo_k4"} <= set(results["again"]) and "srppo_k1" not in results["tiny"]
     assert text.count("| `ppo` |") == 2 and "| `ppo` | – | – | – | – |" in text  # the model without a critic
-    with pytest.raises(SystemExit, match="--critics"):
-        main(["--critics", f"other={tmp_path / 'critic'}", "--out", str(tmp_path)])
+    assert text.count("| `srppo_k4` |") == 2
+    for flag in ("--critics", "--success_heads"):
+        with pytest.raises(SystemExit, match=flag):
+            main([flag, f"other={tmp_path / 'critic'}", "--out", str(tmp_path)])
     tmp_path = tmp_path / "out"
     assert set(SCORED) <= set(results["tiny"]) and (tmp_path / "credit.png").stat().st_size > 0
     saved = json.loads((tmp_path / "results.json").read_text())

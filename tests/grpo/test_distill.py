@@ -271,11 +271,11 @@ def test_generalized_jsd_by_hand():
 
 def test_gkd_gradient_against_a_cache_free_reference(tmp_path):
     """One GKD minibatch gradient through the trainer's path (the registered "gkd" estimator, token advantages, the
-    teacher's distributions in the batches, the compiled GRPO gradient with chunked log-probabilities: N = 7 in
-    chunks of 3) against −∇ of the loss written here from a cache-free forward: Σ_t JSD_β(P_t‖Q_t) / (len · B) over
-    the completion tokens, JSD_β = β·Σ P(log P − log M) + (1 − β)·Σ Q(log Q − log M), M = βP + (1 − β)Q, β = 0.3, the
-    teacher's P random distributions drawn here. The advantage is 0 (no reward weight), so the divergence is all
-    the gradient."""
+    teacher's hidden states in the batches and its head an argument, the compiled GRPO gradient with chunked
+    log-probabilities: N = 7 in chunks of 3) against −∇ of the loss written here from a cache-free forward:
+    Σ_t JSD_β(P_t‖Q_t) / (len · B) over the completion tokens, JSD_β = β·Σ P(log P − log M) + (1 − β)·Σ Q(log Q −
+    log M), M = βP + (1 − β)Q, β = 0.3, the teacher's P = softmax(h·W) from hidden states h and a head W drawn here
+    (computed here in numpy). The advantage is 0 (no reward weight), so the divergence is all the gradient."""
     import types
 
     from conftest import build_tiny_hf
@@ -292,10 +292,15 @@ def test_gkd_gradient_against_a_cache_free_reference(tmp_path):
     cfg, params = load_hf(tmp_path)
     X, M = 2, 2
     prompt, prompt_mask, completion, completion_mask = scored_rows(cfg.vocab_size, rows=X * M)
-    B, N, V = X * M, completion.shape[1], cfg.vocab_size
+    B, N = X * M, completion.shape[1]
     length = completion_mask.sum(1)
-    teacher = np.asarray(jax.nn.log_softmax(np.random.default_rng(5).normal(0, 2, (B, N, V))), np.float32)
-    teacher = np.where(completion_mask[..., None], teacher, 0.0)
+    rng = np.random.default_rng(5)
+    hidden = np.where(completion_mask[..., None], rng.normal(0, 1, (B, N, cfg.hidden_size)), 0.0).astype(np.float32)
+    head_key = "embed" if cfg.tie_word_embeddings else "lm_head"
+    w = rng.normal(0, 0.5, np.shape(params[head_key])).astype(np.float32)
+    logits = hidden.astype(np.float64) @ (w.T if cfg.tie_word_embeddings else w)
+    teacher = logits - logits.max(-1, keepdims=True)
+    teacher = (teacher - np.log(np.exp(teacher).sum(-1, keepdims=True))).astype(np.float32)
     out = types.SimpleNamespace(
         prompt_BxP=prompt, prompt_mask_BxP=prompt_mask, tokens_BxN=completion, length_B=length,
         logprobs_BxN=np.zeros((B, N), np.float32), loss_mask_BxN=None, turns=None,
@@ -311,8 +316,9 @@ def test_gkd_gradient_against_a_cache_free_reference(tmp_path):
     assert not adv.any()
     mesh = parallel.make_mesh(1)
     ones = np.ones((B, N), np.float32)
-    (batch,) = make_batches(out, completion_mask, adv, ones, g.aggregation, 1, 1, mesh, teacher)
-    grads, metrics = make_gradient(cfg, g, mesh)(params, None, batch, jnp.asarray(True))
+    (batch,) = make_batches(out, completion_mask, adv, ones, g.aggregation, 1, 1, mesh, hidden)
+    head = {head_key: jnp.asarray(w)}
+    grads, metrics = make_gradient(cfg, g, mesh, None, cfg)(params, None, batch, jnp.asarray(True), teacher_head=head)
 
     beta = 0.3
     weight = completion_mask / (length[:, None] * B)

@@ -15,8 +15,9 @@ import pytest
 from conftest import REPO, load_steps_task
 from esroll.errors import InputError
 from esroll.models import forward
+from esroll.models.transformer import head
 from esroll.rollout import Sampling, rollout
-from esroll.teacher import load_teacher, teacher_log_distributions, teacher_logprobs
+from esroll.teacher import load_teacher, teacher_head, teacher_log_distributions, teacher_logprobs, teacher_signals
 
 STUDENT = REPO / "assets" / "tiny-qwen3-steps"
 TEACHER = REPO / "assets" / "tiny-qwen3-steps-teacher"
@@ -62,6 +63,27 @@ def test_teacher_logprobs_equal_a_full_forward_of_the_teacher(sampled):
     )
     np.testing.assert_allclose(np.exp(dist[mask]).sum(-1), 1.0, atol=1e-5)
     assert (got[mask] > out.logprobs_BxN[mask]).mean() > 0.5  # the stronger model finds most sampled tokens likelier
+    # What GKD's loss reads instead of the distributions: the hidden states, which the teacher's head turns into them.
+    sampled_logp, hidden = teacher_signals(cfg, params, out, distributions=True)
+    assert hidden.shape == (8, N, cfg.hidden_size) and not hidden[~mask].any()
+    np.testing.assert_allclose(sampled_logp[mask], expected[mask], atol=1e-5)
+    from_hidden = np.asarray(jax.nn.log_softmax(head(cfg, teacher_head(cfg, params), jnp.asarray(hidden)), -1))
+    np.testing.assert_allclose(from_hidden[mask], logp[:, P - 1 : P - 1 + N][mask], atol=1e-5)
+
+
+def test_a_teacher_split_over_the_mesh_scores_as_one_on_a_device(sampled):
+    """`load_teacher(..., mesh=…)` splits the teacher as the student's masters (4 × 2 data × model devices here), and
+    its signals equal those of the teacher read whole onto one device."""
+    from esroll import parallel
+
+    task, out = sampled
+    cfg, whole = load_teacher(str(TEACHER), task.tokenizer)
+    _, split = load_teacher(str(TEACHER), task.tokenizer, mesh=parallel.make_mesh(8, model=2))
+    layer = jax.tree.leaves(split["layers"])[0]
+    assert len(jax.devices()) == 8 and not layer.sharding.is_fully_replicated
+    assert layer.addressable_shards[0].data.size < layer.size
+    for a, b in zip(teacher_signals(cfg, whole, out, True), teacher_signals(cfg, split, out, True), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5)
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(sampled, tmp_path):

@@ -20,6 +20,8 @@ step-level ones and GuAE: docs/step_level.md):
     discounted  multi-turn episodes: discounted per-turn returns normalised over the group (docs/agents.md)
     gigpo     GiGPO: the episode's group advantage plus the turn's return against turns from the same state
     gae       PPO: GAE over generated tokens from a learned critic's values (docs/critics.md)
+    srppo     SR-PPO: one completion per prompt, token credit from a success head's pass@k (docs/critics.md)
+    hygae     HyGAE: turn-level and token-level GAE mixed, from one critic (multi-turn episodes, docs/critics.md)
     opd gndpo opd_plus  on-policy distillation from a teacher's token log-probabilities (docs/distillation.md)
 """
 
@@ -41,4 +43,6 @@ from esroll.grpo.estimators import (  # noqa: F401 — registers them
     turns,
     verigate,
     gae,
+    hygae,
+    srppo,
 )

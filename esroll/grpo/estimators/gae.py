@@ -71,8 +71,7 @@ def token_rewards(g: Group, rewards_XxM: np.ndarray, mask_XxMxN: np.ndarray) -> 
 
 def gae_advantage(g: Group, o: GaeOptions, state=None) -> Estimate:
     """Per-token GAE advantages (whitened with `whiten`) and the critic's targets; an invalid completion gets 0
-    and no target. Logs `explained_variance` of the values the rollout saw against the targets, and `value_prompt`,
-    the mean value before the first generated token (beside the step's mean reward, what it should track)."""
+    and no target. Logs `critic_metrics`."""
     r, valid = valid_rewards(g)
     mask = np.asarray(g.token_mask, bool) & valid[..., None]
     X, M, N = mask.shape
@@ -80,15 +79,20 @@ def gae_advantage(g: Group, o: GaeOptions, state=None) -> Estimate:
     rewards = token_rewards(g, r, mask)
     adv, ret = gae(rewards.reshape(X * M, N), values.reshape(X * M, N), mask.reshape(X * M, N), o.gamma, o.lam)
     adv = whiten(adv, mask.reshape(X * M, N)) if o.whiten else adv
-    first = np.argmax(mask.reshape(X * M, N), axis=1)
-    rows = mask.reshape(X * M, N).any(1)
-    metrics = {
-        "explained_variance": explained_variance(values.reshape(X * M, N), ret, mask.reshape(X * M, N)),
-        "value_prompt": float(values.reshape(X * M, N)[np.flatnonzero(rows), first[rows]].mean())
-        if rows.any()
-        else 0.0,
-    }
+    metrics = critic_metrics(values.reshape(X * M, N), ret, mask.reshape(X * M, N))
     return Estimate(adv.reshape(X, M, N).astype(np.float32), metrics=metrics, returns=ret.reshape(X, M, N))
+
+
+def critic_metrics(value_BxN: np.ndarray, return_BxN: np.ndarray, mask_BxN: np.ndarray) -> dict:
+    """What a critic's estimator logs: `explained_variance` of the values the rollout saw against the targets, and
+    `value_prompt`, the mean value before each row's first generated token (beside the step's mean reward, what it
+    should track; 0 without a generated token)."""
+    first = np.argmax(mask_BxN, axis=1)
+    rows = mask_BxN.any(1)
+    return {
+        "explained_variance": explained_variance(value_BxN, return_BxN, mask_BxN),
+        "value_prompt": float(value_BxN[np.flatnonzero(rows), first[rows]].mean()) if rows.any() else 0.0,
+    }
 
 
 register_advantage("gae", gae_advantage, options=GaeOptions, needs=("values",), single_rollout=True)
