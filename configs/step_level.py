@@ -16,7 +16,7 @@ The variant is comma-separated: one method name, then modifiers.
     progpo      GRPO with ProGPO's exact-prefix comparison and transition credit ("progpo")
     ppo         PPO: GAE over the generated tokens from a learned critic ("gae", docs/critics.md)
     srppo       SR-PPO: one completion per prompt (128 prompts a step), token credit from a learned success head's
-                pass@4 ("srppo", docs/critics.md)
+                pass@4 ("srppo"; it collapses on this task: docs/critics.md)
     NAME        GRPO with any other registered advantage estimator (`grpo.advantage = NAME`; docs/extending.md)
     quick       a seconds-long smoke run (tests)
     hard        5 operands to train and evaluate on, instead of 3 or 4
