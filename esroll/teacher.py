@@ -78,13 +78,19 @@ def load_teacher(
     return cfg, params
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _log_distributions(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN):
+def _completion_hidden(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN):
+    """[B, N, D]: the final-normed hidden states of one cache-free forward over prompt and completion, at the
+    positions that predict the completion's tokens (position P-1+n predicts token n)."""
     P = prompt_BxP.shape[1]
     tokens_BxT = jnp.concatenate([prompt_BxP, tokens_BxN], 1)
     mask_BxT = jnp.concatenate([prompt_mask_BxP, mask_BxN], 1)
     hidden_BxTxD, _ = forward(cfg, params, tokens_BxT, mask_BxT=mask_BxT, return_hidden=True)
-    logits_BxNxV = head(cfg, params, hidden_BxTxD[:, P - 1 : -1])  # position P-1+n predicts completion token n
+    return hidden_BxTxD[:, P - 1 : -1]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _log_distributions(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN):
+    logits_BxNxV = head(cfg, params, _completion_hidden(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN))
     return jnp.where(mask_BxN[..., None], jax.nn.log_softmax(logits_BxNxV, -1), 0.0)
 
 
@@ -108,11 +114,8 @@ def teacher_log_distributions(cfg: ModelConfig, params: dict, out) -> np.ndarray
 
 @functools.partial(jax.jit, static_argnums=(0, 6))
 def _hidden_and_logprobs(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN, chunk):
-    P = prompt_BxP.shape[1]
-    tokens_BxT = jnp.concatenate([prompt_BxP, tokens_BxN], 1)
-    mask_BxT = jnp.concatenate([prompt_mask_BxP, mask_BxN], 1)
-    hidden_BxTxD, _ = forward(cfg, params, tokens_BxT, mask_BxT=mask_BxT, return_hidden=True)
-    hidden_BxNxD = jnp.where(mask_BxN[..., None], hidden_BxTxD[:, P - 1 : -1], 0)  # position P-1+n predicts token n
+    hidden_BxNxD = _completion_hidden(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN)
+    hidden_BxNxD = jnp.where(mask_BxN[..., None], hidden_BxNxD, 0)
     logp_BxN = completion_logprobs(cfg, params, hidden_BxNxD, tokens_BxN, chunk)
     return jnp.where(mask_BxN, logp_BxN, 0.0), hidden_BxNxD.astype(jnp.float32)
 

@@ -39,9 +39,9 @@ import numpy as np
 import scipy.stats
 
 from esroll.grpo import advantages, ppo
-from esroll.grpo.estimators.srppo import SrPpoOptions
 from esroll.grpo.advantages import Group
 from esroll.grpo.estimators.mc_steps import step_values
+from esroll.grpo.estimators.srppo import SrPpoOptions
 from esroll.grpo.method import branch_rewards, estimator_group
 from esroll.report import paired_test
 from esroll.rollout import Sampling, rollout

@@ -326,7 +326,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         # ---- advantages, then the variants' token weights
         own, variant_state = split_host(g, state.host)
         old_BxN = None if critic_update is None else ppo.rollout_values(task.cfg, state.critic, out, mesh, params)
-        teacher_BxN, teacher_BxNxD = (None, None) if teacher is None else teacher_signals(*teacher, out, gkd, g.logprob_chunk)
+        teacher_BxN, teacher_BxNxD = teacher_signals(*teacher, out, gkd, g.logprob_chunk) if teacher else (None, None)
         group = estimator_group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs, old_BxN, teacher_BxN)
         if "branches" in needs:
             shape = (X, M, steps.max_steps)
