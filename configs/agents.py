@@ -15,6 +15,7 @@ The variant is comma-separated, each part at most once: an environment, a method
     grpo        GRPO: 8 episodes × 8 sampled at temperature 1, AdamW clipped at norm 1
     ppo         PPO: as grpo, with GAE over the actions from a learned critic (docs/critics.md)
     hygae       HyGAE: as ppo, with turn-level and token-level GAE mixed (α 0.5, γ 0.99, λ 1; docs/critics.md)
+    dae         DAE: as ppo, with a learned advantage model over the environment's actions (γ 0.99; docs/critics.md)
     quick       a seconds-long smoke run (tests)
 A row is one episode: its reward is the episode's return (ES: a member's fitness is the mean return of its episodes;
 GRPO: the return's group advantage on every action token, none on the environment's). Held-out "accuracy" is the
@@ -33,8 +34,10 @@ METHOD_PARTS = {
     "grpo": "GRPO on the episode return",
     "ppo": "PPO: GAE over the actions from a learned critic (grpo.advantage = 'gae')",
     "hygae": "HyGAE: turn-level and token-level GAE mixed, one critic (grpo.advantage = 'hygae')",
+    "dae": "DAE: a learned advantage model over the environment's actions (grpo.advantage = 'dae')",
 }
-CRITIC_METHODS = {"ppo": "gae", "hygae": "hygae"}  # GRPO's sampling and update with a learned critic's estimator
+# GRPO's sampling and update with a learned critic's estimator
+CRITIC_METHODS = {"ppo": "gae", "hygae": "hygae", "dae": "dae"}
 MODIFIERS = {"quick": "a seconds-long smoke run (tests)"}
 VARIANTS = {
     **{f"{name} (environment)": what for name, what in ENVS.items()},

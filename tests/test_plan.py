@@ -109,6 +109,29 @@ def test_a_ppo_plan_compiles_the_critic_beside_the_policy():
     assert all(p.argument_bytes >= trunk and p.temp_bytes > 0 for p in plan.programs[2:4])
 
 
+def test_a_dae_plan_compiles_its_wider_critic():
+    """DAE's critic (`configs/agents.py:quick,dae`, its heads on the policy's trunk) has a value and 8 action scores
+    per position: the resident state adds a head of 9 columns and its two moments; its update compiles on readings of
+    2 × 9 channels per position (`esroll.grpo.ppo.dae_readings`)."""
+    from configs import agents
+    from esroll import parallel
+    from esroll.config import from_config_dict
+    from esroll.methods import plan_step
+
+    def plan(method, **adv):
+        cd = agents.get_config(f"quick,{method}")
+        cd.model.path = str(REPO / cd.model.path)
+        cd.grpo.adv.update(adv)
+        cfg = from_config_dict(cd.to_dict())
+        return plan_step(cfg, model_shapes(cfg.model.path)[0], parallel.make_mesh(1), platform="cpu", prompt_len=16)
+
+    plain, dae = plan("grpo"), plan("dae", dae={"shared_trunk": True})
+    assert [p.name for p in dae.programs][2:4] == ["critic values", "critic update"]
+    D = model_shapes(str(REPO / "assets/tiny-qwen3-agent"))[0].hidden_size
+    assert dae.resident["optimizer state"] - plain.resident["optimizer state"] == 3 * (D + 1) * 9 * 4 + 4
+    assert all(p.temp_bytes > 0 for p in dae.programs[2:4])
+
+
 def test_topology_without_libtpu_names_the_install_line(monkeypatch):
     from esroll.plan import topology_mesh
 

@@ -163,6 +163,7 @@ class Group(NamedTuple):
     # completion's steps (`state_ids`)
     turns: Any = None  # the X·M episodes' turns (`esroll.agents.Turns`, rows prompt-major): agent runs
     values: np.ndarray | None = None  # [X, M, N] the critic's value before each generated token (`esroll.critic`)
+    # ([X, M, N, C] for DAE: its readings, `esroll.grpo.ppo.dae_readings`)
     teacher_logp: np.ndarray | None = None  # [X, M, N] log π_T of each sampled token (`esroll.teacher`), 0 past the end
 
 
@@ -284,7 +285,7 @@ def estimator_group(
     if "logprobs" in needs or step_needs or "turns" in needs or "values" in needs:
         fields.update(token_logp=out.logprobs_BxN.reshape(X, M, N), token_mask=mask_BxN.reshape(X, M, N))
     if "values" in needs:
-        fields.update(values=values_BxN.reshape(X, M, N), turns=out.turns)
+        fields.update(values=values_BxN.reshape(X, M, *values_BxN.shape[1:]), turns=out.turns)
     if "teacher" in needs:
         fields["teacher_logp"] = teacher_BxN.reshape(X, M, N)
     if "answers" in needs and out.answer_B is not None:

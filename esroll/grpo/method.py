@@ -283,9 +283,10 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         update_flops += ledger.forward_flops(teacher[0], X * M, task.prompt_multiple + N, head_positions=N)
         update_flops += gkd * passes * 4.0 * X * M * N * teacher[0].hidden_size * teacher[0].vocab_size  # and again
     critic_update = ppo.make_critic_update(task.cfg, g, mesh) if ppo.keeps_critic(g) else None
+    actions = ppo.action_tokens(g, task) if critic_update is not None else None  # DAE's: π over the env's actions
     if critic_update is not None:  # the critic's forward for the rollout's values, then a forward + backward per pass
         trunk = ledger.forward_flops(task.cfg, X * M, task.prompt_multiple + N, head_positions=0)
-        update_flops += trunk * (1 + 3 * passes)
+        update_flops += trunk * (1 + 3 * passes + (actions is not None))  # DAE: and the policy's, for π
 
     def init(params, key):
         del key  # sampling keys are fold_in(seed, step); nothing else is random
@@ -325,7 +326,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
 
         # ---- advantages, then the variants' token weights
         own, variant_state = split_host(g, state.host)
-        old_BxN = None if critic_update is None else ppo.rollout_values(task.cfg, state.critic, out, mesh, params)
+        old_BxN = critic_update and ppo.rollout_values(task.cfg, state.critic, out, mesh, params, actions)
         teacher_BxN, teacher_BxNxD = teacher_signals(*teacher, out, gkd, g.logprob_chunk) if teacher else (None, None)
         group = estimator_group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs, old_BxN, teacher_BxN)
         if "branches" in needs:

@@ -19,6 +19,7 @@ from esroll import parallel, sharding
 from esroll.config import ExperimentConfig, GRPOConfig, OptimConfig, make_optimizer
 from esroll.critic import on_trunk, trunk_of
 from esroll import memory
+from esroll.grpo import advantages
 from esroll.grpo import method as grpo_method
 from esroll.grpo import ppo
 from esroll.grpo.update import GRPOState, Rollouts, init_state, make_update, state_shardings, update_config
@@ -93,9 +94,11 @@ def critic_programs(
     U = g.microbatches
     b = parallel.padded_rows(rows // (g.minibatches * U), mesh)
     micro = NamedSharding(mesh, PartitionSpec(None, parallel.DATA))
-    batch = [
-        jax.ShapeDtypeStruct((U, b, T), dt, sharding=micro) for dt in (jnp.int32, bool, bool, jnp.float32, jnp.float32)
-    ]
+    outputs = getattr(advantages.options_of(g), "critic_outputs", 1)
+    readings = (2 * outputs,) if outputs > 1 else ()  # DAE's: its outputs, log π and the action (`ppo.dae_readings`)
+    shapes = [(U, b, T)] * 3 + [(U, b, T, *readings), (U, b, T)]
+    dtypes = (jnp.int32, bool, bool, jnp.float32, jnp.float32)
+    batch = [jax.ShapeDtypeStruct(shape, dt, sharding=micro) for shape, dt in zip(shapes, dtypes)]
     update = ppo.make_critic_update(model_cfg, g, mesh)
     trunk = trunk_of(state.critic, params)
     programs.append(compile_program("critic update", update.lower(*critic, *batch, trunk=trunk), beside)[0])

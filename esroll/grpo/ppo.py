@@ -15,17 +15,19 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from esroll import parallel, sharding
-from esroll.config import GRPOConfig
+from esroll.config import ConfigError, GRPOConfig
 from esroll.errors import InputError
 from esroll.critic import HEAD, critic_params, make_value_update, on_trunk, trunk_of, values
 from esroll.grpo import advantages
-from esroll.models import ModelConfig, load_hf
+from esroll.models import ModelConfig, forward, load_hf
 from esroll.models.hf import abstract_params, resolve
+from esroll.models.transformer import head
 
 CRITIC_MAX_GRAD_NORM = 1.0
 
@@ -47,9 +49,10 @@ def shares_trunk(g: GRPOConfig) -> bool:
 
 
 def init_critic(g: GRPOConfig, params: dict) -> tuple[dict, optax.OptState]:
-    """(critic parameters, their optimizer state) from the policy's masters: its trunk and a zero value head, or the
-    head alone on a shared trunk (`shares_trunk`)."""
-    critic = critic_params(params)
+    """(critic parameters, their optimizer state) from the policy's masters: its trunk and a zero value head (of the
+    estimator's `critic_outputs` outputs, 1 unless it says otherwise), or the head alone on a shared trunk
+    (`shares_trunk`)."""
+    critic = critic_params(params, getattr(advantages.options_of(g), "critic_outputs", 1))
     if shares_trunk(g):
         critic = {k: critic[k] for k in HEAD}
     return critic, critic_optimizer(g).init(critic)
@@ -61,7 +64,7 @@ def load_critic(g: GRPOConfig, model_cfg: ModelConfig, mesh: Mesh, dtype) -> dic
     checkpoint is a value model (transformers' token classification with one label) or a causal LM, whose trunk is
     taken with a zero value head; either must have the policy's architecture, since the critic is read with it. Any
     other checkpoint is refused (an InputError: one line at the command line) naming the key."""
-    path = advantages.options_of(g).critic_path
+    path = getattr(advantages.options_of(g), "critic_path", "")
     if not path:
         return None
     key = f"grpo.adv.{g.advantage}.critic_path"
@@ -96,17 +99,83 @@ def read_values(model_cfg: ModelConfig):
     return jax.jit(functools.partial(values, dataclasses.replace(model_cfg, head="value")))
 
 
-def rollout_values(model_cfg: ModelConfig, critic: dict, out, mesh: Mesh, params: dict | None = None) -> np.ndarray:
+def rollout_values(
+    model_cfg: ModelConfig, critic: dict, out, mesh: Mesh, params: dict | None = None, actions=None
+) -> np.ndarray:
     """[B, N]: the critic's value before each generated token of `out` (position P−1+n for token n, as its
-    log-probability), 0 past each completion's length; a value head alone reads the trunk of the policy's `params`
-    (`esroll.critic.on_trunk`). The rows are split over the mesh's data axis, as the policy's (a replicated batch
-    would have every device compute every row)."""
+    log-probability), 0 past each completion's length; [B, N, K] for a head of K outputs. A value head alone reads
+    the trunk of the policy's `params` (`esroll.critic.on_trunk`). The rows are split over the mesh's data axis, as
+    the policy's (a replicated batch would have every device compute every row). With `actions` (the token that
+    starts each of the environment's actions, `action_tokens`), DAE's readings instead: the critic's K outputs, then
+    the policy's log π over the action slots, then the slot each turn's action took (`dae_readings`)."""
     P, N = out.prompt_BxP.shape[1], out.tokens_BxN.shape[1]
     tokens, mask, completion_BxN = sequences(out)
     B = len(tokens)
     tokens, mask = _rows(mesh, tokens), _rows(mesh, mask)
-    v = np.asarray(read_values(model_cfg)(on_trunk(critic, params), tokens, mask_BxT=mask))[:B]
-    return np.where(completion_BxN, v[:, P - 1 : P - 1 + N], 0.0)
+    v = np.asarray(read_values(model_cfg)(on_trunk(critic, params), tokens, mask_BxT=mask))[:B, P - 1 : P - 1 + N]
+    if v.ndim == 2:
+        return np.where(completion_BxN, v, 0.0)
+    v = np.where(completion_BxN[..., None], v, 0.0)
+    if actions is None:
+        return v
+    logp = np.asarray(read_action_logp(model_cfg, tuple(actions))(params, tokens, mask))[:B, P - 1 : P - 1 + N]
+    return dae_readings(v, logp, out, actions)
+
+
+@functools.lru_cache(maxsize=8)
+def read_action_logp(model_cfg: ModelConfig, ids: tuple[int, ...]):
+    """The compiled policy forward of the log-probabilities of the A tokens `ids` and of any other token, at every
+    position: read(params, tokens, mask) -> [B, T, A + 1] float32 (the last: log Σ over the vocabulary's other
+    tokens, from the log-sum-exps, so it stays finite where the A take almost all the mass)."""
+    ids_array = np.asarray(ids)
+
+    def read(params, tokens_BxT, mask_BxT):
+        h_BxTxD, _ = forward(model_cfg, params, tokens_BxT, mask_BxT=mask_BxT, return_hidden=True)
+        logits_BxTxV = head(model_cfg, params, h_BxTxD)
+        total_BxT = jax.nn.logsumexp(logits_BxTxV, -1)
+        other = jnp.ones(logits_BxTxV.shape[-1], bool).at[ids_array].set(False)
+        other_BxT = jax.nn.logsumexp(jnp.where(other, logits_BxTxV, -jnp.inf), -1)
+        logp_BxTxA = logits_BxTxV[..., ids_array] - total_BxT[..., None]
+        return jnp.concatenate([logp_BxTxA, (other_BxT - total_BxT)[..., None]], -1)
+
+    return jax.jit(read)
+
+
+def dae_readings(out_BxNxK: np.ndarray, logp_BxNxA1: np.ndarray, out, actions) -> np.ndarray:
+    """[B, N, K + S + 1], S = K − 1 action slots: the critic's outputs; the policy's log π over the environment's A
+    actions (slots 0 .. A − 1, each the probability of the action's first token) and over "anything else" (slot A: an
+    action the environment reads as malformed), slots past A −1e9 (probability 0); and the slot of the action each
+    turn took at the turn's first action token (−2 off a turn start). π is read at the same position as the critic,
+    before the action's first token; the A + 1 classes cover every token, so π sums to 1 over them."""
+    B, N, K = out_BxNxK.shape
+    S, A = K - 1, len(actions)
+    logp = np.full((B, N, S), -1e9, np.float32)
+    logp[..., : A + 1] = np.maximum(logp_BxNxA1, -1e9)
+    taken = np.full((B, N), -2.0, np.float32)
+    turns = out.turns
+    for b in range(B):
+        for w in range(int(turns.count_B[b])):
+            start, end = int(turns.start_BxW[b, w]), int(turns.end_BxW[b, w])
+            if end > start:
+                token = int(out.tokens_BxN[b, start])
+                taken[b, start] = actions.index(token) if token in actions else A
+    return np.concatenate([out_BxNxK, logp, taken[..., None]], -1)
+
+
+def action_tokens(g: GRPOConfig, task) -> tuple[int, ...] | None:
+    """The token that starts each of the environment's actions (DAE's critic reads π over them), or None when the
+    estimator's critic has a single output. Refused (a ConfigError naming grpo.advantage) where two actions start
+    with one token or the environment's actions and "anything else" need more than the critic's action slots."""
+    outputs = getattr(advantages.options_of(g), "critic_outputs", 1)
+    if outputs == 1:
+        return None
+    actions = task.env.make().actions
+    ids = tuple(task.tokenizer.encode(a, add_special_tokens=False)[0] for a in actions)
+    if len(set(ids)) < len(ids) or len(ids) + 1 > outputs - 1:
+        expected = f"an environment of at most {outputs - 2} actions that start with distinct tokens; "
+        expected += f"{task.env.name!r} has {', '.join(actions)}, starting with tokens {ids}"
+        raise ConfigError("grpo.advantage", g.advantage, expected)
+    return ids
 
 
 def _rows(mesh: Mesh, x: np.ndarray):
@@ -124,7 +193,16 @@ def make_critic_update(model_cfg: ModelConfig, g: GRPOConfig, mesh: Mesh):
     o = advantages.options_of(g)
     loss = getattr(o, "critic_loss", "clipped")
     clip = getattr(o, "value_clip", None)
-    return make_value_update(cfg, critic_optimizer(g), clip, remat=g.remat, mesh=mesh, loss=loss)
+    gamma = getattr(o, "gamma", 1.0)
+    return make_value_update(cfg, critic_optimizer(g), clip, remat=g.remat, mesh=mesh, loss=loss, gamma=gamma)
+
+
+def _pad_rows(x_Uxbx: np.ndarray, extra: int) -> np.ndarray:
+    """`x` with `extra` rows appended to each microbatch: zeros (masked), and DAE's readings −2 (no turn start)."""
+    pad = np.zeros((x_Uxbx.shape[0], extra) + x_Uxbx.shape[2:], x_Uxbx.dtype)
+    if x_Uxbx.ndim == 4:
+        pad[..., -1] = -2
+    return np.concatenate([x_Uxbx, pad], 1)
 
 
 def sequences(out) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -149,8 +227,10 @@ def train_critic(
     B = len(out.length_B)
     tokens, mask, _ = sequences(out)
 
-    def placed(x_BxN, dtype):
-        full = np.zeros((B, P + N), dtype)
+    def placed(x_BxN, dtype):  # [B, N, ...] -> [B, P + N, ...]; DAE's readings: −2 (no turn start) off the completion
+        full = np.zeros((B, P + N) + x_BxN.shape[2:], dtype)
+        if x_BxN.ndim == 3:
+            full[..., -1] = -2
         full[:, P - 1 : P - 1 + N] = x_BxN
         return full
 
@@ -165,7 +245,7 @@ def train_critic(
         for m in range(g.minibatches):
             rows = slice(m * U * b, (m + 1) * U * b)
             batch = (
-                parallel.put(micro_rows, np.pad(x[rows].reshape(U, b, P + N), [(0, 0), (0, padded - b), (0, 0)]))
+                parallel.put(micro_rows, _pad_rows(x[rows].reshape(U, b, *x.shape[1:]), padded - b))
                 for x in (tokens, mask, at, old, ret)
             )
             critic, critic_opt, loss = update(critic, critic_opt, *batch, trunk=trunk)

@@ -455,20 +455,26 @@ def test_step_level_comparison_quick_inherits_grpo_s_tuned_learning_rate(tmp_pat
 
 def test_critic_comparison_pairs_ppo_with_grpo_s_tuned_setting():
     """configs/critic_compare.py: every variant builds with GRPO as the reference; PPO differs from GRPO only by its
-    estimator (so the pairing isolates the critic), starts from GRPO's chosen setting and tunes its critic's learning rate
-    (its own 1e-4, or 1e-3); LOO-ROLL tunes its learning rate."""
+    estimator (so the pairing isolates the critic); every critic arm (PPO; SR-PPO on the step task; HyGAE and DAE on
+    FrozenLake) starts from GRPO's chosen setting and tunes its critic's learning rate (its own 1e-4, or 1e-3);
+    LOO-ROLL tunes its learning rate."""
     from configs import critic_compare
     from esroll.compare import candidates
 
+    critic_arms = {"steps": ("ppo", "srppo"), "frozenlake": ("ppo", "hygae", "dae"), "quick": ("ppo",)}
+    estimator = {"ppo": "gae", "srppo": "srppo", "hygae": "hygae", "dae": "dae"}
     for variant in critic_compare.VARIANTS:
         comp = comparison_from_dict(critic_compare.get_config(variant).to_dict())
-        assert comp.reference == "grpo" and comp.tuning.inherit == {"ppo": "grpo"}
+        assert comp.reference == "grpo" and comp.tuning.inherit == {a: "grpo" for a in critic_arms[variant]}
         grpo, ppo = (dataclasses.asdict(comp.configs[m]) for m in ("grpo", "ppo"))
         assert ppo["grpo"].pop("advantage") == "gae" and grpo["grpo"].pop("advantage") == "grpo"
         assert ppo == grpo
-        assert candidates(comp.tuning, "ppo") == [{}, {"grpo": {"adv": {"gae": {"critic_lr": 1e-3}}}}]
+        for arm in critic_arms[variant]:
+            assert comp.configs[arm].grpo.advantage == estimator[arm]
+            lr = {"grpo": {"adv": {estimator[arm]: {"critic_lr": 1e-3}}}}
+            assert candidates(comp.tuning, arm) == [{}, lr]
         if variant != "quick":
-            assert list(comp.configs) == list(critic_compare.ARMS)
+            assert list(comp.configs) == list(critic_compare.ARMS[variant])
             assert len(candidates(comp.tuning, "looroll")) == 2
     assert (
         comparison_from_dict(critic_compare.get_config("frozenlake").to_dict()).configs["ppo"].env.name == "frozenlake"

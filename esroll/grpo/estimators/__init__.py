@@ -22,12 +22,14 @@ step-level ones and GuAE: docs/step_level.md):
     gae       PPO: GAE over generated tokens from a learned critic's values (docs/critics.md)
     srppo     SR-PPO: one completion per prompt, token credit from a success head's pass@k (docs/critics.md)
     hygae     HyGAE: turn-level and token-level GAE mixed, from one critic (multi-turn episodes, docs/critics.md)
+    dae       DAE: a learned advantage model over the environment's actions, Σ_a π·Â = 0 (docs/critics.md)
     opd gndpo opd_plus  on-policy distillation from a teacher's token log-probabilities (docs/distillation.md)
 """
 
 from esroll.grpo.estimators import (  # noqa: F401 — registers them
     agrae,
     bv_blend,
+    dae,
     ddrl,
     distill,
     gmae,
