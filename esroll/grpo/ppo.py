@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -99,15 +100,23 @@ def read_values(model_cfg: ModelConfig):
     return jax.jit(functools.partial(values, dataclasses.replace(model_cfg, head="value")))
 
 
+class ActionSet(NamedTuple):
+    """DAE's action classes (`action_tokens`): the token that starts each of the environment's actions, and the
+    sampling temperature at which the policy's probabilities of them are read (those it sampled the actions with)."""
+
+    ids: tuple[int, ...]
+    temperature: float = 1.0
+
+
 def rollout_values(
-    model_cfg: ModelConfig, critic: dict, out, mesh: Mesh, params: dict | None = None, actions=None
+    model_cfg: ModelConfig, critic: dict, out, mesh: Mesh, params: dict | None = None, actions: ActionSet | None = None
 ) -> np.ndarray:
     """[B, N]: the critic's value before each generated token of `out` (position P−1+n for token n, as its
     log-probability), 0 past each completion's length; [B, N, K] for a head of K outputs. A value head alone reads
     the trunk of the policy's `params` (`esroll.critic.on_trunk`). The rows are split over the mesh's data axis, as
-    the policy's (a replicated batch would have every device compute every row). With `actions` (the token that
-    starts each of the environment's actions, `action_tokens`), DAE's readings instead: the critic's K outputs, then
-    the policy's log π over the action slots, then the slot each turn's action took (`dae_readings`)."""
+    the policy's (a replicated batch would have every device compute every row). With `actions` (`action_tokens`),
+    DAE's readings instead: the critic's K outputs, then the policy's log π over the action slots at each turn's
+    start, then the slot each turn's action took (`dae_readings`)."""
     P, N = out.prompt_BxP.shape[1], out.tokens_BxN.shape[1]
     tokens, mask, completion_BxN = sequences(out)
     B = len(tokens)
@@ -118,39 +127,41 @@ def rollout_values(
     v = np.where(completion_BxN[..., None], v, 0.0)
     if actions is None:
         return v
-    logp = np.asarray(read_action_logp(model_cfg, tuple(actions))(params, tokens, mask))[:B, P - 1 : P - 1 + N]
-    return dae_readings(v, logp, out, actions)
+    at_BxW = P - 1 + np.asarray(out.turns.start_BxW, np.int32)  # each turn's first action token's logits
+    logp_BxWxA1 = np.asarray(read_action_logp(model_cfg, actions)(params, tokens, mask, _rows(mesh, at_BxW)))[:B]
+    return dae_readings(v, logp_BxWxA1, out, actions.ids)
 
 
 @functools.lru_cache(maxsize=8)
-def read_action_logp(model_cfg: ModelConfig, ids: tuple[int, ...]):
-    """The compiled policy forward of the log-probabilities of the A tokens `ids` and of any other token, at every
-    position: read(params, tokens, mask) -> [B, T, A + 1] float32 (the last: log Σ over the vocabulary's other
-    tokens, from the log-sum-exps, so it stays finite where the A take almost all the mass)."""
-    ids_array = np.asarray(ids)
+def read_action_logp(model_cfg: ModelConfig, actions: ActionSet):
+    """The compiled policy forward of the log-probabilities, at the sampling temperature, of the A tokens that start
+    the actions and of any other token, at W positions per row: read(params, tokens_BxT, mask_BxT, at_BxW) ->
+    [B, W, A + 1] float32 (the last: log Σ over the vocabulary's other tokens, from log-sum-exps, so it stays finite
+    where the A take almost all the mass). The head runs at those positions alone, not at every position."""
+    ids = np.asarray(actions.ids)
 
-    def read(params, tokens_BxT, mask_BxT):
+    def read(params, tokens_BxT, mask_BxT, at_BxW):
         h_BxTxD, _ = forward(model_cfg, params, tokens_BxT, mask_BxT=mask_BxT, return_hidden=True)
-        logits_BxTxV = head(model_cfg, params, h_BxTxD)
-        total_BxT = jax.nn.logsumexp(logits_BxTxV, -1)
-        other = jnp.ones(logits_BxTxV.shape[-1], bool).at[ids_array].set(False)
-        other_BxT = jax.nn.logsumexp(jnp.where(other, logits_BxTxV, -jnp.inf), -1)
-        logp_BxTxA = logits_BxTxV[..., ids_array] - total_BxT[..., None]
-        return jnp.concatenate([logp_BxTxA, (other_BxT - total_BxT)[..., None]], -1)
+        h_BxWxD = jnp.take_along_axis(h_BxTxD, at_BxW[..., None], axis=1)
+        logits_BxWxV = head(model_cfg, params, h_BxWxD) / actions.temperature
+        total_BxW = jax.nn.logsumexp(logits_BxWxV, -1)
+        other = jnp.ones(logits_BxWxV.shape[-1], bool).at[ids].set(False)
+        other_BxW = jax.nn.logsumexp(jnp.where(other, logits_BxWxV, -jnp.inf), -1)
+        logp_BxWxA = logits_BxWxV[..., ids] - total_BxW[..., None]
+        return jnp.concatenate([logp_BxWxA, (other_BxW - total_BxW)[..., None]], -1)
 
     return jax.jit(read)
 
 
-def dae_readings(out_BxNxK: np.ndarray, logp_BxNxA1: np.ndarray, out, actions) -> np.ndarray:
-    """[B, N, K + S + 1], S = K − 1 action slots: the critic's outputs; the policy's log π over the environment's A
-    actions (slots 0 .. A − 1, each the probability of the action's first token) and over "anything else" (slot A: an
-    action the environment reads as malformed), slots past A −1e9 (probability 0); and the slot of the action each
-    turn took at the turn's first action token (−2 off a turn start). π is read at the same position as the critic,
-    before the action's first token; the A + 1 classes cover every token, so π sums to 1 over them."""
+def dae_readings(out_BxNxK: np.ndarray, logp_BxWxA1: np.ndarray, out, ids: tuple[int, ...]) -> np.ndarray:
+    """[B, N, K + S + 1], S = K − 1 action slots: the critic's outputs; at each turn's first action token the policy's
+    log π (`logp_BxWxA1`, turn w of row b) over the A actions that start with tokens `ids` (slots 0 .. A − 1) and over
+    "anything else" (slot A), slots past A −1e9 (probability 0), −1e9 everywhere off a turn start (never read); and
+    the slot of the action each turn took, at its first action token (−2 off a turn start). An action is identified
+    by its first token; the A + 1 classes cover every token, so π sums to 1 over them."""
     B, N, K = out_BxNxK.shape
-    S, A = K - 1, len(actions)
+    S, A = K - 1, len(ids)
     logp = np.full((B, N, S), -1e9, np.float32)
-    logp[..., : A + 1] = np.maximum(logp_BxNxA1, -1e9)
     taken = np.full((B, N), -2.0, np.float32)
     turns = out.turns
     for b in range(B):
@@ -158,14 +169,16 @@ def dae_readings(out_BxNxK: np.ndarray, logp_BxNxA1: np.ndarray, out, actions) -
             start, end = int(turns.start_BxW[b, w]), int(turns.end_BxW[b, w])
             if end > start:
                 token = int(out.tokens_BxN[b, start])
-                taken[b, start] = actions.index(token) if token in actions else A
+                taken[b, start] = ids.index(token) if token in ids else A
+                logp[b, start, : A + 1] = np.maximum(logp_BxWxA1[b, w], -1e9)
     return np.concatenate([out_BxNxK, logp, taken[..., None]], -1)
 
 
-def action_tokens(g: GRPOConfig, task) -> tuple[int, ...] | None:
-    """The token that starts each of the environment's actions (DAE's critic reads π over them), or None when the
-    estimator's critic has a single output. Refused (a ConfigError naming grpo.advantage) where two actions start
-    with one token or the environment's actions and "anything else" need more than the critic's action slots."""
+def action_tokens(g: GRPOConfig, task) -> ActionSet | None:
+    """DAE's action classes: the token that starts each of the environment's actions and the run's sampling
+    temperature (DAE's critic reads π over them), or None when the estimator's critic has a single output. Refused (a
+    ConfigError naming grpo.advantage) where two actions start with one token or the environment's actions and
+    "anything else" need more than the critic's action slots."""
     outputs = getattr(advantages.options_of(g), "critic_outputs", 1)
     if outputs == 1:
         return None
@@ -175,7 +188,7 @@ def action_tokens(g: GRPOConfig, task) -> tuple[int, ...] | None:
         expected = f"an environment of at most {outputs - 2} actions that start with distinct tokens; "
         expected += f"{task.env.name!r} has {', '.join(actions)}, starting with tokens {ids}"
         raise ConfigError("grpo.advantage", g.advantage, expected)
-    return ids
+    return ActionSet(ids, g.temperature)
 
 
 def _rows(mesh: Mesh, x: np.ndarray):

@@ -5,6 +5,7 @@ whole, its options, and a quick agent run."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -87,42 +88,74 @@ def test_the_advantage_model_is_centred_under_the_policy():
     np.testing.assert_allclose(advantage_model(f + rng.normal(size=(5, 7, 1)), pi), a_hat, atol=1e-12)
 
 
+def _rollout(tokens_BxN, turns, P=3):
+    """A rollout's fields that the critic and DAE read: prompts of P tokens (row 1's first one padding)."""
+    B, N = tokens_BxN.shape
+    prompt = np.arange(1, B * P + 1).reshape(B, P) % 50 + 60
+    prompt_mask = np.ones((B, P), bool)
+    prompt_mask[1:, 0] = False
+    length = np.full(B, N)
+    return SimpleNamespace(
+        prompt_BxP=prompt, prompt_mask_BxP=prompt_mask, tokens_BxN=tokens_BxN, length_B=length, turns=turns
+    )
+
+
 def test_dae_readings_of_a_rollout():
-    """log π over the actions' first tokens (11, 12) and "anything else" as given, −1e9 in a slot past them; the slot
-    each turn took at its first action token: 0 for token 11, 2 ("anything else") for token 13, −2 elsewhere."""
+    """log π over the actions' first tokens (11, 12) and "anything else" as given, at each turn's first action token
+    (−1e9 elsewhere and in a slot past them); the slot each turn took there: 0 for token 11, 2 ("anything else") for
+    token 13, −2 elsewhere."""
     from esroll.grpo.ppo import dae_readings
 
     turns = Turns(np.array([[0, 4]]), np.array([[2, 6]]), np.array([[0.0, 1.0]]), np.array([2]), [["s0", "s1"]])
     out = SimpleNamespace(tokens_BxN=np.array([[11, 3, 7, 7, 13, 3]]), turns=turns)
     critic = np.arange(24, dtype=np.float32).reshape(1, 6, 4) / 10  # K = 4 outputs: S = 3 slots
-    logp = np.log(np.tile([0.2, 0.6, 0.2], (1, 6, 1)))
+    logp = np.log([[[0.2, 0.6, 0.2], [0.5, 0.25, 0.25]]])  # [B, W, A + 1]
     r = dae_readings(critic, logp, out, (11, 12))
     assert r.shape == (1, 6, 8)
     np.testing.assert_allclose(r[..., :4], critic)
-    np.testing.assert_allclose(np.exp(r[..., 4:7]), np.exp(logp), atol=1e-6)
+    np.testing.assert_allclose(np.exp(r[0, [0, 4], 4:7]), np.exp(logp[0]), atol=1e-6)
+    assert np.all(r[0, [1, 2, 3, 5], 4:7] == -1e9)
     np.testing.assert_array_equal(r[0, :, 7], [0, -2, -2, -2, 2, -2])
     wide = dae_readings(np.zeros((1, 6, 5), np.float32), logp, out, (11, 12))  # S = 4 slots, 2 actions
     assert wide.shape == (1, 6, 10) and np.all(wide[..., 8] == -1e9)
 
 
-def test_the_policys_action_probabilities_match_its_full_distribution():
-    """`read_action_logp` on the shipped agent model: the log-probabilities of the four moves' first tokens equal the
-    full forward's log-softmax there, and "anything else" is log(1 − their sum), to 1e-5."""
-    from esroll.grpo.ppo import read_action_logp
+def test_dae_reads_the_critic_and_the_policy_where_each_turn_starts():
+    """`rollout_values` with DAE's action set on the shipped agent model, two rows of prompt 3 and 8 generated tokens
+    (row 1's prompt padded; its second turn's action starts with no action's token): the critic's 9 outputs at
+    generated token n are its forward at position P−1+n, and at each turn's first action token the policy's
+    log-probabilities at temperature 0.7 of the four actions' first tokens and of any other token equal the full
+    forward's log-softmax of logits / 0.7 at that position, to 1e-5."""
+    from esroll import parallel
+    from esroll.critic import critic_params, values
+    from esroll.grpo.ppo import ActionSet, rollout_values
     from esroll.models import forward, load_hf
 
     from conftest import REPO
 
     cfg, params = load_hf(REPO / "assets/tiny-qwen3-agent")
     ids = (5, 17, 40, 41)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
-    mask = np.ones((2, 9), bool)
-    mask[1, :3] = False
-    got = np.asarray(read_action_logp(cfg, ids)(params, tokens, mask))
-    logits, _ = forward(cfg, params, tokens, mask_BxT=mask)
-    full = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1), np.float64)
-    np.testing.assert_allclose(got[..., :4], full[..., ids], atol=1e-5)
-    np.testing.assert_allclose(np.exp(got[..., 4]), 1 - np.exp(full[..., ids]).sum(-1), atol=1e-5)
+    tokens = np.array([[5, 30, 31, 40, 9, 32, 33, 2], [41, 9, 30, 31, 7, 8, 34, 35]])
+    turns = Turns(np.array([[0, 3], [0, 4]]), np.array([[2, 5], [2, 6]]), np.zeros((2, 2)), np.array([2, 2]), [])
+    out = _rollout(tokens, turns)
+    critic = critic_params(params, 9)
+    critic["value_head"] = jax.random.normal(jax.random.key(0), critic["value_head"].shape) * 0.1
+    got = rollout_values(cfg, critic, out, parallel.make_mesh(1), params, ActionSet(ids, 0.7))
+    assert got.shape == (2, 8, 18)
+    seq = np.concatenate([out.prompt_BxP, tokens], 1)
+    mask = np.concatenate([out.prompt_mask_BxP, np.ones_like(tokens, bool)], 1)
+    value_cfg = dataclasses.replace(cfg, head="value")
+    want = np.asarray(values(value_cfg, critic, seq, mask_BxT=mask))[:, 2:10]
+    np.testing.assert_allclose(got[..., :9], want, atol=1e-5)
+    logits, _ = forward(cfg, params, seq, mask_BxT=mask)
+    full = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32) / 0.7, -1), np.float64)
+    for b, starts in enumerate(turns.start_BxW):
+        for n in starts:
+            np.testing.assert_allclose(got[b, n, 9:13], full[b, 2 + n, list(ids)], atol=1e-5)
+            other = 1 - np.exp(full[b, 2 + n, list(ids)]).sum()
+            np.testing.assert_allclose(np.exp(got[b, n, 13]), other, atol=1e-5)
+    np.testing.assert_array_equal(got[:, [0, 3], -1], [[0, 2], [3, -2]])  # tokens 5 → 0, 40 → 2; 41 → 3
+    assert got[1, 4, -1] == 4  # token 7 starts no action: "anything else"
 
 
 def test_daes_loss_is_minimised_by_the_exact_advantage_on_an_enumerated_frozenlake():
@@ -224,7 +257,8 @@ def test_dae_options_and_runs_are_checked():
             return [ord(text[0]), ord(text[-1])]
 
     env = SimpleNamespace(name="frozenlake", make=lambda: SimpleNamespace(actions=("left", "down", "right", "up")))
-    assert action_tokens(g, SimpleNamespace(env=env, tokenizer=Tok())) == tuple(map(ord, "ldru"))
+    got = action_tokens(g, SimpleNamespace(env=env, tokenizer=Tok()))
+    assert got.ids == tuple(map(ord, "ldru")) and got.temperature == g.temperature
     env = SimpleNamespace(name="sokoban", make=lambda: SimpleNamespace(actions=("up", "down", "left", "lower")))
     with pytest.raises(ConfigError, match=r"grpo\.advantage.*start with distinct tokens"):
         action_tokens(g, SimpleNamespace(env=env, tokenizer=Tok()))
