@@ -61,6 +61,17 @@ def quick_config(variant: str = "quick", *, grpo: dict | None = None, **train_ov
     return from_config_dict(cd.to_dict())
 
 
+def shipped_config(get_config, variant: str):
+    """A shipped config file's variant (`get_config`, e.g. `configs.agents.get_config`) as the trainer's typed,
+    name-checked config, its model path found from any working directory."""
+    from esroll.config import from_config_dict
+    from esroll.experiment import check_names
+
+    cd = get_config(variant)
+    cd.model.path = str(REPO / cd.model.path)
+    return check_names(from_config_dict(cd.to_dict()))
+
+
 def check_exact_resume(cfg, tmp_path, full_params=None, **run) -> tuple[list[dict], dict]:
     """Run 4 steps straight (or take `full_params`, the final parameters of such a run made elsewhere), and 2 + a
     resumed 2, each with `train_and_evaluate`'s keywords `run` (e.g. `mesh_devices`); the parameters must be

@@ -63,6 +63,13 @@ class Turns(NamedTuple):
     count_B: np.ndarray
     states: list[list[str]]
 
+    def spans(self, b: int) -> list[tuple[int, int, int, float]]:
+        """(turn, start, end, reward) of each turn row b played whose action has a token (a turn with none is
+        skipped: the rollout produces none), in order."""
+        count = int(self.count_B[b])
+        rows = zip(self.start_BxW[b, :count], self.end_BxW[b, :count], self.reward_BxW[b, :count])
+        return [(w, int(s), int(e), float(r)) for w, (s, e, r) in enumerate(rows) if e > s]
+
 
 @dataclasses.dataclass
 class Episodes:

@@ -163,14 +163,11 @@ def dae_readings(out_BxNxK: np.ndarray, logp_BxWxA1: np.ndarray, out, ids: tuple
     S, A = K - 1, len(ids)
     logp = np.full((B, N, S), -1e9, np.float32)
     taken = np.full((B, N), -2.0, np.float32)
-    turns = out.turns
     for b in range(B):
-        for w in range(int(turns.count_B[b])):
-            start, end = int(turns.start_BxW[b, w]), int(turns.end_BxW[b, w])
-            if end > start:
-                token = int(out.tokens_BxN[b, start])
-                taken[b, start] = ids.index(token) if token in ids else A
-                logp[b, start, : A + 1] = np.maximum(logp_BxWxA1[b, w], -1e9)
+        for w, start, _, _ in out.turns.spans(b):
+            token = int(out.tokens_BxN[b, start])
+            taken[b, start] = ids.index(token) if token in ids else A
+            logp[b, start, : A + 1] = np.maximum(logp_BxWxA1[b, w], -1e9)
     return np.concatenate([out_BxNxK, logp, taken[..., None]], -1)
 
 

@@ -271,16 +271,12 @@ def test_dae_options_and_runs_are_checked():
 def test_the_shipped_dae_config_trains_its_critic(tmp_path):
     """configs/agents.py:quick,dae: two steps on FrozenLake episodes; the advantage model starts at 0 (its head is
     zero) and is no longer 0 at step 2, Σ_a π·Â stays 0, and the loss is logged."""
-    from conftest import REPO
+    from conftest import shipped_config
     from configs import agents
-    from esroll.config import from_config_dict
-    from esroll.experiment import check_names
     from esroll.metrics import read_metrics
     from esroll.train import train_and_evaluate
 
-    cd = agents.get_config("quick,dae")
-    cd.model.path = str(REPO / cd.model.path)
-    cfg = check_names(from_config_dict(cd.to_dict()))
+    cfg = shipped_config(agents.get_config, "quick,dae")
     assert cfg.method == "grpo" and cfg.grpo.advantage == "dae" and cfg.env.name == "frozenlake"
     train_and_evaluate(cfg, tmp_path, progress=False)
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "value_loss" in r]

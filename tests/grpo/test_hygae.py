@@ -102,16 +102,12 @@ def test_hygae_options_and_runs_are_checked():
 def test_the_shipped_hygae_config_trains_a_critic(tmp_path):
     """configs/agents.py:quick,hygae: two steps on FrozenLake episodes; the critic's values move off their zero start
     and its loss and the two levels' correlation are logged."""
-    from conftest import REPO
+    from conftest import shipped_config
     from configs import agents
-    from esroll.config import from_config_dict
-    from esroll.experiment import check_names
     from esroll.metrics import read_metrics
     from esroll.train import train_and_evaluate
 
-    cd = agents.get_config("quick,hygae")
-    cd.model.path = str(REPO / cd.model.path)
-    cfg = check_names(from_config_dict(cd.to_dict()))
+    cfg = shipped_config(agents.get_config, "quick,hygae")
     assert cfg.method == "grpo" and cfg.grpo.advantage == "hygae" and cfg.env.name == "frozenlake"
     train_and_evaluate(cfg, tmp_path, progress=False)
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "value_loss" in r]

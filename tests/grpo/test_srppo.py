@@ -137,16 +137,12 @@ def test_srppo_options_are_checked():
 def test_the_shipped_srppo_config_trains_a_success_head(tmp_path):
     """configs/step_level.py:quick,srppo: one completion for each of 16 prompts a step, two steps; the success head
     starts at p̂ = 0.5 (a zero head), moves, and its cross-entropy is logged."""
-    from conftest import REPO
+    from conftest import shipped_config
     from configs import step_level
-    from esroll.config import from_config_dict
-    from esroll.experiment import check_names
     from esroll.metrics import read_metrics
     from esroll.train import train_and_evaluate
 
-    cd = step_level.get_config("quick,srppo")
-    cd.model.path = str(REPO / cd.model.path)
-    cfg = check_names(from_config_dict(cd.to_dict()))
+    cfg = shipped_config(step_level.get_config, "quick,srppo")
     assert cfg.grpo.advantage == "srppo" and cfg.grpo.group_size == 1 and cfg.train.prompts_per_step == 16
     train_and_evaluate(cfg, tmp_path, progress=False)
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "value_loss" in r]

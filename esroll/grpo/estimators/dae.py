@@ -80,14 +80,8 @@ def dae_advantage(g: Group, o: DaeOptions, state=None) -> Estimate:
     starts = np.zeros((X * M, N), bool)
     turns = g.turns
     for b in np.flatnonzero(valid.reshape(-1)):
-        count = int(turns.count_B[b])
-        spans = [
-            (int(s), int(e), float(rw))
-            for s, e, rw in zip(turns.start_BxW[b, :count], turns.end_BxW[b, :count], turns.reward_BxW[b, :count])
-            if e > s
-        ]
         later = 0.0
-        for start, end, reward in reversed(spans):
+        for _, start, end, reward in reversed(turns.spans(b)):
             later = reward + o.gamma * later
             returns[b, start] = later
             advantage[b, start:end] = chosen[b, start]

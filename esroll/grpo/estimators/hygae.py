@@ -49,14 +49,8 @@ def turn_gae(turns, value_BxN: np.ndarray, rows_B: np.ndarray, gamma: float, lam
     B, N = value_BxN.shape
     advantage, ret = np.zeros((B, N)), np.zeros((B, N))
     for b in np.flatnonzero(rows_B):
-        count = int(turns.count_B[b])
-        spans = [
-            (int(s), int(e), float(r))
-            for s, e, r in zip(turns.start_BxW[b, :count], turns.end_BxW[b, :count], turns.reward_BxW[b, :count])
-            if e > s
-        ]
         later, next_value, next_length = 0.0, 0.0, 1
-        for start, end, reward in reversed(spans):
+        for _, start, end, reward in reversed(turns.spans(b)):
             v = float(value_BxN[b, end - 1])
             discount = gamma**next_length
             later = reward + discount * next_value - v + discount * lam * later
