@@ -14,12 +14,16 @@ The variant is comma-separated: one method name, then modifiers.
     ibpo        GRPO with IBPO's counterfactual-sibling step advantages ("ibpo")
     graft       GRPO with GRAFT's step credit on the group's graph of states ("graft"; graft_gae: Graph GAE on it)
     progpo      GRPO with ProGPO's exact-prefix comparison and transition credit ("progpo")
+    exprl       GRPO's update with ExpRL's DeltaNorm step credit from the reference-holding judge ("exprl", its
+                prefix scores as steps.verifier "exprl"; docs/step_level.md)
     ppo         PPO: GAE over the generated tokens from a learned critic ("gae", docs/critics.md)
     srppo       SR-PPO: one completion per prompt (128 prompts a step), token credit from a learned success head's
                 pass@4 ("srppo"; it collapses on this task: docs/critics.md)
     NAME        GRPO with any other registered advantage estimator (`grpo.advantage = NAME`; docs/extending.md)
     quick       a seconds-long smoke run (tests)
     hard        5 operands to train and evaluate on, instead of 3 or 4
+    exprl_fitness  (LOO-ROLL) a dense fitness: half the outcome, half the mean of the ExpRL judge's prefix scores
+                (es.step_weight 0.5, steps.verifier "exprl")
 Hardware: 2 CPU cores; each full run trains for 10 minutes of wall time (`train.time_budget_s`), evaluation excluded.
 The measured gains over 3 seeds are in docs/results/step_level.md. Every other key starts at its default
 (`esroll.experiment.default_config`).
@@ -39,12 +43,18 @@ METHOD_PARTS = {
     "graft": "GRPO with GRAFT's step credit on the group's state graph",
     "graft_gae": "GRPO with Graph GAE on GRAFT's state graph",
     "progpo": "GRPO with ProGPO's exact-prefix comparison and transition credit",
+    "exprl": "GRPO's update with ExpRL's DeltaNorm credit from the reference-holding judge (grpo.advantage = 'exprl')",
     "ppo": "PPO: GAE from a learned critic (grpo.advantage = 'gae'), GRPO's sampling and clipped update",
     "srppo": "SR-PPO: one completion per prompt, credit from a learned success head (grpo.advantage = 'srppo')",
 }
 ESTIMATOR_VARIANTS = tuple(m for m in METHOD_PARTS if m not in ("grpo", "looroll", "ppo"))  # grpo.advantage = m
 SINGLE_ROLLOUT = ("srppo",)  # one completion per prompt, the step's rows as GRPO's: 128 prompts
-MODIFIERS = {"quick": "a seconds-long smoke run (tests)", "hard": "5 operands instead of 3 or 4"}
+MODIFIERS = {
+    "quick": "a seconds-long smoke run (tests)",
+    "hard": "5 operands instead of 3 or 4",
+    "exprl_fitness": "(LOO-ROLL) the dense fitness: half outcome, half the ExpRL judge's mean prefix score",
+}
+JUDGE_WEIGHT = 0.5  # es.step_weight of exprl_fitness
 VARIANTS = {
     **{f"{name} (method)": what for name, what in METHOD_PARTS.items()},
     "NAME (method)": "GRPO with any other registered advantage estimator (grpo.advantage = NAME)",
@@ -89,6 +99,13 @@ def get_config(arg: str | None = None):
             c.grpo.advantage = "gae"
         elif method != "grpo":
             c.grpo.advantage = method  # a built-in step estimator (ESTIMATOR_VARIANTS) or a registered one
+        if method == "exprl":
+            c.steps.verifier = "exprl"  # the judge's prefix scores are DeltaNorm's step scores
+    if "exprl_fitness" in parts:
+        if method != "looroll":
+            raise ValueError(f"configs/step_level.py: variant {arg!r}: exprl_fitness is a fitness of looroll")
+        c.es.step_weight = JUDGE_WEIGHT
+        c.steps.verifier = "exprl"
     if "hard" in parts:
         c.data.options.arith_steps.update(min_operands=5, max_operands=5)
         c.train.max_new_tokens = 64

@@ -17,7 +17,8 @@ completions:
                         method's advantage has the reference's sign (0 counts as a disagreement);
     equal_signal        the share of the groups whose rewards are all equal that the method gives a non-zero
                         advantage;
-each with a percentile bootstrap interval over prompts. `mc_steps` itself is scored at a small count of continuations
+each with a percentile bootstrap interval over prompts. `exprl` reads its own judge's step scores (`JUDGED`) in
+place of `steps.verifier`'s. `mc_steps` itself is scored at a small count of continuations
 (`mc_ks`) sampled apart from the reference's (its V(prompt) leave-one-out from the group). A learned critic (PPO's,
 `esroll.grpo.ppo`) is scored by the advantages PPO trains with: its values before each generated token, GAE at
 `grpo.adv.gae`'s options (λ as set, row `ppo`; and λ = 1, row `ppo_lam1`: the return minus the value, no
@@ -46,8 +47,10 @@ from esroll.grpo.method import branch_rewards, estimator_group
 from esroll.report import paired_test
 from esroll.rollout import Sampling, rollout
 from esroll.steps import branch, with_steps
+from esroll.steps.branch import score_steps
 
-SCORED = ("grpo", "sas", "verigate", "guae", "ibpo", "graft", "graft_gae", "progpo")
+SCORED = ("grpo", "sas", "verigate", "guae", "ibpo", "graft", "graft_gae", "progpo", "exprl")
+JUDGED = {"exprl": "exprl"}  # estimator -> the step verifier whose scores it reads in place of `steps.verifier`'s
 Z95 = 1.959963984540054
 
 
@@ -233,7 +236,11 @@ def measure(
     equal = advantages.all_equal(g)
     results = {}
     for i, name in enumerate(SCORED):
-        est = advantages.estimate(name, g, None, advantages.init_estimator_state(name))
+        g_name = g
+        if name in JUDGED:  # its own judge's step scores
+            judged = score_steps(out.example_B, out.steps, examples, JUDGED[name], steps_cfg.max_steps)
+            g_name = g._replace(step_scores=judged.reshape(X, M, -1))
+        est = advantages.estimate(name, g_name, None, advantages.init_estimator_state(name))
         results[name] = scores(
             per_step(est.advantage, g), est.advantage, ref, se, equal, halves=halves, boot=boot, seed=seed + i
         )

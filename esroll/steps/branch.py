@@ -33,14 +33,19 @@ def with_steps(out: Rollout, task, examples, cfg: StepsConfig, scored: bool = Fa
         boundary=cfg.boundary,
         max_steps=cfg.max_steps,
     )
-    scores = None
-    if scored:
-        verifier = STEP_VERIFIERS.lookup(cfg.verifier)
-        scores = np.full((len(out.length_B), cfg.max_steps), np.nan, np.float32)
-        for b, e in enumerate(out.example_B):
-            if e != PAD and found.count_B[b]:
-                scores[b, : found.count_B[b]] = verifier(examples[e], found.text[b])
+    scores = score_steps(out.example_B, found, examples, cfg.verifier, cfg.max_steps) if scored else None
     return out._replace(steps=found, step_scores_BxJ=scores)
+
+
+def score_steps(example_B: np.ndarray, steps, examples, verifier: str, max_steps: int) -> np.ndarray:
+    """[B, max_steps] float32: each step of each row (`steps`, `segment`'s) scored by the registered step verifier
+    `verifier`; NaN past a row's steps and on padding rows."""
+    fn = STEP_VERIFIERS.lookup(verifier)
+    scores = np.full((len(example_B), max_steps), np.nan, np.float32)
+    for b, e in enumerate(example_B):
+        if e != PAD and steps.count_B[b]:
+            scores[b, : steps.count_B[b]] = fn(examples[e], steps.text[b])
+    return scores
 
 
 def branch(

@@ -505,3 +505,29 @@ def test_distill_comparison_builds_every_arm_with_the_teacher():
     assert list(quick.configs) == ["grpo", "opd", "looroll_teacher"]
     with pytest.raises(ValueError, match="configs/distill_compare.py"):
         distill_compare.get_config("hard")
+
+
+@pytest.mark.e2e
+def test_dense_comparison_quick_runs_the_judge_arms(tmp_path):
+    """configs/dense_compare.py:quick through the tuned protocol: plain GRPO, ExpRL (the judge as its step verifier,
+    GRPO's chosen learning rate or its own 4e-4) and LOO-ROLL with the judge's fitness (half of it), each logging
+    its judge's figures; every variant builds with GRPO as the reference."""
+    from configs import dense_compare
+    from esroll.compare import candidates
+
+    for variant in dense_compare.VARIANTS:
+        comp = comparison_from_dict(dense_compare.get_config(variant).to_dict())
+        assert comp.reference == "grpo" and comp.tuning.inherit == {"exprl": "grpo"}
+        exprl, dense = comp.configs["exprl"], comp.configs["looroll_exprl"]
+        assert exprl.grpo.advantage == "exprl" and exprl.steps.verifier == "exprl"
+        assert dense.es.step_weight == 0.5 and dense.steps.verifier == "exprl"
+        assert candidates(comp.tuning, "exprl") == [{}, {"optimizer": {"lr": 4e-4}}]
+        if variant != "quick":
+            assert list(comp.configs) == list(dense_compare.ARMS[variant])
+    cd = dense_compare.get_config("quick")
+    cd.experiment.model.path = str(REPO / "assets" / "tiny-qwen3-steps")
+    run_comparison(comparison_from_dict(cd.to_dict()), tmp_path, mesh_devices=1, progress=False)
+    assert "exprl_final_score" in read_metrics(tmp_path / "exprl" / "seed0" / "metrics.jsonl")[1]
+    assert "step_score_mean" in read_metrics(tmp_path / "looroll_exprl" / "seed1" / "metrics.jsonl")[1]
+    results = {r["method"]: r for r in _rows(write_report(tmp_path)["results_csv"])}
+    assert set(results) == {"grpo", "exprl", "looroll_exprl"} and int(results["exprl"]["n_pairs"]) == 2

@@ -11,6 +11,7 @@ step-level ones and GuAE: docs/step_level.md):
     ntf       negative token filtering: a batch-level baseline and no penalty on a negative sample's likely tokens
     ddrl      DDRL (label-free only): fixed ±a advantages from answer consistency, classes balanced over the batch
     guae      GuAE: group advantages tempered toward a running anchor with a variance-adaptive weight
+    exprl     ExpRL's DeltaNorm: step credit from a reference-holding judge's prefix scores, s_k − s_{k−1}
     mc_steps  Monte Carlo step values (VinePPO): per-token advantages V(after step) − V(before) from branched rollouts
     sas       SAS: GRPO's advantage withheld from unconfident steps of right and confident steps of wrong completions
     verigate  VeriGate: GRPO where outcomes differ, else group-normalised future-cumulated step-verifier scores
@@ -31,6 +32,7 @@ from esroll.grpo.estimators import (  # noqa: F401 — registers them
     bv_blend,
     dae,
     ddrl,
+    exprl,
     distill,
     gmae,
     graft,

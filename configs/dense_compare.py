@@ -1,0 +1,84 @@
+"""Does a dense process reward made from what a run already holds pay at matched cost? Plain GRPO, the dense-reward
+methods and LOO-ROLL with and without the dense signal as its fitness, with the fair-comparison protocol of
+`esroll.compare` (settings chosen on validation, fresh evaluation seeds, paired differences against plain GRPO at
+matched training wall time; every judge call is charged to the budget of the arm that makes it).
+
+    python -m experiments.compare --config configs/dense_compare.py:steps --workdir runs/dense_steps
+
+Arms (configs/step_level.py's setting of that name; docs/step_level.md):
+    grpo           plain GRPO (AdamW lr 1e-4, 16 prompts × 8 completions, group-normalised outcome advantage)
+    exprl          GRPO's update with ExpRL's DeltaNorm step credit from the reference-holding judge (no outcome term)
+    looroll        LOO-ROLL (population 32, σ 0.005, raw outcome fitness)
+    looroll_exprl  LOO-ROLL whose fitness is half the outcome, half the judge's mean prefix score
+                   (`looroll,exprl_fitness`)
+
+Tuning (one tuning seed, 2 settings each, the arm's own and one other, scored by validation AUC), as the step-level
+and critic comparisons: GRPO tunes its learning rate (1e-4 or 2e-4); ExpRL starts from GRPO's choice
+(`tuning.inherit`) and tunes its learning rate against 4e-4 (DeltaNorm's credits are unnormalised, a few tenths,
+against GRPO's unit-variance advantages); the ES arms tune their learning rate (3e-4 or 6e-4). Then 5 evaluation
+seeds per arm.
+
+Variants:
+  steps   arith_steps (3-4 operands; the shipped steps model starts at 39% on held-out): 40 s per tuning run, 75 s per
+          evaluation run; held-out 384 questions (validation 128, test 256).
+  quick   seconds per run, for the test suite: GRPO, ExpRL (inheriting GRPO's setting) and LOO-ROLL with the judge's
+          fitness on the step task.
+"""
+
+from ml_collections import ConfigDict
+
+from configs import compare, step_level
+
+ARMS = {"steps": ("grpo", "exprl", "looroll", "looroll_exprl")}
+VARIANTS = {
+    "steps": "GRPO, ExpRL, LOO-ROLL, LOO-ROLL with the judge's fitness on arith_steps: tuned (40 s runs), then 5 seeds "
+    "× 75 s on test",
+    "quick": "seconds per run, for the test suite",
+}
+ES_LR = {"optimizer": {"lr": (6e-4,)}}
+# Each arm's second tuning value (the first is the arm's own setting).
+OWN_OPTION = {
+    "steps": {
+        "grpo": {"optimizer": {"lr": (2e-4,)}},
+        "exprl": {"optimizer": {"lr": (4e-4,)}},
+        "looroll": ES_LR,
+        "looroll_exprl": ES_LR,
+    },
+}
+INHERIT = {"steps": {"exprl": "grpo"}}
+BUDGETS = {"steps": (75.0, 40.0)}  # evaluation run, tuning run: seconds of training
+SETTINGS = {"looroll_exprl": "looroll,exprl_fitness"}  # an arm's configs/step_level.py variant, where not its name
+
+
+def _experiments(task: str, quick: bool) -> dict[str, ConfigDict]:
+    """Each arm's training config (LOO-ROLL first: the comparison's base experiment)."""
+    mods = ",quick" if quick else ""
+    arms = ("looroll", *(a for a in ARMS[task] if a != "looroll"))
+    return {arm: step_level.get_config(SETTINGS.get(arm, arm) + mods) for arm in arms}
+
+
+def get_config(arg: str | None = None) -> ConfigDict:
+    arg = arg or "steps"
+    if arg not in VARIANTS:
+        raise ValueError(f"configs/dense_compare.py: unknown variant {arg!r} (expected one of {', '.join(VARIANTS)})")
+    quick = arg == "quick"
+    task = "steps" if quick else arg
+    experiments = _experiments(task, quick)
+    for cd in experiments.values():
+        cd.train.time_budget_s = 0.0  # set by the comparison
+        if not quick:
+            cd.data.eval_size = 384
+            cd.data.validation_size = 128
+            cd.train.eval_every = 5
+    time_budget_s, tuning_budget_s = BUDGETS[task]
+    c = compare.own_option_protocol(
+        experiments,
+        ARMS[task],
+        OWN_OPTION[task],
+        INHERIT[task],
+        time_budget_s=time_budget_s,
+        tuning_budget_s=tuning_budget_s,
+    )
+    if quick:
+        compare.quick_arms(c, "grpo,exprl,looroll_exprl", eval_size=32, validation_size=16)
+    return c
