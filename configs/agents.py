@@ -16,7 +16,11 @@ The variant is comma-separated, each part at most once: an environment, a method
     ppo         PPO: as grpo, with GAE over the actions from a learned critic (docs/critics.md)
     hygae       HyGAE: as ppo, with turn-level and token-level GAE mixed (α 0.5, γ 0.99, λ 1; docs/critics.md)
     dae         DAE: as ppo, with a learned advantage model over the environment's actions (γ 0.99; docs/critics.md)
+    svm         Success Visitation Matching: as grpo, each turn's reward plus λ·clip(logit) of a discriminator of
+                successful against failed episodes' state-actions, credited per turn (λ 0.1, β 2, γ 0.95; agents.md)
     quick       a seconds-long smoke run (tests)
+    svm_fitness (LOO-ROLL, EGGROLL) each episode's fitness gains λ·Σ_t clip(logit) of the same discriminator, fitted
+                on the whole population's episodes (es.svm_weight 0.1)
 A row is one episode: its reward is the episode's return (ES: a member's fitness is the mean return of its episodes;
 GRPO: the return's group advantage on every action token, none on the environment's). Held-out "accuracy" is the
 share of 128 held-out episodes solved, played greedily. Hardware: 2 CPU cores; a full run trains for 10 minutes of
@@ -35,10 +39,15 @@ METHOD_PARTS = {
     "ppo": "PPO: GAE over the actions from a learned critic (grpo.advantage = 'gae')",
     "hygae": "HyGAE: turn-level and token-level GAE mixed, one critic (grpo.advantage = 'hygae')",
     "dae": "DAE: a learned advantage model over the environment's actions (grpo.advantage = 'dae')",
+    "svm": "Success Visitation Matching: turn rewards densified by a discriminator (grpo.advantage = 'svm')",
 }
-# GRPO's sampling and update with a learned critic's estimator
-CRITIC_METHODS = {"ppo": "gae", "hygae": "hygae", "dae": "dae"}
-MODIFIERS = {"quick": "a seconds-long smoke run (tests)"}
+# GRPO's sampling and update with another advantage estimator
+ESTIMATOR_METHODS = {"ppo": "gae", "hygae": "hygae", "dae": "dae", "svm": "svm"}
+MODIFIERS = {
+    "quick": "a seconds-long smoke run (tests)",
+    "svm_fitness": "(ES) each episode's fitness gains Success Visitation Matching's dense reward (es.svm_weight 0.1)",
+}
+SVM_WEIGHT = 0.1  # es.svm_weight of svm_fitness: λ, as grpo.adv.svm.lam
 VARIANTS = {
     **{f"{name} (environment)": what for name, what in ENVS.items()},
     "NAME (environment)": "any other registered environment (docs/extending.md)",
@@ -82,10 +91,10 @@ def get_config(arg: str | None = None):
     c.train.steps = 10_000  # the time budget ends the run
     c.train.eval_every = 10
     c.train.checkpoint_every = 10
-    c.method = "grpo" if method in CRITIC_METHODS else method
-    if method == "grpo" or method in CRITIC_METHODS:
-        if method in CRITIC_METHODS:
-            c.grpo.advantage = CRITIC_METHODS[method]
+    c.method = "grpo" if method in ESTIMATOR_METHODS else method
+    if method == "grpo" or method in ESTIMATOR_METHODS:
+        if method in ESTIMATOR_METHODS:
+            c.grpo.advantage = ESTIMATOR_METHODS[method]
         c.grpo.group_size = 8
         c.grpo.temperature = 1.0
         c.optimizer.name = "adamw"
@@ -101,6 +110,10 @@ def get_config(arg: str | None = None):
         c.es.sigma = 0.01
         c.es.shaping = "raw"
         c.optimizer.lr = 3e-3
+    if "svm_fitness" in parts:
+        if c.method not in ("looroll", "eggroll"):
+            raise ValueError(f"configs/agents.py: variant {arg!r}: svm_fitness is a fitness of looroll or eggroll")
+        c.es.svm_weight = SVM_WEIGHT
     if "quick" in parts:
         c.data.n_examples = 200
         c.data.eval_size = 8

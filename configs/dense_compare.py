@@ -4,35 +4,44 @@ methods and LOO-ROLL with and without the dense signal as its fitness, with the 
 matched training wall time; every judge call is charged to the budget of the arm that makes it).
 
     python -m experiments.compare --config configs/dense_compare.py:steps --workdir runs/dense_steps
+    python -m experiments.compare --config configs/dense_compare.py:frozenlake --workdir runs/dense_frozenlake
 
-Arms (configs/step_level.py's setting of that name; docs/step_level.md):
-    grpo           plain GRPO (AdamW lr 1e-4, 16 prompts × 8 completions, group-normalised outcome advantage)
-    exprl          GRPO's update with ExpRL's DeltaNorm step credit from the reference-holding judge (no outcome term)
-    looroll        LOO-ROLL (population 32, σ 0.005, raw outcome fitness)
-    looroll_exprl  LOO-ROLL whose fitness is half the outcome, half the judge's mean prefix score
+Arms (configs/step_level.py's or configs/agents.py's setting of that name; docs/step_level.md, docs/agents.md):
+    grpo           plain GRPO (AdamW, group-normalised outcome advantage)
+    exprl          (steps) GRPO's update with ExpRL's DeltaNorm step credit from the reference-holding judge (no
+                   outcome term)
+    svm            (frozenlake) GRPO with Success Visitation Matching's dense turn rewards, credited per turn
+    looroll        LOO-ROLL at the task's setting (raw outcome fitness)
+    looroll_exprl  (steps) LOO-ROLL whose fitness is half the outcome, half the judge's mean prefix score
                    (`looroll,exprl_fitness`)
+    looroll_svm    (frozenlake) LOO-ROLL whose episodes' returns gain the visitation discriminator's dense reward,
+                   fitted on the whole population (`frozenlake,looroll,svm_fitness`)
 
 Tuning (one tuning seed, 2 settings each, the arm's own and one other, scored by validation AUC), as the step-level
 and critic comparisons: GRPO tunes its learning rate (1e-4 or 2e-4); ExpRL starts from GRPO's choice
-(`tuning.inherit`) and tunes its learning rate against 4e-4 (DeltaNorm's credits are unnormalised, a few tenths,
-against GRPO's unit-variance advantages); the ES arms tune their learning rate (3e-4 or 6e-4). Then 5 evaluation
-seeds per arm.
+(`tuning.inherit`) and tunes its first step's credit (the source's s_1 − s_K, or its rise s_1:
+`grpo.adv.exprl.first_step`); SVM starts from GRPO's choice and tunes λ (0.1 or 0.3); the ES arms tune
+their learning rate (steps: 3e-4 or 6e-4; frozenlake: 3e-3 or 1e-3). Then 5 evaluation seeds per arm.
 
 Variants:
   steps   arith_steps (3-4 operands; the shipped steps model starts at 39% on held-out): 40 s per tuning run, 75 s per
           evaluation run; held-out 384 questions (validation 128, test 256).
+  frozenlake  FrozenLake 4 × 4 from the shipped agent model (44% solved greedily): 60 s per tuning run, 120 s per
+          evaluation run; held-out 192 episodes (validation 64, test 128).
   quick   seconds per run, for the test suite: GRPO, ExpRL (inheriting GRPO's setting) and LOO-ROLL with the judge's
           fitness on the step task.
 """
 
 from ml_collections import ConfigDict
 
-from configs import compare, step_level
+from configs import agents, compare, step_level
 
-ARMS = {"steps": ("grpo", "exprl", "looroll", "looroll_exprl")}
+ARMS = {"steps": ("grpo", "exprl", "looroll", "looroll_exprl"), "frozenlake": ("grpo", "svm", "looroll", "looroll_svm")}
 VARIANTS = {
     "steps": "GRPO, ExpRL, LOO-ROLL, LOO-ROLL with the judge's fitness on arith_steps: tuned (40 s runs), then 5 seeds "
     "× 75 s on test",
+    "frozenlake": "GRPO, SVM, LOO-ROLL, LOO-ROLL with SVM's fitness on FrozenLake: tuned (60 s runs), then 5 seeds × "
+    "120 s on test",
     "quick": "seconds per run, for the test suite",
 }
 ES_LR = {"optimizer": {"lr": (6e-4,)}}
@@ -40,21 +49,30 @@ ES_LR = {"optimizer": {"lr": (6e-4,)}}
 OWN_OPTION = {
     "steps": {
         "grpo": {"optimizer": {"lr": (2e-4,)}},
-        "exprl": {"optimizer": {"lr": (4e-4,)}},
+        "exprl": {"grpo": {"adv": {"exprl": {"first_step": ("rise",)}}}},
         "looroll": ES_LR,
         "looroll_exprl": ES_LR,
     },
+    "frozenlake": {
+        "grpo": {"optimizer": {"lr": (3e-4,)}},
+        "svm": {"grpo": {"adv": {"svm": {"lam": (0.3,)}}}},
+        "looroll": {"optimizer": {"lr": (1e-3,)}},
+        "looroll_svm": {"optimizer": {"lr": (1e-3,)}},
+    },
 }
-INHERIT = {"steps": {"exprl": "grpo"}}
-BUDGETS = {"steps": (75.0, 40.0)}  # evaluation run, tuning run: seconds of training
-SETTINGS = {"looroll_exprl": "looroll,exprl_fitness"}  # an arm's configs/step_level.py variant, where not its name
+INHERIT = {"steps": {"exprl": "grpo"}, "frozenlake": {"svm": "grpo"}}
+BUDGETS = {"steps": (75.0, 40.0), "frozenlake": (120.0, 60.0)}  # evaluation run, tuning run: seconds of training
+# an arm's configs/step_level.py or configs/agents.py variant, where not its name
+SETTINGS = {"looroll_exprl": "looroll,exprl_fitness", "looroll_svm": "looroll,svm_fitness"}
 
 
 def _experiments(task: str, quick: bool) -> dict[str, ConfigDict]:
     """Each arm's training config (LOO-ROLL first: the comparison's base experiment)."""
     mods = ",quick" if quick else ""
     arms = ("looroll", *(a for a in ARMS[task] if a != "looroll"))
-    return {arm: step_level.get_config(SETTINGS.get(arm, arm) + mods) for arm in arms}
+    if task == "steps":
+        return {arm: step_level.get_config(SETTINGS.get(arm, arm) + mods) for arm in arms}
+    return {arm: agents.get_config(f"{task},{SETTINGS.get(arm, arm)}{mods}") for arm in arms}
 
 
 def get_config(arg: str | None = None) -> ConfigDict:
@@ -67,9 +85,9 @@ def get_config(arg: str | None = None) -> ConfigDict:
     for cd in experiments.values():
         cd.train.time_budget_s = 0.0  # set by the comparison
         if not quick:
-            cd.data.eval_size = 384
-            cd.data.validation_size = 128
-            cd.train.eval_every = 5
+            cd.data.eval_size = 384 if task == "steps" else 192
+            cd.data.validation_size = 128 if task == "steps" else 64
+            cd.train.eval_every = 5 if task == "steps" else 10
     time_budget_s, tuning_budget_s = BUDGETS[task]
     c = compare.own_option_protocol(
         experiments,

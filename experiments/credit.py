@@ -28,14 +28,14 @@ import numpy as np
 
 from esroll import parallel
 from esroll.config import from_config_dict
-from esroll.grpo.credit import SCORED, measure
+from esroll.grpo.credit import OPTION_ROWS, SCORED, measure
 from esroll.data import make_splits
 from esroll.experiment import check_names
 from esroll.models import load_hf
 from esroll.task import load_task
 from experiments._entry import quiet_tpu_probe
 
-ROWS = (*SCORED, "mc_steps_k2", "mc_steps_k4")
+ROWS = (*SCORED, *OPTION_ROWS, "mc_steps_k2", "mc_steps_k4")
 CRITIC_ROWS = ("ppo", "ppo_lam1", "srppo_k1", "srppo_k4")
 
 

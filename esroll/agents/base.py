@@ -67,11 +67,16 @@ def make_env(name: str, options: Mapping[str, Any] | Any | None = None) -> TextE
     return factory(ENVIRONMENTS.options_of({name: options} if options is not None else {}, name))
 
 
-def parse_action(text: str, actions: tuple[str, ...]) -> int | None:
-    """The index in `actions` of the action `text` names, or None when it names none: the text up to its first
-    newline (at most `MAX_ACTION_CHARS` characters), stripped of spaces and of one trailing ".", in any case, must
-    be one of the words. Anything else, whatever it holds, is malformed."""
+def action_word(text: str) -> str:
+    """The word an action text names, as `parse_action` reads it: the text up to its first newline (at most
+    `MAX_ACTION_CHARS` characters), stripped of spaces and of one trailing ".", in lower case ("" for a non-text)."""
     if not isinstance(text, str):
-        return None
-    word = text[:MAX_ACTION_CHARS].split("\n", 1)[0].strip().lower().removesuffix(".").strip()
+        return ""
+    return text[:MAX_ACTION_CHARS].split("\n", 1)[0].strip().lower().removesuffix(".").strip()
+
+
+def parse_action(text: str, actions: tuple[str, ...]) -> int | None:
+    """The index in `actions` of the action `text` names, or None when it names none: its `action_word`, in any
+    case, must be one of the words. Anything else, whatever it holds, is malformed."""
+    word = action_word(text)
     return actions.index(word) if word in actions else None

@@ -55,13 +55,17 @@ def format_observation(observation: str) -> str:
 class Turns(NamedTuple):
     """Each episode's turns, B rows and W turn slots, as turn-level credit reads them (`esroll.grpo.estimators.turns`):
     the span of turn t's action in the episode after its prompt (start_BxW, end_BxW), its reward, the turns played
-    (count_B), and the observation each action answered (states[b][t], the text the environment showed before it)."""
+    (count_B), the observation each action answered (states[b][t], the text the environment showed before it), the
+    action texts as the environment read them (actions[b][t]) and whether the episode ended solved (solved_B, the
+    environment's `solved`). The last two are None where a caller built turns without them."""
 
     start_BxW: np.ndarray
     end_BxW: np.ndarray
     reward_BxW: np.ndarray
     count_B: np.ndarray
     states: list[list[str]]
+    actions: list[list[str]] | None = None
+    solved_B: np.ndarray | None = None
 
     def spans(self, b: int) -> list[tuple[int, int, int, float]]:
         """(turn, start, end, reward) of each turn row b played whose action has a token (a turn with none is
@@ -109,7 +113,15 @@ class Episodes:
     def turns(self) -> Turns:
         """The turns as turn-level credit reads them (the observation before each action as its state)."""
         states = [obs[: int(n)] for obs, n in zip(self.observations, self.turns_B)]
-        return Turns(self.action_start_BxW, self.action_end_BxW, self.reward_BxW, self.turns_B, states)
+        return Turns(
+            self.action_start_BxW,
+            self.action_end_BxW,
+            self.reward_BxW,
+            self.turns_B,
+            states,
+            self.actions,
+            self.solved_B,
+        )
 
 
 def play(

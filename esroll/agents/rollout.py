@@ -82,6 +82,7 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
     W = env.max_turns
     start_BxW, end_BxW = np.zeros((rows, W), np.int32), np.zeros((rows, W), np.int32)
     turn_reward_BxW, states = np.zeros((rows, W), np.float32), [[] for _ in range(rows)]
+    actions = [[] for _ in range(rows)]
     for c, p in parts:
         keep = real_B[c]
         width, L = p.prompt_BxP.shape[1], p.tokens_BxT.shape[1]
@@ -100,6 +101,7 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
         turn_reward_BxW[c] = np.where(kept, turned.reward_BxW, 0.0)
         for i, b in enumerate(range(c.start, c.stop)):
             states[b] = turned.states[i] if keep[i] else []
+            actions[b] = list(turned.actions[i]) if keep[i] else []
     generated_s = time.perf_counter()
     n = max(int(real_B.sum()), 1)
     metrics = {
@@ -120,5 +122,13 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
         seconds={"generate": generated_s - start_s, "score": 0.0},
         loss_mask_BxN=loss_BxN[:B],
         metrics=metrics,
-        turns=Turns(start_BxW[:B], end_BxW[:B], turn_reward_BxW[:B], turns_B[:B].astype(np.int32), states[:B]),
+        turns=Turns(
+            start_BxW[:B],
+            end_BxW[:B],
+            turn_reward_BxW[:B],
+            turns_B[:B].astype(np.int32),
+            states[:B],
+            actions[:B],
+            solved_B[:B] > 0,
+        ),
     )

@@ -47,6 +47,11 @@ class ESSettings:
     log_likelihood, log π_T alone. 0: no teacher. Like the step fitness, the score is a function of the member's own
     samples, so the estimators stay unbiased for the mixed objective; ES needs no gradient of it, so there is no
     stop-gradient question (docs/distillation.md).
+    svm_weight: a dense fitness for episodes (env runs) from Success Visitation Matching, λ >= 0: each episode's
+    return gains λ·Σ_t clip_β(f̂(s_t, a_t)), the logits of a discriminator of the state–actions that the step's
+    solved episodes visit against those its others visit, fitted on the whole population's episodes
+    (`esroll.agents.visitation`, β = its `CLIP`). 0: the return alone. The discriminator reads every member's
+    episodes, so a member's fitness depends on the others' perturbations, as with `prompt_shaping`'s coupling ones.
     shaping_options: the options of the shapings that registered some, by name (`es.shaping_options.<name>.<key>`).
     Leaf selection by path regex (see `esroll.es.noise`): defaults freeze embed / lm_head and vectors, perturb other
     matrices.
@@ -68,6 +73,7 @@ class ESSettings:
     step_weight: float = 0.0
     teacher_weight: float = 0.0
     teacher_fitness: str = "log_ratio"
+    svm_weight: float = 0.0
     shaping_options: Options = Options()
     lowrank_patterns: tuple[str, ...] = (".*",)
     dense_patterns: tuple[str, ...] = ()
@@ -92,6 +98,7 @@ class ESSettings:
             ("step_weight", 0 <= self.step_weight <= 1, "in [0, 1] (the weight of the mean step score)"),
             ("teacher_weight", 0 <= self.teacher_weight <= 1, "in [0, 1] (the weight of the teacher score)"),
             ("teacher_fitness", self.teacher_fitness in TEACHER_FITNESS, f"one of {', '.join(TEACHER_FITNESS)}"),
+            ("svm_weight", self.svm_weight >= 0 and math.isfinite(self.svm_weight), ">= 0 (λ of the dense reward)"),
             ("chunk_size", self.chunk_size >= 0, ">= 0 (0: all directions at once)"),
             ("min_valid_fraction", 0 <= self.min_valid_fraction <= 1, "in [0, 1]"),
         ]

@@ -23,6 +23,7 @@ import numpy as np
 
 from esroll import baselines, es, ledger, memory, parallel, sharding
 from esroll.config import ConfigError, ESConfig, ExperimentConfig, OptimConfig, check_fields, make_optimizer
+from esroll.agents import visitation
 from esroll.data import Example
 from esroll.es import estimators, shaping
 from esroll.es.diagnostics import least_split_directions, rank_diagnostics, step_diagnostics
@@ -86,6 +87,11 @@ def check_config(cfg: ExperimentConfig) -> None:
             "teacher.path",
             not cfg.es.teacher_weight or bool(cfg.teacher.path),
             "a teacher model's folder (es.teacher_weight > 0 reads a teacher)",
+        ),
+        (
+            "es.svm_weight",
+            not cfg.es.svm_weight or bool(cfg.env.name),
+            "0 without env.name (it densifies the returns of episodes)",
         ),
         (
             "train.diagnostics_pg",
@@ -166,7 +172,7 @@ def strategy_config(es_cfg: ESConfig) -> ESConfig:
     strategy, and the planner compiles the trainer's program."""
     return dataclasses.replace(
         es_cfg, samples=1, sample_reduce="mean", prompt_shaping="raw", step_weight=0.0, teacher_weight=0.0,
-        teacher_fitness="log_ratio",
+        teacher_fitness="log_ratio", svm_weight=0.0,
     )  # fmt: skip
 
 
@@ -280,6 +286,11 @@ def make_es_method(
             extra["outcome_mean"] = _finite_mean(outcome_B)  # before mixing; reward_mean below is the mixed reward
             extra["step_score_mean"] = float(step_mean_B.mean())
             reward_B = dense_rewards(outcome_B, step_mean_B, step_weight)
+        if cfg.es.svm_weight:  # Success Visitation Matching over the whole population's episodes
+            bonus_B = visitation.discriminator_logits(out.turns, np.isfinite(outcome_B)).sum(1)
+            extra.setdefault("outcome_mean", _finite_mean(outcome_B))
+            extra["svm_bonus_mean"] = float(bonus_B.mean())
+            reward_B = (reward_B + cfg.es.svm_weight * bonus_B).astype(np.float32)
         teacher_flops = 0.0
         if teacher is not None:
             teacher_BxN = teacher_logprobs(*teacher, out)

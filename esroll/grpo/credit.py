@@ -18,7 +18,7 @@ completions:
     equal_signal        the share of the groups whose rewards are all equal that the method gives a non-zero
                         advantage;
 each with a percentile bootstrap interval over prompts. `exprl` reads its own judge's step scores (`JUDGED`) in
-place of `steps.verifier`'s. `mc_steps` itself is scored at a small count of continuations
+place of `steps.verifier`'s; `exprl_rise` is it with the first step credited its rise (`OPTION_ROWS`). `mc_steps` itself is scored at a small count of continuations
 (`mc_ks`) sampled apart from the reference's (its V(prompt) leave-one-out from the group). A learned critic (PPO's,
 `esroll.grpo.ppo`) is scored by the advantages PPO trains with: its values before each generated token, GAE at
 `grpo.adv.gae`'s options (λ as set, row `ppo`; and λ = 1, row `ppo_lam1`: the return minus the value, no
@@ -51,6 +51,7 @@ from esroll.steps.branch import score_steps
 
 SCORED = ("grpo", "sas", "verigate", "guae", "ibpo", "graft", "graft_gae", "progpo", "exprl")
 JUDGED = {"exprl": "exprl"}  # estimator -> the step verifier whose scores it reads in place of `steps.verifier`'s
+OPTION_ROWS = {"exprl_rise": ("exprl", {"first_step": "rise"})}  # row -> (estimator, options other than its defaults)
 Z95 = 1.959963984540054
 
 
@@ -235,13 +236,16 @@ def measure(
     halves = split_half(g_ref, prompt_rewards)
     equal = advantages.all_equal(g)
     results = {}
-    for i, name in enumerate(SCORED):
+    rows = {name: (name, None) for name in SCORED}
+    for row, (name, changed) in OPTION_ROWS.items():
+        rows[row] = (name, dataclasses.replace(advantages.ESTIMATORS.options_of({}, name), **changed))
+    for i, (row, (name, options)) in enumerate(rows.items()):
         g_name = g
         if name in JUDGED:  # its own judge's step scores
             judged = score_steps(out.example_B, out.steps, examples, JUDGED[name], steps_cfg.max_steps)
             g_name = g._replace(step_scores=judged.reshape(X, M, -1))
-        est = advantages.estimate(name, g_name, None, advantages.init_estimator_state(name))
-        results[name] = scores(
+        est = advantages.estimate(name, g_name, options, advantages.init_estimator_state(name, options))
+        results[row] = scores(
             per_step(est.advantage, g), est.advantage, ref, se, equal, halves=halves, boot=boot, seed=seed + i
         )
     if critic is not None:

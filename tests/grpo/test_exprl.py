@@ -26,6 +26,17 @@ def test_delta_norm_by_hand():
     np.testing.assert_allclose(delta_norm([0.25, 0.75, 1.0, 1.0]), [-0.75, 0.5, 0.25, 0.0])
     np.testing.assert_allclose(delta_norm([0.5]), [0.5])  # one step: its rise from 0
     np.testing.assert_allclose(delta_norm([0.0, 0.5, 0.25]), [-0.25, 0.5, -0.25])
+    # "rise": the first step keeps its rise from 0, and the credits sum to s_K
+    np.testing.assert_allclose(delta_norm([0.25, 0.75, 1.0, 1.0], "rise"), [0.25, 0.5, 0.25, 0.0])
+    np.testing.assert_allclose(delta_norm([0.5], "rise"), [0.5])
+
+
+def test_exprl_options_are_checked():
+    from esroll.config import ConfigError
+    from esroll.grpo.estimators.exprl import ExprlOptions
+
+    with pytest.raises(ConfigError, match="first_step"):
+        ExprlOptions(first_step="last")
 
 
 def _group(rewards, step_BxN, scores):

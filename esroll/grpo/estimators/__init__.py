@@ -19,6 +19,7 @@ step-level ones and GuAE: docs/step_level.md):
     graft     GRAFT: step credit V(target) − V(source) on the group's graph of states; graft_gae: Graph GAE on it
     progpo    ProGPO: exact-prefix step comparison plus transition credit from depth-fused state potentials
     discounted  multi-turn episodes: discounted per-turn returns normalised over the group (docs/agents.md)
+    svm       Success Visitation Matching: turn rewards plus a clipped discriminator logit of successful visits
     gigpo     GiGPO: the episode's group advantage plus the turn's return against turns from the same state
     gae       PPO: GAE over generated tokens from a learned critic's values (docs/critics.md)
     srppo     SR-PPO: one completion per prompt, token credit from a success head's pass@k (docs/critics.md)
@@ -49,4 +50,5 @@ from esroll.grpo.estimators import (  # noqa: F401 — registers them
     gae,
     hygae,
     srppo,
+    svm,
 )

@@ -5,24 +5,42 @@ what is chosen where the source leaves it open: docs/step_level.md."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from esroll.config import check_fields
 from esroll.grpo.advantages import Estimate, Group, per_token, register_advantage, valid_rewards
 
+FIRST_STEP = ("source", "rise")
 
-def delta_norm(scores_J: np.ndarray) -> np.ndarray:
-    """[K] DeltaNorm of one completion's step scores s_1..s_K: step k ≥ 2 gets s_k − s_{k−1}, the first step
-    s_1 − s_K when K ≥ 2, so that the credits sum to 0 (s_1 − s_K + Σ_{k≥2} (s_k − s_{k−1}) = 0); a one-step
-    completion gets s_1 (its rise from s_0 = 0, with nothing to subtract it from: ExpRL's code does the same)."""
+
+@dataclasses.dataclass(frozen=True)
+class ExprlOptions:
+    """`grpo.adv.exprl.*`. first_step: the first step's credit, "source" (s_1 − s_K, as ExpRL's code: a
+    completion's credits sum to 0) or "rise" (s_1, its rise from s_0 = 0: the credits telescope to s_K, each step
+    credited with what it added)."""
+
+    first_step: str = "source"
+
+    def __post_init__(self):
+        check_fields(self, [("first_step", self.first_step in FIRST_STEP, " or ".join(FIRST_STEP))], "ExprlOptions")
+
+
+def delta_norm(scores_J: np.ndarray, first_step: str = "source") -> np.ndarray:
+    """[K] DeltaNorm of one completion's step scores s_1..s_K: step k ≥ 2 gets s_k − s_{k−1}; the first step
+    s_1 − s_K when K ≥ 2 (`first_step` "source"), so that the credits sum to 0 (s_1 − s_K + Σ_{k≥2} (s_k − s_{k−1})
+    = 0), and s_1 for a one-step completion (its rise from s_0 = 0: ExpRL's code does the same); or s_1 always
+    ("rise"), so that they sum to s_K."""
     s = np.asarray(scores_J, np.float64)
-    if s.size < 2:
-        return s.copy()
+    if s.size < 2 or first_step == "rise":
+        return np.concatenate([s[:1], np.diff(s)])
     return np.concatenate([[s[0] - s[-1]], np.diff(s)])
 
 
-def exprl(g: Group, o=None, state=None) -> Estimate:
+def exprl(g: Group, o: ExprlOptions, state=None) -> Estimate:
     """Per-token advantages: each token gets its step's DeltaNorm credit (`delta_norm` of `Group.step_scores` over the
-    completion's steps). A row gets 0 everywhere when it is invalid, empty or length-clipped (its last generated
+    completion's steps, the first step's as `first_step` says). A row gets 0 everywhere when it is invalid, empty or length-clipped (its last generated
     token sits at the new-token budget: it may have been cut, and the judge would credit an unfinished solution; it
     stays in the loss, as ExpRL keeps it), and is dropped from the loss (token weight 0) when any of its steps'
     judgements was unreadable (a NaN score), as ExpRL drops a row whose judgement it cannot parse. Logs
@@ -46,7 +64,7 @@ def exprl(g: Group, o=None, state=None) -> Estimate:
             if not np.isfinite(s).all():
                 unread[x, j] = True
                 continue
-            credit[x, j, :c] = delta_norm(s)
+            credit[x, j, :c] = delta_norm(s, o.first_step)
             keep[x, j] = True
             finals.append(s[-1])
             credits.extend(np.abs(credit[x, j, :c]))
@@ -60,4 +78,4 @@ def exprl(g: Group, o=None, state=None) -> Estimate:
     return Estimate(per_token(g, np.where(keep[..., None], credit, 0.0)), token_weight=weight, metrics=metrics)
 
 
-register_advantage("exprl", exprl, needs=("steps", "step_scores"))
+register_advantage("exprl", exprl, options=ExprlOptions, needs=("steps", "step_scores"))
