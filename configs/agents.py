@@ -20,7 +20,7 @@ The variant is comma-separated, each part at most once: an environment, a method
                 successful against failed episodes' state-actions, credited per turn (λ 0.1, β 2, γ 0.95; agents.md)
     quick       a seconds-long smoke run (tests)
     svm_fitness (LOO-ROLL, EGGROLL) each episode's fitness gains λ·Σ_t clip(logit) of the same discriminator, fitted
-                on the whole population's episodes (es.svm_weight 0.1)
+                on the population's episodes of each seed (es.svm_weight 0.1)
 A row is one episode: its reward is the episode's return (ES: a member's fitness is the mean return of its episodes;
 GRPO: the return's group advantage on every action token, none on the environment's). Held-out "accuracy" is the
 share of 128 held-out episodes solved, played greedily. Hardware: 2 CPU cores; a full run trains for 10 minutes of

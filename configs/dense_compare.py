@@ -15,10 +15,10 @@ Arms (configs/step_level.py's or configs/agents.py's setting of that name; docs/
     looroll_exprl  (steps) LOO-ROLL whose fitness is half the outcome, half the judge's mean prefix score
                    (`looroll,exprl_fitness`)
     looroll_svm    (frozenlake) LOO-ROLL whose episodes' returns gain the visitation discriminator's dense reward,
-                   fitted on the whole population (`frozenlake,looroll,svm_fitness`)
+                   fitted per seed on the population's episodes (`frozenlake,looroll,svm_fitness`)
 
 Tuning (one tuning seed, 2 settings each, the arm's own and one other, scored by validation AUC), as the step-level
-and critic comparisons: GRPO tunes its learning rate (1e-4 or 2e-4); ExpRL starts from GRPO's choice
+and critic comparisons: GRPO tunes its learning rate (steps: 1e-4 or 2e-4; frozenlake: 1e-4 or 3e-4); ExpRL starts from GRPO's choice
 (`tuning.inherit`) and tunes its first step's credit (the source's s_1 − s_K, or its rise s_1:
 `grpo.adv.exprl.first_step`); SVM starts from GRPO's choice and tunes λ (0.1 or 0.3); the ES arms tune
 their learning rate (steps: 3e-4 or 6e-4; frozenlake: 3e-3 or 1e-3). Then 5 evaluation seeds per arm.

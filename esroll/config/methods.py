@@ -49,7 +49,7 @@ class ESSettings:
     stop-gradient question (docs/distillation.md).
     svm_weight: a dense fitness for episodes (env runs) from Success Visitation Matching, λ >= 0: each episode's
     return gains λ·Σ_t clip_β(f̂(s_t, a_t)), the logits of a discriminator of the state–actions that the step's
-    solved episodes visit against those its others visit, fitted on the whole population's episodes
+    solved episodes visit against those its others visit, fitted on the population's episodes of each seed
     (`esroll.agents.visitation`, β = its `CLIP`). 0: the return alone. The discriminator reads every member's
     episodes, so a member's fitness depends on the others' perturbations, as with `prompt_shaping`'s coupling ones.
     shaping_options: the options of the shapings that registered some, by name (`es.shaping_options.<name>.<key>`).

@@ -286,8 +286,8 @@ def make_es_method(
             extra["outcome_mean"] = _finite_mean(outcome_B)  # before mixing; reward_mean below is the mixed reward
             extra["step_score_mean"] = float(step_mean_B.mean())
             reward_B = dense_rewards(outcome_B, step_mean_B, step_weight)
-        if cfg.es.svm_weight:  # Success Visitation Matching over the whole population's episodes
-            bonus_B = visitation.discriminator_logits(out.turns, np.isfinite(outcome_B)).sum(1)
+        if cfg.es.svm_weight:  # Success Visitation Matching over the population's episodes, one fit per seed
+            bonus_B = visitation.discriminator_logits(out.turns, np.isfinite(outcome_B), level_B=example_B).sum(1)
             extra.setdefault("outcome_mean", _finite_mean(outcome_B))
             extra["svm_bonus_mean"] = float(bonus_B.mean())
             reward_B = (reward_B + cfg.es.svm_weight * bonus_B).astype(np.float32)

@@ -18,8 +18,8 @@ completions:
     equal_signal        the share of the groups whose rewards are all equal that the method gives a non-zero
                         advantage;
 each with a percentile bootstrap interval over prompts. `exprl` reads its own judge's step scores (`JUDGED`) in
-place of `steps.verifier`'s; `exprl_rise` is it with the first step credited its rise (`OPTION_ROWS`). `mc_steps` itself is scored at a small count of continuations
-(`mc_ks`) sampled apart from the reference's (its V(prompt) leave-one-out from the group). A learned critic (PPO's,
+place of `steps.verifier`'s; `exprl_rise` is it with the first step credited its rise (`OPTION_ROWS`). `mc_steps`
+itself is scored at a small count of continuations (`mc_ks`) sampled apart from the reference's (its V(prompt) leave-one-out from the group). A learned critic (PPO's,
 `esroll.grpo.ppo`) is scored by the advantages PPO trains with: its values before each generated token, GAE at
 `grpo.adv.gae`'s options (λ as set, row `ppo`; and λ = 1, row `ppo_lam1`: the return minus the value, no
 bootstrapping), whitened as set; an SR-PPO success head by its pass@k credit at k = 1 and 4 (rows `srppo_k1`,

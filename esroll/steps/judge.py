@@ -7,8 +7,9 @@ prefix of a completion has got toward it, on a scale of 1 to 5; the step-level s
 A judgement is what the judge answered: a number or a text such as "4" or "Score: 4". `read_judgement` reads it as an
 integer score 1–5, or None when it cannot (another number, another text, a non-finite value); `judge_verifier` turns a
 judge into a step verifier (`esroll.steps.verify`) whose score for step k is s_k = (score − 1) / 4 of the prefix
-through step k, NaN where the judgement was unreadable (DeltaNorm then drops the row). A model-based judge (an LLM
-given the question, the reference and the prefix) registers the same way as the rule-based one.
+through step k, NaN where the judgement was unreadable (DeltaNorm then drops the row; ES's dense fitness averages
+the steps that have a score, and a row with none gets 0 for that part). A model-based judge (an LLM given the
+question, the reference and the prefix) registers the same way as the rule-based one.
 
 `reference_progress`, the rule-based judge registered as the verifier `exprl` (arith_steps, GSM-Symbolic, any task
 whose reference solution states its intermediate values as equations): the reference's values are the results of its
@@ -22,10 +23,13 @@ with no value to read gets no judgement (None). Model output is read as text, ne
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from fractions import Fraction
+
+import numpy as np
 
 from esroll.steps.verify import (
     _ANSWER,
@@ -43,12 +47,12 @@ _SCORE = re.compile(r"\s*(?:score\s*[:=]?\s*)?([1-5])\s*(?:/\s*5)?\s*\.?\s*", re
 
 
 def read_judgement(judgement: object) -> int | None:
-    """An integer score 1–5 from a judge's answer: an int or a whole float in 1..5, or a text that is only such a
-    digit, optionally after "score" (with ":" or "=") and before "/5" ("4", "Score: 4", "score=4/5"); None for
-    anything else (another number, a bool, a longer text, NaN)."""
-    if isinstance(judgement, bool):
+    """An integer score 1–5 from a judge's answer: a whole real number in 1..5 (numpy's too), or a text that is
+    only such a digit, optionally after "score" (with ":" or "=") and before "/5" ("4", "Score: 4", "score=4/5");
+    None for anything else (another number, a bool, a longer text, NaN)."""
+    if isinstance(judgement, bool | np.bool_):
         return None
-    if isinstance(judgement, int | float):
+    if isinstance(judgement, numbers.Real):
         if not math.isfinite(judgement) or judgement != int(judgement) or not 1 <= judgement <= 5:
             return None
         return int(judgement)
@@ -121,8 +125,9 @@ def judge_verifier(judge: Judge) -> Callable[..., list[float]]:
             scores.append(float("nan") if score is None else (score - 1) / 4)
         return scores
 
-    verifier.__name__ = f"judged_by_{getattr(judge, '__name__', 'judge')}"
-    verifier.__doc__ = f"Step scores s_k = (score - 1) / 4 of each prefix as {verifier.__name__[9:]} judges it."
+    name = getattr(judge, "__name__", "judge")
+    verifier.__name__ = f"judged_by_{name}"
+    verifier.__doc__ = f"Step scores s_k = (score - 1) / 4 of each prefix as {name} judges it."
     return verifier
 
 

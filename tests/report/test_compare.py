@@ -510,8 +510,8 @@ def test_distill_comparison_builds_every_arm_with_the_teacher():
 @pytest.mark.e2e
 def test_dense_comparison_quick_runs_the_judge_arms(tmp_path):
     """configs/dense_compare.py:quick through the tuned protocol: plain GRPO, ExpRL (the judge as its step verifier,
-    GRPO's chosen setting with the source's first-step credit or its rise) and LOO-ROLL with the judge's fitness (half of it), each logging
-    its judge's figures; every variant builds with GRPO as the reference (frozenlake: SVM from GRPO's setting tuning
+    GRPO's chosen setting with the source's first-step credit or its rise) and LOO-ROLL with the judge's fitness
+    (half of it), each logging its judge's figures; every variant builds with GRPO as the reference (frozenlake: SVM from GRPO's setting tuning
     its λ, and LOO-ROLL with its fitness)."""
     from configs import dense_compare
     from esroll.compare import candidates

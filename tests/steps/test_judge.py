@@ -8,6 +8,7 @@ import builtins
 import math
 from fractions import Fraction
 
+import numpy as np
 import pytest
 
 from esroll.data import Example
@@ -111,6 +112,10 @@ def test_hostile_text_scores_what_it_states_and_no_more():
         ("", None),
         (None, None),
         (["4"], None),
+        (np.int64(3), 3),
+        (np.float32(5.0), 5),
+        (np.float64(2.5), None),
+        (np.bool_(True), None),
     ],
 )
 def test_read_judgement_takes_a_score_from_1_to_5_and_nothing_else(judgement, score):

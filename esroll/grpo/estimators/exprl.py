@@ -40,10 +40,11 @@ def delta_norm(scores_J: np.ndarray, first_step: str = "source") -> np.ndarray:
 
 def exprl(g: Group, o: ExprlOptions, state=None) -> Estimate:
     """Per-token advantages: each token gets its step's DeltaNorm credit (`delta_norm` of `Group.step_scores` over the
-    completion's steps, the first step's as `first_step` says). A row gets 0 everywhere when it is invalid, empty or length-clipped (its last generated
-    token sits at the new-token budget: it may have been cut, and the judge would credit an unfinished solution; it
-    stays in the loss, as ExpRL keeps it), and is dropped from the loss (token weight 0) when any of its steps'
-    judgements was unreadable (a NaN score), as ExpRL drops a row whose judgement it cannot parse. Logs
+    completion's steps, the first step's as `first_step` says). A valid row with any step's judgement unreadable (a
+    NaN score) is dropped from the loss (token weight 0), as ExpRL drops a row whose judgement it cannot parse. A row
+    gets 0 everywhere, and stays in the loss as ExpRL keeps it, when it is invalid, empty or length-clipped: its last
+    generated token sits at the new-token budget, EOS or not (it may have been cut, and the judge would credit an
+    unfinished solution; one that ended exactly there counts too, as in the source). Logs
     `exprl_dropped` (the share of rows dropped for unreadable judgements), `exprl_clipped` (length-clipped),
     `exprl_final_score` (mean s_K over the rows credited) and `exprl_credit_abs` (mean |credit| over their steps)."""
     _, valid = valid_rewards(g)
@@ -58,11 +59,13 @@ def exprl(g: Group, o: ExprlOptions, state=None) -> Estimate:
     for x in range(X):
         for j in range(M):
             c = int(counts[x, j])
-            if not valid[x, j] or c == 0 or clipped[x, j]:
-                continue
             s = scores[x, j, :c]
+            if not valid[x, j] or c == 0:
+                continue
             if not np.isfinite(s).all():
                 unread[x, j] = True
+                continue
+            if clipped[x, j]:
                 continue
             credit[x, j, :c] = delta_norm(s, o.first_step)
             keep[x, j] = True

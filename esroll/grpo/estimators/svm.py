@@ -35,15 +35,16 @@ class SvmOptions:
 
 
 def svm(g: Group, o: SvmOptions, state=None) -> Estimate:
-    """Per-token advantages: the discriminator fitted on this step's valid episodes (by their `Turns.solved_B`),
-    each turn's reward r_t + λ·clip_β(f̂(s_t, a_t)), then `discounted`'s normalised per-turn returns on the turn's
-    action tokens. Logs `svm_logit_abs` (mean |clipped logit| over the valid episodes' turns), `svm_clipped` (the share
+    """Per-token advantages: the discriminator fitted on each group's valid episodes (by their `Turns.solved_B`; a
+    group plays one level), each turn's reward r_t + λ·clip_β(f̂(s_t, a_t)), then `discounted`'s normalised
+    per-turn returns on the turn's action tokens. Logs `svm_logit_abs` (mean |clipped logit| over the valid episodes' turns), `svm_clipped` (the share
     of those at ±β: state–actions that one class alone visited) and `svm_success` (the share of valid episodes
     solved)."""
     _, valid = valid_rewards(g)
     turns = g.turns
     valid_B = valid.reshape(-1)
-    rewards, logits = shaped_rewards(turns, valid_B, o.lam, o.beta)
+    X, M = valid.shape
+    rewards, logits = shaped_rewards(turns, valid_B, o.lam, o.beta, level_B=np.repeat(np.arange(X), M))
     played = (np.arange(logits.shape[1])[None, :] < np.asarray(turns.count_B)[:, None]) & valid_B[:, None]
     est = discounted(g._replace(turns=turns._replace(reward_BxW=rewards)), DiscountedOptions(o.gamma, o.std))
     on = logits[played]
