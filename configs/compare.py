@@ -40,7 +40,7 @@ Variants:
 
 from ml_collections import ConfigDict
 
-from configs import default, gsm8k_qwen3
+from configs import agents, default, gsm8k_qwen3, step_level
 
 METHOD_PARTS = ("looroll", "eggroll", "grpo")
 VARIANTS = {
@@ -116,6 +116,38 @@ def own_option_protocol(experiments, arms, space, inherit, time_budget_s: float,
     c.tuning.space = space
     c.tuning.inherit = inherit
     return c
+
+
+def task_protocol(
+    task: str,
+    quick: bool,
+    arms: tuple[str, ...],
+    space: dict,
+    inherit: dict,
+    budgets: tuple[float, float],
+    settings: dict | None = None,
+) -> ConfigDict:
+    """`own_option_protocol` over `arms` on the step task (`task` "steps": configs/step_level.py) or an agent
+    environment (configs/agents.py), each arm's config that file's variant of its name (or of `settings[arm]`), with
+    `,quick` when `quick`; full runs evaluate on 384 questions (validation 128) every 5 steps, or 192 episodes
+    (validation 64) every 10; `budgets` = (evaluation run, tuning run) seconds of training."""
+    mods = ",quick" if quick else ""
+    settings = settings or {}
+    names = ("looroll", *(a for a in arms if a != "looroll"))  # LOO-ROLL first: the comparison's base experiment
+    if task == "steps":
+        experiments = {arm: step_level.get_config(settings.get(arm, arm) + mods) for arm in names}
+    else:
+        experiments = {arm: agents.get_config(f"{task},{settings.get(arm, arm)}{mods}") for arm in names}
+    for cd in experiments.values():
+        cd.train.time_budget_s = 0.0  # set by the comparison
+        if not quick:
+            cd.data.eval_size = 384 if task == "steps" else 192
+            cd.data.validation_size = 128 if task == "steps" else 64
+            cd.train.eval_every = 5 if task == "steps" else 10
+    time_budget_s, tuning_budget_s = budgets
+    return own_option_protocol(
+        experiments, arms, space, inherit, time_budget_s=time_budget_s, tuning_budget_s=tuning_budget_s
+    )
 
 
 def quick_arms(c: ConfigDict, methods: str, eval_size: int, validation_size: int) -> ConfigDict:

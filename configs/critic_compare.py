@@ -33,7 +33,7 @@ Variants:
 
 from ml_collections import ConfigDict
 
-from configs import agents, compare, step_level
+from configs import compare
 
 ARMS = {"steps": ("grpo", "ppo", "srppo", "looroll"), "frozenlake": ("grpo", "ppo", "hygae", "dae", "looroll")}
 VARIANTS = {
@@ -62,37 +62,14 @@ OWN_OPTION = {
 BUDGETS = {"steps": (75.0, 40.0), "frozenlake": (120.0, 60.0)}  # evaluation run, tuning run: seconds of training
 
 
-def _experiments(task: str, quick: bool) -> dict[str, ConfigDict]:
-    """Each arm's training config (LOO-ROLL first: the comparison's base experiment)."""
-    mods = ",quick" if quick else ""
-    arms = ("looroll", *(a for a in ARMS[task] if a != "looroll"))
-    if task == "steps":
-        return {arm: step_level.get_config(arm + mods) for arm in arms}
-    return {arm: agents.get_config(f"{task},{arm}{mods}") for arm in arms}
-
-
 def get_config(arg: str | None = None) -> ConfigDict:
     arg = arg or "steps"
     if arg not in VARIANTS:
         raise ValueError(f"configs/critic_compare.py: unknown variant {arg!r} (expected one of {', '.join(VARIANTS)})")
     quick = arg == "quick"
     task = "steps" if quick else arg
-    experiments = _experiments(task, quick)
-    for cd in experiments.values():
-        cd.train.time_budget_s = 0.0  # set by the comparison
-        if not quick:
-            cd.data.eval_size = 384 if task == "steps" else 192
-            cd.data.validation_size = 128 if task == "steps" else 64
-            cd.train.eval_every = 5 if task == "steps" else 10
-    time_budget_s, tuning_budget_s = BUDGETS[task]
-    c = compare.own_option_protocol(
-        experiments,
-        ARMS[task],
-        OWN_OPTION[task],
-        {arm: "grpo" for arm in ARMS[task] if arm not in ("grpo", "looroll")},
-        time_budget_s=time_budget_s,
-        tuning_budget_s=tuning_budget_s,
-    )
+    inherit = {arm: "grpo" for arm in ARMS[task] if arm not in ("grpo", "looroll")}
+    c = compare.task_protocol(task, quick, ARMS[task], OWN_OPTION[task], inherit, BUDGETS[task])
     if quick:
         compare.quick_arms(c, "grpo,ppo", eval_size=32, validation_size=16)
     return c

@@ -34,7 +34,7 @@ Variants:
 
 from ml_collections import ConfigDict
 
-from configs import agents, compare, step_level
+from configs import compare
 
 ARMS = {"steps": ("grpo", "exprl", "looroll", "looroll_exprl"), "frozenlake": ("grpo", "svm", "looroll", "looroll_svm")}
 VARIANTS = {
@@ -66,37 +66,13 @@ BUDGETS = {"steps": (75.0, 40.0), "frozenlake": (120.0, 60.0)}  # evaluation run
 SETTINGS = {"looroll_exprl": "looroll,exprl_fitness", "looroll_svm": "looroll,svm_fitness"}
 
 
-def _experiments(task: str, quick: bool) -> dict[str, ConfigDict]:
-    """Each arm's training config (LOO-ROLL first: the comparison's base experiment)."""
-    mods = ",quick" if quick else ""
-    arms = ("looroll", *(a for a in ARMS[task] if a != "looroll"))
-    if task == "steps":
-        return {arm: step_level.get_config(SETTINGS.get(arm, arm) + mods) for arm in arms}
-    return {arm: agents.get_config(f"{task},{SETTINGS.get(arm, arm)}{mods}") for arm in arms}
-
-
 def get_config(arg: str | None = None) -> ConfigDict:
     arg = arg or "steps"
     if arg not in VARIANTS:
         raise ValueError(f"configs/dense_compare.py: unknown variant {arg!r} (expected one of {', '.join(VARIANTS)})")
     quick = arg == "quick"
     task = "steps" if quick else arg
-    experiments = _experiments(task, quick)
-    for cd in experiments.values():
-        cd.train.time_budget_s = 0.0  # set by the comparison
-        if not quick:
-            cd.data.eval_size = 384 if task == "steps" else 192
-            cd.data.validation_size = 128 if task == "steps" else 64
-            cd.train.eval_every = 5 if task == "steps" else 10
-    time_budget_s, tuning_budget_s = BUDGETS[task]
-    c = compare.own_option_protocol(
-        experiments,
-        ARMS[task],
-        OWN_OPTION[task],
-        INHERIT[task],
-        time_budget_s=time_budget_s,
-        tuning_budget_s=tuning_budget_s,
-    )
+    c = compare.task_protocol(task, quick, ARMS[task], OWN_OPTION[task], INHERIT[task], BUDGETS[task], SETTINGS)
     if quick:
         compare.quick_arms(c, "grpo,exprl,looroll_exprl", eval_size=32, validation_size=16)
     return c

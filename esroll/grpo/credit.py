@@ -239,11 +239,14 @@ def measure(
     rows = {name: (name, None) for name in SCORED}
     for row, (name, changed) in OPTION_ROWS.items():
         rows[row] = (name, dataclasses.replace(advantages.ESTIMATORS.options_of({}, name), **changed))
+    judged = {  # each judge's step scores, scored once for every row that reads them
+        v: g._replace(
+            step_scores=score_steps(out.example_B, out.steps, examples, v, steps_cfg.max_steps).reshape(X, M, -1)
+        )
+        for v in set(JUDGED.values())
+    }
     for i, (row, (name, options)) in enumerate(rows.items()):
-        g_name = g
-        if name in JUDGED:  # its own judge's step scores
-            judged = score_steps(out.example_B, out.steps, examples, JUDGED[name], steps_cfg.max_steps)
-            g_name = g._replace(step_scores=judged.reshape(X, M, -1))
+        g_name = judged[JUDGED[name]] if name in JUDGED else g
         est = advantages.estimate(name, g_name, options, advantages.init_estimator_state(name, options))
         results[row] = scores(
             per_step(est.advantage, g), est.advantage, ref, se, equal, halves=halves, boot=boot, seed=seed + i

@@ -34,10 +34,10 @@ import numpy as np
 from esroll.steps.verify import (
     _ANSWER,
     _EQUATION,
-    _TERM,
     MAX_STEP_CHARS,
     _holds,
     _number,
+    parse_equation,
     register_verifier,
 )
 
@@ -66,12 +66,9 @@ def _results(text: str) -> list[Fraction]:
     """The signed values a text states as results of equations that hold, and as its "#### n"."""
     values = []
     for m in _EQUATION.finditer(text):
-        first, result = _number(m.group(1)), _number(m.group(3))
-        terms = [(t.group(1).replace("−", "-"), _number(t.group(2))) for t in _TERM.finditer(m.group(2))]
-        if first is None or result is None or any(v is None for _, v in terms):
-            continue
-        if _holds(m, first[0], terms, result):
-            values.append(result[0])
+        parsed = parse_equation(m)
+        if parsed is not None and _holds(m, *parsed):
+            values.append(parsed[2][0])
     for m in _ANSWER.finditer(text):
         answer = _number(m.group(1))
         if answer is not None:

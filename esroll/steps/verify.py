@@ -138,6 +138,16 @@ def _stated(text: str) -> set[Fraction]:
     return {abs(n[0]) for n in (_number(m.group()) for m in _NUMBER.finditer(text)) if n is not None}
 
 
+def parse_equation(m: re.Match) -> tuple[Fraction, list, tuple[Fraction, int]] | None:
+    """(first operand, [(op, (value, decimals))] of the rest, (result, decimals)) of an `_EQUATION` match, or None
+    when one of its numbers does not read (past MAX_DIGITS): what `equations` and the ExpRL judge read of it."""
+    first, result = _number(m.group(1)), _number(m.group(3))
+    terms = [(t.group(1).replace("−", "-"), _number(t.group(2))) for t in _TERM.finditer(m.group(2))]
+    if first is None or result is None or any(v is None for _, v in terms):
+        return None
+    return first[0], terms, result
+
+
 def equations(example, steps: Sequence[str]) -> list[float]:
     """The `equations` verifier (see the module docstring)."""
     known = _known_in(str(example.prompt)[-MAX_STEP_CHARS:])
@@ -146,14 +156,14 @@ def equations(example, steps: Sequence[str]) -> list[float]:
         text = step[-MAX_STEP_CHARS:] if isinstance(step, str) else ""
         ok, results = True, []
         for m in _EQUATION.finditer(text):
-            first, result = _number(m.group(1)), _number(m.group(3))
-            terms = [(t.group(1).replace("−", "-"), _number(t.group(2))) for t in _TERM.finditer(m.group(2))]
-            if first is None or result is None or any(v is None for _, v in terms):
+            parsed = parse_equation(m)
+            if parsed is None:
                 ok = False
                 continue
-            operands = [first[0], *(v[0] for _, v in terms)]
+            first, terms, result = parsed
+            operands = [first, *(v[0] for _, v in terms)]
             stated = known | _CONVERSIONS | _stated(text[: m.start()])
-            ok &= _holds(m, first[0], terms, result) and all(abs(x) in stated for x in operands)
+            ok &= _holds(m, first, terms, result) and all(abs(x) in stated for x in operands)
             results.append(abs(result[0]))
         for m in _ANSWER.finditer(text):
             answer = _number(m.group(1))
