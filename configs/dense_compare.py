@@ -10,6 +10,9 @@ Arms (configs/step_level.py's or configs/agents.py's setting of that name; docs/
     grpo           plain GRPO (AdamW, group-normalised outcome advantage)
     exprl          (steps) GRPO's update with ExpRL's DeltaNorm step credit from the reference-holding judge (no
                    outcome term)
+    appo           (steps) GRPO's update with APPO's credit: branches at the tokens its Branching Score picks,
+                   token advantages from the completions' and the branches' groups (every branch's decoding charged
+                   to the arm)
     svm            (frozenlake) GRPO with Success Visitation Matching's dense turn rewards, credited per turn
     looroll        LOO-ROLL at the task's setting (raw outcome fitness)
     looroll_exprl  (steps) LOO-ROLL whose fitness is half the outcome, half the judge's mean prefix score
@@ -20,8 +23,9 @@ Arms (configs/step_level.py's or configs/agents.py's setting of that name; docs/
 Tuning (one tuning seed, 2 settings each, the arm's own and one other, scored by validation AUC), as the step-level
 and critic comparisons: GRPO tunes its learning rate (steps: 1e-4 or 2e-4; frozenlake: 1e-4 or 3e-4); ExpRL starts from GRPO's choice
 (`tuning.inherit`) and tunes its first step's credit (the source's s_1 − s_K, or its rise s_1:
-`grpo.adv.exprl.first_step`); SVM starts from GRPO's choice and tunes λ (0.1 or 0.3); the ES arms tune
-their learning rate (steps: 3e-4 or 6e-4; frozenlake: 3e-3 or 1e-3). Then 5 evaluation seeds per arm.
+`grpo.adv.exprl.first_step`); APPO starts from GRPO's choice and tunes its branch points per completion (the
+source's 3, or 1: `grpo.adv.appo.positions`); SVM starts from GRPO's choice and tunes λ (0.1 or 0.3); the ES arms
+tune their learning rate (steps: 3e-4 or 6e-4; frozenlake: 3e-3 or 1e-3). Then 5 evaluation seeds per arm.
 
 Variants:
   steps   arith_steps (3-4 operands; the shipped steps model starts at 39% on held-out): 40 s per tuning run, 75 s per
@@ -36,9 +40,12 @@ from ml_collections import ConfigDict
 
 from configs import compare
 
-ARMS = {"steps": ("grpo", "exprl", "looroll", "looroll_exprl"), "frozenlake": ("grpo", "svm", "looroll", "looroll_svm")}
+ARMS = {
+    "steps": ("grpo", "exprl", "appo", "looroll", "looroll_exprl"),
+    "frozenlake": ("grpo", "svm", "looroll", "looroll_svm"),
+}
 VARIANTS = {
-    "steps": "GRPO, ExpRL, LOO-ROLL, LOO-ROLL with the judge's fitness on arith_steps: tuned (40 s runs), then 5 seeds "
+    "steps": "GRPO, ExpRL, APPO, LOO-ROLL, LOO-ROLL with the judge's fitness on arith_steps: tuned (40 s runs), then 5 seeds "
     "× 75 s on test",
     "frozenlake": "GRPO, SVM, LOO-ROLL, LOO-ROLL with SVM's fitness on FrozenLake: tuned (60 s runs), then 5 seeds × "
     "120 s on test",
@@ -50,6 +57,7 @@ OWN_OPTION = {
     "steps": {
         "grpo": {"optimizer": {"lr": (2e-4,)}},
         "exprl": {"grpo": {"adv": {"exprl": {"first_step": ("rise",)}}}},
+        "appo": {"grpo": {"adv": {"appo": {"positions": (1,)}}}},
         "looroll": ES_LR,
         "looroll_exprl": ES_LR,
     },
@@ -60,7 +68,7 @@ OWN_OPTION = {
         "looroll_svm": {"optimizer": {"lr": (1e-3,)}},
     },
 }
-INHERIT = {"steps": {"exprl": "grpo"}, "frozenlake": {"svm": "grpo"}}
+INHERIT = {"steps": {"exprl": "grpo", "appo": "grpo"}, "frozenlake": {"svm": "grpo"}}
 BUDGETS = {"steps": (75.0, 40.0), "frozenlake": (120.0, 60.0)}  # evaluation run, tuning run: seconds of training
 # an arm's configs/step_level.py or configs/agents.py variant, where not its name
 SETTINGS = {"looroll_exprl": "looroll,exprl_fitness", "looroll_svm": "looroll,svm_fitness"}

@@ -16,6 +16,8 @@ The variant is comma-separated: one method name, then modifiers.
     progpo      GRPO with ProGPO's exact-prefix comparison and transition credit ("progpo")
     exprl       GRPO's update with ExpRL's DeltaNorm step credit from the reference-holding judge ("exprl", its
                 prefix scores as steps.verifier "exprl"; docs/step_level.md)
+    appo        GRPO's update with APPO's credit: 3 branches per completion at the tokens its Branching Score picks,
+                token advantages from the completions' and the branches' groups ("appo"; docs/step_level.md)
     ppo         PPO: GAE over the generated tokens from a learned critic ("gae", docs/critics.md)
     srppo       SR-PPO: one completion per prompt (128 prompts a step), token credit from a learned success head's
                 pass@4 ("srppo"; it collapses on this task: docs/critics.md)
@@ -44,6 +46,7 @@ METHOD_PARTS = {
     "graft_gae": "GRPO with Graph GAE on GRAFT's state graph",
     "progpo": "GRPO with ProGPO's exact-prefix comparison and transition credit",
     "exprl": "GRPO's update with ExpRL's DeltaNorm credit from the reference-holding judge (grpo.advantage = 'exprl')",
+    "appo": "GRPO's update with APPO's branching at Branching-Score tokens and two-group credit (grpo.advantage = 'appo')",
     "ppo": "PPO: GAE from a learned critic (grpo.advantage = 'gae'), GRPO's sampling and clipped update",
     "srppo": "SR-PPO: one completion per prompt, credit from a learned success head (grpo.advantage = 'srppo')",
 }

@@ -28,14 +28,14 @@ import numpy as np
 
 from esroll import parallel
 from esroll.config import from_config_dict
-from esroll.grpo.credit import OPTION_ROWS, SCORED, measure
+from esroll.grpo.credit import BRANCHED, OPTION_ROWS, SCORED, measure
 from esroll.data import make_splits
 from esroll.experiment import check_names
 from esroll.models import load_hf
 from esroll.task import load_task
 from experiments._entry import quiet_tpu_probe
 
-ROWS = (*SCORED, *OPTION_ROWS, "mc_steps_k2", "mc_steps_k4")
+ROWS = (*SCORED, *OPTION_ROWS, *BRANCHED, "mc_steps_k2", "mc_steps_k4")
 CRITIC_ROWS = ("ppo", "ppo_lam1", "srppo_k1", "srppo_k4")
 
 
@@ -78,8 +78,10 @@ def report(results: dict, command: str, meta: dict) -> str:
         "square root of its split-half reliability: an estimate of the correlation with the exact step advantages);",
         "sign agreement over the steps whose Monte Carlo advantage is non-zero at 95%; the share of all-equal groups",
         "given a non-zero signal. Brackets: 95% bootstrap intervals over prompts. `mc_steps_k2` / `_k4`: `mc_steps`",
-        "from 2 / 4 continuations sampled apart from the reference's, V(prompt) leave-one-out from the group. `grpo`",
-        "(the same advantage on every step of a completion) is the row to beat.",
+        "from 2 / 4 continuations sampled apart from the reference's, V(prompt) leave-one-out from the group. `appo`:",
+        "APPO at its defaults, with one continuation from each of the 3 token positions it picks per completion (the",
+        "most uncertain tokens: against the sampling model itself Ω is 1), read per step as the mean over the step's",
+        "tokens. `grpo` (the same advantage on every step of a completion) is the row to beat.",
     ]
     for label, res in results.items():
         s = res["sample"]

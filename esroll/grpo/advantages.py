@@ -46,6 +46,7 @@ NEEDS = (
     "values",
     "teacher",
     "teacher_distributions",
+    "token_branches",
 )  # what it may read beyond the rewards
 TEACHER_NEEDS = frozenset({"teacher", "teacher_distributions"})  # what loads the `teacher` config section's model
 
@@ -58,6 +59,7 @@ class EstimatorSpec(NamedTuple):
     single_rollout: bool = False  # works with one completion per prompt (grpo.group_size 1 allowed)
     label_free_only: bool = False  # reads the parsed answers and needs data.reward = "majority"
     needs: tuple[str, ...] = ()  # the `NEEDS` it reads
+    branch_points: Callable[[Any, "Group"], tuple[np.ndarray, int]] | None = None  # "token_branches": where to branch
 
 
 ESTIMATORS: Registry[EstimatorSpec] = Registry("advantage estimator", "grpo.advantage", options_key="grpo.adv")
@@ -72,6 +74,7 @@ def register_advantage(
     needs: Iterable[str] = (),
     single_rollout: bool = False,
     label_free_only: bool = False,
+    branch_points: Callable[[Any, "Group"], tuple[np.ndarray, int]] | None = None,
     replace: bool = False,
 ):
     """Register the group-advantage estimator `grpo.advantage = name` selects.
@@ -100,13 +103,18 @@ def register_advantage(
     (not read by the estimator but by the update: the teacher's hidden states at each completion position travel
     with the rows, its head gives its whole next-token distributions there, and the loss adds GKD's generalised JSD
     to them with the β of the estimator's
-    options, `beta`; `esroll.grpo.estimators.distill.gkd`); the step fills only these
-    fields of its `Group` (and the steps, token log-probabilities and mask with any step need).
+    options, `beta`; `esroll.grpo.estimators.distill.gkd`), "token_branches" (`Group.entropy` and
+    `Group.ref_logratio` of each sampled token, the initial policy kept to give the latter; then `branch_points(options,
+    group)` -> (positions [X, M, K], A) says where to branch, and `Group.branch_positions`, `Group.branch_rewards`
+    [X, M, K, A] hold the rewards of A continuations of each completion from its first t tokens, t = each position);
+    the step fills only these fields of its `Group` (and the steps, token log-probabilities and mask with any step
+    need).
     single_rollout: it works with one completion per prompt (grpo.group_size 1 is then allowed); label_free_only:
     it needs data.reward = "majority".
 
     A name already registered is refused unless `replace` is set. Returns `fn`; without `fn`, a decorator."""
     spec = dict(options=options, needs=needs, single_rollout=single_rollout, label_free_only=label_free_only)
+    spec["branch_points"] = branch_points
     if fn is None:
         return lambda f: register_advantage(name, f, init, replace=replace, **spec)
     ESTIMATORS.check_new(name, replace=replace)
@@ -118,7 +126,9 @@ def register_advantage(
     unknown = [n for n in needs if n not in NEEDS]
     if unknown:
         raise ValueError(f"advantage estimator {name!r}: needs {unknown[0]!r} (expected among {', '.join(NEEDS)})")
-    entry = EstimatorSpec(fn, init, single_rollout, label_free_only, needs)
+    if ("token_branches" in needs) != callable(branch_points):
+        raise ValueError(f"advantage estimator {name!r}: branch_points is given exactly when it needs 'token_branches'")
+    entry = EstimatorSpec(fn, init, single_rollout, label_free_only, needs, branch_points)
     ESTIMATORS.add(name, entry, options=options, replace=replace)
     return fn
 
@@ -165,6 +175,10 @@ class Group(NamedTuple):
     values: np.ndarray | None = None  # [X, M, N] the critic's value before each generated token (`esroll.critic`)
     # ([X, M, N, C] for DAE: its readings, `esroll.grpo.ppo.dae_readings`)
     teacher_logp: np.ndarray | None = None  # [X, M, N] log π_T of each sampled token (`esroll.teacher`), 0 past the end
+    entropy: np.ndarray | None = None  # [X, M, N] the policy's next-token entropy at each sampled token, 0 past the end
+    ref_logratio: np.ndarray | None = None  # [X, M, N] log π_θ − log π_ref of each sampled token, 0 past the end
+    branch_positions: np.ndarray | None = None  # [X, M, K] where `branch_rewards` branched (-1: nowhere); then
+    # `branch_rewards` is [X, M, K, A], continuations from each completion's first t tokens
 
 
 def state_ids(keys_per_row: list[list], X: int, M: int, J: int) -> np.ndarray:
@@ -282,7 +296,7 @@ def estimator_group(
     if "logprobs" in needs:
         seq_logp = np.where(mask_BxN, out.logprobs_BxN, 0.0).sum(1) / np.maximum(out.length_B, 1)
         fields["seq_logp"] = seq_logp.reshape(X, M)
-    if "logprobs" in needs or step_needs or "turns" in needs or "values" in needs:
+    if "logprobs" in needs or step_needs or {"turns", "values", "token_branches"} & set(needs):
         fields.update(token_logp=out.logprobs_BxN.reshape(X, M, N), token_mask=mask_BxN.reshape(X, M, N))
     if "values" in needs:
         fields.update(values=values_BxN.reshape(X, M, *values_BxN.shape[1:]), turns=out.turns)

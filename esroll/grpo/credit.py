@@ -19,7 +19,9 @@ completions:
                         advantage;
 each with a percentile bootstrap interval over prompts. `exprl` reads its own judge's step scores (`JUDGED`) in
 place of `steps.verifier`'s; `exprl_rise` is it with the first step credited its rise (`OPTION_ROWS`). `mc_steps`
-itself is scored at a small count of continuations (`mc_ks`) sampled apart from the reference's (its V(prompt) leave-one-out from the group). A learned critic (PPO's,
+itself is scored at a small count of continuations (`mc_ks`) sampled apart from the reference's (its V(prompt)
+leave-one-out from the group); `appo` with its own branches at the token positions it picks (`BRANCHED`: against
+the sampling model itself its Ω is 1, so they are the most uncertain tokens). A learned critic (PPO's,
 `esroll.grpo.ppo`) is scored by the advantages PPO trains with: its values before each generated token, GAE at
 `grpo.adv.gae`'s options (λ as set, row `ppo`; and λ = 1, row `ppo_lam1`: the return minus the value, no
 bootstrapping), whitened as set; an SR-PPO success head by its pass@k credit at k = 1 and 4 (rows `srppo_k1`,
@@ -43,14 +45,16 @@ from esroll.grpo import advantages, ppo
 from esroll.grpo.advantages import Group
 from esroll.grpo.estimators.mc_steps import step_values
 from esroll.grpo.estimators.srppo import SrPpoOptions
-from esroll.grpo.method import branch_rewards, estimator_group
+from esroll.grpo.method import estimator_group
 from esroll.report import paired_test
 from esroll.rollout import Sampling, rollout
-from esroll.steps import branch, with_steps
-from esroll.steps.branch import score_steps
+from esroll.scoring import rollout_logprobs
+from esroll.steps import branch, branch_at, with_steps
+from esroll.steps.branch import branch_rewards, score_steps
 
 SCORED = ("grpo", "sas", "verigate", "guae", "ibpo", "graft", "graft_gae", "progpo", "exprl")
 JUDGED = {"exprl": "exprl"}  # estimator -> the step verifier whose scores it reads in place of `steps.verifier`'s
+BRANCHED = ("appo",)  # scored with branches at the token positions it picks (`branch_at`)
 OPTION_ROWS = {"exprl_rise": ("exprl", {"first_step": "rise"})}  # row -> (estimator, options other than its defaults)
 Z95 = 1.959963984540054
 
@@ -274,6 +278,19 @@ def measure(
         results[f"mc_steps_k{k}"] = scores(
             per_step(est.advantage, g), est.advantage, ref, se, equal, halves=halves, boot=boot, seed=seed
         )
+    # APPO at its defaults, its branches at the positions it picks: Ω against the sampling model itself is 1, so
+    # they are the most uncertain tokens, and its scale a constant 1.5
+    options = advantages.ESTIMATORS.options_of({}, "appo")
+    entropy = rollout_logprobs(task.cfg, params, out, with_entropy=True)[1].reshape(g.token_mask.shape)
+    g_appo = g._replace(entropy=entropy, ref_logratio=np.zeros(g.token_mask.shape))
+    at, A = advantages.ESTIMATORS["appo"].branch_points(options, g_appo)
+    at_BxK, key_a = at.reshape(X * M, -1), jax.random.fold_in(key, 4)
+    appo_branches, origin_a = branch_at(task, mesh, params, examples, out, at_BxK, key_a, sampling, A)
+    g_appo = g_appo._replace(branch_positions=at, branch_rewards=branch_rewards(appo_branches, origin_a, at.shape, A))
+    est = advantages.estimate("appo", g_appo, options)
+    results["appo"] = scores(
+        per_step(est.advantage, g), est.advantage, ref, se, equal, halves=halves, boot=boot, seed=seed
+    )
     results["sample"] = {
         "prompts": X,
         "group_size": M,

@@ -40,7 +40,7 @@ from esroll.grpo.update import (
     Rollouts,
     init_state,
     join_host,
-    keeps_reference,
+    loss_reads_reference,
     make_gradient,
     make_update,
     pad_rows,
@@ -52,7 +52,8 @@ from esroll.grpo.advantages import STEP_NEEDS, TEACHER_NEEDS, estimator_group
 from esroll.grpo.variants import Sampled
 from esroll.rollout import Sampling, given_rollout, prompt_means, rollout, training_rewards
 from esroll.scoring import rollout_logprobs
-from esroll.steps import branch, with_steps
+from esroll.steps import branch, branch_at, with_steps
+from esroll.steps.branch import branch_rewards
 from esroll.task import Method, StepOutput, Task
 from esroll.teacher import load_teacher, teacher_head, teacher_signals
 
@@ -136,18 +137,6 @@ def _loss_mask(out) -> np.ndarray:
     multi-turn episode, the model's actions only (`Rollout.loss_mask_BxN`)."""
     mask_BxN = np.arange(out.tokens_BxN.shape[1])[None, :] < out.length_B[:, None]
     return mask_BxN if out.loss_mask_BxN is None else mask_BxN & out.loss_mask_BxN
-
-
-def branch_rewards(branched, origin_Bx2: np.ndarray, shape: tuple[int, ...], branches: int) -> np.ndarray:
-    """[X, M, J, A] the rewards of the A branches from the end of each step (`esroll.steps.branch`'s rows and
-    origins), NaN where none was sampled."""
-    X, M, J = shape
-    out = np.full((X * M, J, branches), np.nan, np.float64)
-    if branched is not None:
-        rewards_R = np.asarray(branched.reward_B, np.float64)
-        for r, (b, s) in enumerate(origin_Bx2):
-            out[b, s, r % branches] = rewards_R[r]
-    return out.reshape(X, M, J, branches)
 
 
 def check_config(cfg: ExperimentConfig) -> None:
@@ -276,7 +265,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     # forward when one is kept.
     passes = g.inner_iterations
     update_flops = passes * ledger.train_flops(task.cfg, X * M, task.prompt_multiple, N, remat=g.remat)
-    if keeps_reference(g):
+    if loss_reads_reference(g):
         update_flops += passes * ledger.forward_flops(task.cfg, X * M, task.prompt_multiple + N, head_positions=N)
     student_fraction = advantages.options_of(g).student_fraction if gkd else 1.0  # GKD's steps on the student's samples
     if teacher is not None:  # its forward; with GKD its head at each generated position of each pass's loss, twice
@@ -312,15 +301,6 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         reward_B, metrics = training_rewards(out, label_free)
         if student_fraction < 1:
             metrics["student_data"] = float(on_student)
-        branched, branch_flops, branch_tokens = None, 0.0, 0
-        if "branches" in needs:  # A continuations from the end of each step but the last
-            branched, origin = branch(
-                task, mesh, compute, examples, out, jax.random.fold_in(branch_key, step_index), sampling, steps.branches
-            )
-            if branched is not None:
-                branch_tokens = int(branched.generated_B.sum())
-                branch_flops = float(ledger.rollout_flops(task.cfg, branched.prompt_BxP.shape[1], branched.generated_B))
-                metrics.update(branch_rows=len(origin), s_branch=sum(branched.seconds.values()))
         rewards_XxM = reward_B.reshape(X, M)
         mask_BxN = _loss_mask(out)
 
@@ -329,9 +309,23 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
         old_BxN = critic_update and ppo.rollout_values(task.cfg, state.critic, out, mesh, params, actions)
         teacher_BxN, teacher_BxNxD = teacher_signals(*teacher, out, gkd, g.logprob_chunk) if teacher else (None, None)
         group = estimator_group(out, rewards_XxM, mask_BxN, examples, step_index, cfg.seed, needs, old_BxN, teacher_BxN)
-        if "branches" in needs:
+        branched, branch_flops, branch_tokens, branch_key_t = None, 0.0, 0, jax.random.fold_in(branch_key, step_index)
+        if "branches" in needs:  # A continuations from the end of each step but the last
+            branched, origin = branch(task, mesh, compute, examples, out, branch_key_t, sampling, steps.branches)
             shape = (X, M, steps.max_steps)
             group = group._replace(branch_rewards=branch_rewards(branched, origin, shape, steps.branches))
+        if "token_branches" in needs:  # A continuations from the token positions the estimator chooses (APPO)
+            logp_BxN, entropy_BxN = rollout_logprobs(task.cfg, compute, out, with_entropy=True)
+            ratio_BxN = logp_BxN - rollout_logprobs(task.cfg, to_compute(state.ref_params), out)
+            group = group._replace(entropy=entropy_BxN.reshape(X, M, N), ref_logratio=ratio_BxN.reshape(X, M, N))
+            at, A = advantages.ESTIMATORS[g.advantage].branch_points(advantages.options_of(g), group)
+            at_BxK = at.reshape(X * M, -1)
+            branched, origin = branch_at(task, mesh, compute, examples, out, at_BxK, branch_key_t, sampling, A)
+            group = group._replace(branch_positions=at, branch_rewards=branch_rewards(branched, origin, at.shape, A))
+        if branched is not None:
+            branch_tokens = int(branched.generated_B.sum())
+            branch_flops = float(ledger.rollout_flops(task.cfg, branched.prompt_BxP.shape[1], branched.generated_B))
+            metrics.update(branch_rows=len(origin), s_branch=sum(branched.seconds.values()))
         estimate = advantages.estimate(g.advantage, group, advantages.options_of(g), own)
         advantage_BxN = token_advantages(g.advantage, estimate.advantage, mask_BxN, M)
         factor_BxN = np.ones((X * M, N), np.float32)

@@ -97,9 +97,17 @@ def split_host(g: GRPOConfig, host: dict | None) -> tuple[dict | None, dict[str,
     return host.get("advantage"), {name: variants.get(name, {}) for name in g.variants}
 
 
-def keeps_reference(g: GRPOConfig) -> bool:
-    """Whether the initial policy is kept: the KL term (β > 0) or a variant (`Variant.needs_reference`) reads it."""
+def loss_reads_reference(g: GRPOConfig) -> bool:
+    """Whether the loss scores the initial policy: the KL term (β > 0) or a variant (`Variant.needs_reference`)
+    reads it."""
     return g.beta > 0 or any(v.needs_reference(g) for _, v in grpo_variants.active(g))
+
+
+def keeps_reference(g: GRPOConfig) -> bool:
+    """Whether the initial policy is kept: the loss reads it (`loss_reads_reference`), or the estimator reads the
+    sampled tokens' log-ratio to it ("token_branches", `esroll.grpo.advantages`)."""
+    needs = advantages.ESTIMATORS[g.advantage].needs if g.advantage in advantages.ESTIMATORS else ()
+    return loss_reads_reference(g) or "token_branches" in needs
 
 
 def init_state(g: GRPOConfig, optimizer, params) -> GRPOState:
@@ -180,6 +188,7 @@ def _minibatch_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: 
     `teacher_head` give its distributions."""
     variants = [v for _, v in grpo_variants.active(grpo) if v.in_loss]
     gkd_beta = divergence_beta(grpo)
+    reads_reference = loss_reads_reference(grpo)  # a kept reference the loss does not read is never scored
 
     def logprobs(p, micro: Rollouts, divergence=None):
         """(log π [b, N], entropy [b, N]) of the microbatch's completions under parameters `p`, and with `divergence`
@@ -211,7 +220,9 @@ def _minibatch_gradient(model_cfg, grpo: GRPOConfig, mesh: Mesh, compute_dtype: 
         logp, entropy, *jsd = logprobs(params, micro, divergence)
         # The reference is scored by the very computation that scores the policy, so log π_θ − log π_ref is exactly
         # 0 at the reference parameters.
-        logp_ref = None if ref_params is None else jax.lax.stop_gradient(logprobs(ref_params, micro)[0])
+        logp_ref = None
+        if ref_params is not None and reads_reference:
+            logp_ref = jax.lax.stop_gradient(logprobs(ref_params, micro)[0])
         logp_old = jnp.where(on_policy, jax.lax.stop_gradient(logp), micro.logp_old)
         advantage = micro.advantage[:, None] if micro.advantage.ndim == 1 else micro.advantage  # [b, 1] or [b, N]
         terms = LossTerms(logp, logp_old, logp_ref, micro.trained, advantage, grpo.epsilon_low, grpo.epsilon_high)

@@ -1,6 +1,6 @@
 """Reasoning steps of a rollout's completions: cut and scored (`with_steps`), and branched rollouts that continue
-each completion from the end of each of its steps (`branch`), the Monte Carlo step values' and the credit
-reference's samples."""
+each completion from the end of each of its steps (`branch`: the Monte Carlo step values' and the credit
+reference's samples) or from chosen token positions (`branch_at`: APPO's)."""
 
 from __future__ import annotations
 
@@ -66,11 +66,43 @@ def branch(
     if out.steps is None:
         raise ValueError("branch: the rollout carries no steps (with_steps)")
     origin = [(b, s) for b in range(len(out.length_B)) for s in range(int(out.steps.count_B[b]) - 1)]
+    cut = [out.steps.end[b][s] for b, s in origin]
+    return _continue(task, mesh, params, examples, out, origin, cut, key, sampling, branches)
+
+
+def branch_at(
+    task: Any,
+    mesh: Mesh,
+    params: dict,
+    examples: Sequence[Example],
+    out: Rollout,
+    positions_BxK: np.ndarray,
+    key: jax.Array,
+    sampling: Sampling,
+    branches: int,
+) -> tuple[Rollout, np.ndarray]:
+    """Branched rollouts at token positions: `branches` continuations of each completion of `out` from each of its
+    positions t ≥ 1 in `positions_BxK` (-1: none), each a `rollout` given the completion's first t tokens, so that
+    token t onward is sampled afresh. Returns the branches (rows in order of (row, k, branch); their rewards score
+    prefix + continuation) and their origin [R, 2] (row of `out`, k), as `branch` does."""
+    positions_BxK = np.asarray(positions_BxK)
+    origin = [(b, k) for b in range(positions_BxK.shape[0]) for k in range(positions_BxK.shape[1])]
+    origin = [(b, k) for b, k in origin if positions_BxK[b, k] >= 1]
+    bad = [(b, k) for b, k in origin if positions_BxK[b, k] >= out.length_B[b]]
+    if bad:
+        raise ValueError(f"branch_at: position {positions_BxK[bad[0]]} of row {bad[0][0]} is past its completion")
+    cut = [int(positions_BxK[b, k]) for b, k in origin]
+    return _continue(task, mesh, params, examples, out, origin, cut, key, sampling, branches)
+
+
+def _continue(task, mesh, params, examples, out, origin, cut, key, sampling, branches):
+    """`branches` continuations of row b of `out` given its first `cut[i]` tokens, for each (b, ·) = origin[i]."""
     origin = [o for o in origin for _ in range(branches)]
+    cut = [c for c in cut for _ in range(branches)]
     origin_Bx2 = np.array(origin, np.int64).reshape(-1, 2)
     if not len(origin):
         return None, origin_Bx2
-    prefixes = [out.tokens_BxN[b, : out.steps.end[b][s]] for b, s in origin]
+    prefixes = [out.tokens_BxN[b, :c] for (b, _), c in zip(origin, cut)]
     branched = rollout(
         task,
         mesh,
@@ -83,3 +115,15 @@ def branch(
         prefixes=prefixes,
     )
     return branched, origin_Bx2
+
+
+def branch_rewards(branched, origin_Bx2: np.ndarray, shape: tuple[int, ...], branches: int) -> np.ndarray:
+    """[X, M, J, A] the rewards of the A branches from the end of each step (`branch`'s rows and origins), or from
+    each of J positions (`branch_at`'s); NaN where none was sampled."""
+    X, M, J = shape
+    out = np.full((X * M, J, branches), np.nan, np.float64)
+    if branched is not None:
+        rewards_R = np.asarray(branched.reward_B, np.float64)
+        for r, (b, s) in enumerate(origin_Bx2):
+            out[b, s, r % branches] = rewards_R[r]
+    return out.reshape(X, M, J, branches)

@@ -511,8 +511,9 @@ def test_distill_comparison_builds_every_arm_with_the_teacher():
 def test_dense_comparison_quick_runs_the_judge_arms(tmp_path):
     """configs/dense_compare.py:quick through the tuned protocol: plain GRPO, ExpRL (the judge as its step verifier,
     GRPO's chosen setting with the source's first-step credit or its rise) and LOO-ROLL with the judge's fitness
-    (half of it), each logging its judge's figures; every variant builds with GRPO as the reference (frozenlake: SVM from GRPO's setting tuning
-    its λ, and LOO-ROLL with its fitness)."""
+    (half of it), each logging its judge's figures; every variant builds with GRPO as the reference (steps: APPO from
+    GRPO's setting tuning its branch points; frozenlake: SVM from GRPO's setting tuning its λ, and LOO-ROLL with its
+    fitness)."""
     from configs import dense_compare
     from esroll.compare import candidates
 
@@ -522,13 +523,16 @@ def test_dense_comparison_quick_runs_the_judge_arms(tmp_path):
     assert candidates(svm.tuning, "svm") == [{}, {"grpo": {"adv": {"svm": {"lam": 0.3}}}}]
     for variant in ("steps", "quick"):
         comp = comparison_from_dict(dense_compare.get_config(variant).to_dict())
-        assert comp.reference == "grpo" and comp.tuning.inherit == {"exprl": "grpo"}
+        assert comp.reference == "grpo" and comp.tuning.inherit["exprl"] == "grpo"
         exprl, dense = comp.configs["exprl"], comp.configs["looroll_exprl"]
         assert exprl.grpo.advantage == "exprl" and exprl.steps.verifier == "exprl"
         assert dense.es.step_weight == 0.5 and dense.steps.verifier == "exprl"
         assert candidates(comp.tuning, "exprl") == [{}, {"grpo": {"adv": {"exprl": {"first_step": "rise"}}}}]
         if variant != "quick":
             assert list(comp.configs) == list(dense_compare.ARMS[variant])
+            assert comp.tuning.inherit == {"exprl": "grpo", "appo": "grpo"}
+            assert comp.configs["appo"].grpo.advantage == "appo"
+            assert candidates(comp.tuning, "appo") == [{}, {"grpo": {"adv": {"appo": {"positions": 1}}}}]
     cd = dense_compare.get_config("quick")
     cd.experiment.model.path = str(REPO / "assets" / "tiny-qwen3-steps")
     run_comparison(comparison_from_dict(cd.to_dict()), tmp_path, mesh_devices=1, progress=False)

@@ -17,7 +17,7 @@ from esroll.experiment import check_names, unread_keys
 from esroll.grpo import advantages, make_grpo_method
 from esroll.grpo.estimators.mc_steps import step_values
 from esroll.rollout import Sampling, rollout
-from esroll.steps import branch, with_steps
+from esroll.steps import branch, branch_at, with_steps
 from esroll.sampling import generate, pad_prompts
 from esroll.steps import Steps
 from esroll.task import load_task
@@ -94,6 +94,32 @@ def test_a_branch_continues_as_generate_does_with_the_prefix_in_the_prompt(steps
         assert branched.length_B[r] == k + n
         np.testing.assert_array_equal(branched.tokens_BxN[r, k : k + n], np.asarray(fresh.tokens)[0, :n])
         np.testing.assert_allclose(branched.logprobs_BxN[r, k : k + n], np.asarray(fresh.logprobs)[0, :n], atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_a_branch_at_a_token_keeps_the_completions_first_t_tokens(steps_task, temperature):
+    """`branch_at` (APPO's): each branch from position t is given the completion's first t tokens (`prefix_B` = t,
+    no log-probability there) and samples token t onward; greedy, it rewrites the completion. A position at or past
+    a completion's end is refused; -1 branches nowhere."""
+    cfg, task, params, examples, mesh = steps_task
+    sampling = Sampling(N, temperature)
+    out = rollout(task, mesh, params, examples, np.arange(4), jax.random.key(4), sampling, completions=True)
+    length = out.length_B
+    at = np.stack([np.ones(4, int), length // 2, length - 1], 1)
+    at[0, 1] = -1
+    branched, origin = branch_at(task, mesh, params, examples, out, at, jax.random.key(5), sampling, branches=2)
+    assert len(origin) == 2 * 11 and set(origin[:, 1]) == {0, 1, 2}
+    for r, (b, k) in enumerate(origin):
+        t = at[b, k]
+        assert branched.prefix_B[r] == t and not branched.logprobs_BxN[r, :t].any()
+        np.testing.assert_array_equal(branched.tokens_BxN[r, :t], out.tokens_BxN[b, :t])
+        if temperature == 0:
+            np.testing.assert_array_equal(branched.tokens_BxN[r], out.tokens_BxN[b])
+            assert branched.reward_B[r] == out.reward_B[b]
+    if temperature == 1:
+        assert any((branched.tokens_BxN[r] != out.tokens_BxN[b]).any() for r, (b, _) in enumerate(origin))
+    with pytest.raises(ValueError, match="past its completion"):
+        branch_at(task, mesh, params, examples, out, length[:, None], jax.random.key(5), sampling, branches=1)
 
 
 def test_mc_steps_on_a_hand_built_case():

@@ -12,6 +12,7 @@ step-level ones and GuAE: docs/step_level.md):
     ddrl      DDRL (label-free only): fixed ±a advantages from answer consistency, classes balanced over the batch
     guae      GuAE: group advantages tempered toward a running anchor with a variance-adaptive weight
     exprl     ExpRL's DeltaNorm: step credit from a reference-holding judge's prefix scores, s_k − s_{k−1}
+    appo      APPO: branches at the tokens a Branching Score picks; token credit from both groups, scaled by Ω
     mc_steps  Monte Carlo step values (VinePPO): per-token advantages V(after step) − V(before) from branched rollouts
     sas       SAS: GRPO's advantage withheld from unconfident steps of right and confident steps of wrong completions
     verigate  VeriGate: GRPO where outcomes differ, else group-normalised future-cumulated step-verifier scores
@@ -30,6 +31,7 @@ step-level ones and GuAE: docs/step_level.md):
 
 from esroll.grpo.estimators import (  # noqa: F401 — registers them
     agrae,
+    appo,
     bv_blend,
     dae,
     ddrl,
