@@ -171,19 +171,22 @@ def completion_logprobs(cfg: ModelConfig, params: dict, hidden_BxNxD: Array, tok
     return _completion_logprobs(cfg, params, hidden_BxNxD, tokens_BxN, None, chunk or tokens_BxN.shape[1], False)[0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6))
-def _completion_logprobs_jit(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN, with_entropy=False):
-    return sequence_logprobs(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN, with_entropy=with_entropy)
+@functools.partial(jax.jit, static_argnums=(0, 6, 7))
+def _completion_logprobs_jit(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN, with_entropy, chunk):
+    return sequence_logprobs(
+        cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN, with_entropy=with_entropy, chunk=chunk
+    )
 
 
-def rollout_logprobs(cfg: ModelConfig, params: dict, out, with_entropy: bool = False):
+def rollout_logprobs(cfg: ModelConfig, params: dict, out, with_entropy: bool = False, chunk: int = 0):
     """[B, N] float32: log π of each token of the rollout `out`'s completions (an `esroll.rollout.Rollout` with its
     completions) under the model (`cfg`, `params`), given the prompt and the tokens before it, from one jitted
-    cache-free forward; 0 past each completion's length. With `with_entropy`, (log-probabilities, the entropy [B, N]
-    of the whole next-token distribution at each position)."""
+    cache-free forward, the head applied `chunk` positions at a time (0: all; `sequence_logprobs`); 0 past each
+    completion's length. With `with_entropy`, (log-probabilities, the entropy [B, N] of the whole next-token
+    distribution at each position)."""
     N = out.tokens_BxN.shape[1]
     mask_BxN = np.arange(N)[None, :] < np.asarray(out.length_B)[:, None]
-    args = (out.prompt_BxP, out.prompt_mask_BxP, out.tokens_BxN, mask_BxN, with_entropy)
+    args = (out.prompt_BxP, out.prompt_mask_BxP, out.tokens_BxN, mask_BxN, with_entropy, chunk)
     got = _completion_logprobs_jit(cfg, params, *args)
     return tuple(np.asarray(x, np.float32) for x in got) if with_entropy else np.asarray(got, np.float32)
 

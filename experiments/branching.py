@@ -53,8 +53,8 @@ def report(results: dict, command: str, meta: dict) -> str:
         "V the mean reward of K continuations (the whole completion's: its reward). Spearman: pooled over all",
         "positions; within: the mean over completions of the correlation within one; lift: mean |ΔV| at the positions",
         "APPO would branch at (for H and Ω alone, their top positions; Ω picks none where it is the same at every",
-        "token) over mean |ΔV| at all positions of the same completions (1 = random), and that less the entropy's",
-        "(paired on the same completions).",
+        "token) over the mean |ΔV| of their completions, once per pick (1 = positions drawn at random), and that less",
+        "the entropy's (paired on the same completions).",
         "Brackets: 95% bootstrap intervals over prompts. Reliability: split-half rank correlation of |ΔV| from two",
         "halves of the continuations, stepped up to K — about the ceiling of a correlation seen through this noise.",
     ]

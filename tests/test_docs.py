@@ -151,7 +151,7 @@ def config_keys() -> dict[str, object]:
 
 
 def documented_keys() -> dict[str, str]:
-    rows = re.findall(r"^\| `([a-z_.]+)` \| `(.*?)` \|", (DOCS / "config.md").read_text(), re.M)
+    rows = re.findall(r"^\| `([a-z0-9_.]+)` \| `(.*?)` \|", (DOCS / "config.md").read_text(), re.M)
     assert len(rows) == len({k for k, _ in rows}), "a key listed twice"
     return dict(rows)
 

@@ -4,6 +4,8 @@
                 → `Turn`), the registry that names them (`ENVIRONMENTS`, `register_env`, `env.name`), `parse_action`
     frozenlake  FrozenLake through gymnasium (the `agents` extra)
     sokoban     Sokoban from our own generator and solver
+    locate      locate-and-commit: look into boxes, then answer the one that holds the target (A2Agent's game)
+    rps         rock-paper-scissors against scripted opponents, a frozen player reading the agent's memory (MemoPilot's)
     multiturn   `play`: a batch of episodes in lockstep, each in one KV cache; `Turns`, the turns credit reads
     rollout     `episodes`: the rows of an agent task played and returned as the `esroll.rollout.Rollout` every
                 method reads
@@ -15,7 +17,7 @@ import line below). Nothing here imports a training method: what an estimator re
 method that owns the estimator.
 """
 
-from esroll.agents import frozenlake, sokoban  # noqa: F401 — the built-in environments register themselves
+from esroll.agents import frozenlake, locate, rps, sokoban  # noqa: F401 — the built-in environments register themselves
 from esroll.agents.base import ENVIRONMENTS, MAX_ACTION_CHARS, TextEnv, Turn, make_env, parse_action, register_env
 from esroll.agents.frozenlake import FrozenLake, FrozenLakeOptions
 from esroll.agents.multiturn import Episodes, Turns, episode_prompt, format_observation, play

@@ -126,6 +126,8 @@ def register_advantage(
     unknown = [n for n in needs if n not in NEEDS]
     if unknown:
         raise ValueError(f"advantage estimator {name!r}: needs {unknown[0]!r} (expected among {', '.join(NEEDS)})")
+    if {"branches", "token_branches"} <= set(needs):
+        raise ValueError(f"advantage estimator {name!r}: needs one of 'branches' and 'token_branches', not both")
     if ("token_branches" in needs) != callable(branch_points):
         raise ValueError(f"advantage estimator {name!r}: branch_points is given exactly when it needs 'token_branches'")
     entry = EstimatorSpec(fn, init, single_rollout, label_free_only, needs, branch_points)

@@ -11,8 +11,9 @@ bootstrap interval over prompts:
     spearman_within  the mean over completions of the rank correlation within the completion (APPO ranks positions
                      within a completion);
     lift             mean |ΔV| at the positions APPO would branch at (`choose_positions`; for entropy and Ω alone,
-                     their top positions; Ω picks none in a completion where it is the same everywhere) over mean
-                     |ΔV| at all positions of the same completions (1: no better than positions drawn at random);
+                     their top positions; Ω picks none in a completion where it is the same everywhere) over what
+                     as many positions drawn at random from each of the same completions would carry on average (the
+                     completion's mean |ΔV|, once per pick): 1, no better than random;
     lift_over_entropy  BS's and Ω's lift less the entropy's, paired on the same completions.
 |ΔV| from K continuations is noisy; `reliability` is the split-half rank correlation of |ΔV| from two halves of the
 continuations, stepped up to K (Spearman–Brown): the ceiling a noise-free signal's correlation would be seen under.
@@ -68,9 +69,9 @@ def _scores(signal_BxT, dv_BxT, chosen_BxC, rows) -> dict:
         keep = np.isfinite(dv_BxT[b])
         within.append(_spearman(signal_BxT[b, keep], np.abs(dv_BxT[b, keep])))
         picked = [t - 1 for t in chosen_BxC[b] if t >= 1]
-        if picked:  # the completions the signal chose in
+        if picked:  # the completions the signal chose in, each counted once per pick in the baseline
             at.extend(np.abs(dv_BxT[b, picked]))
-            every.extend(np.abs(dv_BxT[b, keep]))
+            every.extend([np.abs(dv_BxT[b, keep]).mean()] * len(picked))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         mean_within = float(np.nanmean(within)) if within else np.nan
@@ -147,8 +148,9 @@ def measure(
     )  # fmt: skip
     N = out.tokens_BxN.shape[1]
     mask = np.arange(N)[None, :] < out.length_B[:, None]
-    logp, entropy = rollout_logprobs(task.cfg, params, out, with_entropy=True)
-    logratio = logp - rollout_logprobs(task.cfg, ref_params, out)
+    chunk = cfg.grpo.logprob_chunk
+    logp, entropy = rollout_logprobs(task.cfg, params, out, True, chunk)
+    logratio = logp - rollout_logprobs(task.cfg, ref_params, out, False, chunk)
     bs, z_h, z_o = branching_scores(entropy, logratio, mask, options)
     omega = np.clip(future_gain(logratio, mask, options.gamma), options.omega_low, options.omega_high)
     T = N - 1

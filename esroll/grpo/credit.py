@@ -281,7 +281,7 @@ def measure(
     # APPO at its defaults, its branches at the positions it picks: Ω against the sampling model itself is 1, so
     # they are the most uncertain tokens, and its scale a constant 1.5
     options = advantages.ESTIMATORS.options_of({}, "appo")
-    entropy = rollout_logprobs(task.cfg, params, out, with_entropy=True)[1].reshape(g.token_mask.shape)
+    entropy = rollout_logprobs(task.cfg, params, out, True, cfg.grpo.logprob_chunk)[1].reshape(g.token_mask.shape)
     g_appo = g._replace(entropy=entropy, ref_logratio=np.zeros(g.token_mask.shape))
     at, A = advantages.ESTIMATORS["appo"].branch_points(options, g_appo)
     at_BxK, key_a = at.reshape(X * M, -1), jax.random.fold_in(key, 4)

@@ -148,10 +148,14 @@ def check_config(cfg: ExperimentConfig) -> None:
     if not cfg.env.name and "turns" in needs:
         expected = f"an estimator of single-turn completions without env.name ({cfg.grpo.advantage} reads turns)"
         raise ConfigError("grpo.advantage", cfg.grpo.advantage, expected)
-    if cfg.env.name and set(needs) & set(STEP_NEEDS):
+    if cfg.env.name and set(needs) & {*STEP_NEEDS, "token_branches"}:
         expected = (
-            "an estimator that reads no reasoning steps with env.name set (turn-level credit is its own estimator)"
+            "an estimator that reads no reasoning steps or branches with env.name set (turn-level credit is its own "
+            "estimator)"
         )
+        raise ConfigError("grpo.advantage", cfg.grpo.advantage, expected)
+    if cfg.data.label_free and set(needs) & {"branches", "token_branches"}:
+        expected = "an estimator without branched rollouts with data.reward='majority' (a branch is scored by gold)"
         raise ConfigError("grpo.advantage", cfg.grpo.advantage, expected)
     rows = rows_per_step(cfg)
     checks = [
@@ -265,6 +269,8 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     # forward when one is kept.
     passes = g.inner_iterations
     update_flops = passes * ledger.train_flops(task.cfg, X * M, task.prompt_multiple, N, remat=g.remat)
+    if "token_branches" in needs:  # the policy's and the reference's forwards that score the sampled tokens
+        update_flops += 2 * ledger.forward_flops(task.cfg, X * M, task.prompt_multiple + N, head_positions=N)
     if loss_reads_reference(g):
         update_flops += passes * ledger.forward_flops(task.cfg, X * M, task.prompt_multiple + N, head_positions=N)
     student_fraction = advantages.options_of(g).student_fraction if gkd else 1.0  # GKD's steps on the student's samples
@@ -315,8 +321,8 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             shape = (X, M, steps.max_steps)
             group = group._replace(branch_rewards=branch_rewards(branched, origin, shape, steps.branches))
         if "token_branches" in needs:  # A continuations from the token positions the estimator chooses (APPO)
-            logp_BxN, entropy_BxN = rollout_logprobs(task.cfg, compute, out, with_entropy=True)
-            ratio_BxN = logp_BxN - rollout_logprobs(task.cfg, to_compute(state.ref_params), out)
+            logp_BxN, entropy_BxN = rollout_logprobs(task.cfg, compute, out, True, g.logprob_chunk)
+            ratio_BxN = logp_BxN - rollout_logprobs(task.cfg, to_compute(state.ref_params), out, False, g.logprob_chunk)
             group = group._replace(entropy=entropy_BxN.reshape(X, M, N), ref_logratio=ratio_BxN.reshape(X, M, N))
             at, A = advantages.ESTIMATORS[g.advantage].branch_points(advantages.options_of(g), group)
             at_BxK = at.reshape(X * M, -1)

@@ -297,8 +297,9 @@ def sequence_level() -> list[str]:
     """The estimators that credit whole completions (those that read steps, as mc_steps, are tested with a model
     that writes steps: tests/steps/test_branching.py; those that read episodes' turns: tests/grpo/test_turn_credit.py;
     PPO's, which reads a critic's values per token: tests/grpo/test_gae.py; the distillation estimators, which read
-    a teacher's log-probability per token: tests/grpo/test_distill.py)."""
-    skip = {*A.STEP_NEEDS, "turns", "values", "teacher"}
+    a teacher's log-probability per token: tests/grpo/test_distill.py; APPO, which branches at token positions:
+    tests/grpo/test_appo.py)."""
+    skip = {*A.STEP_NEEDS, "turns", "values", "teacher", "token_branches"}
     return [name for name, spec in A.ESTIMATORS.items() if not set(spec.needs) & skip]
 
 

@@ -4,6 +4,7 @@ the registry's contract for estimators that branch, and a GRPO step with APPO by
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -115,7 +116,24 @@ def test_an_estimator_that_branches_must_say_where():
         advantages.register_advantage("appo_like", lambda g, o, s: None, needs=("token_branches",))
     with pytest.raises(ValueError, match="branch_points is given exactly when"):
         advantages.register_advantage("appo_like", lambda g, o, s: None, branch_points=lambda o, g: None)
+    with pytest.raises(ValueError, match="needs one of 'branches' and 'token_branches', not both"):
+        advantages.register_advantage(
+            "appo_like", lambda g, o, s: None, needs=("branches", "token_branches"), branch_points=lambda o, g: None
+        )
     assert "appo_like" not in advantages.ESTIMATORS
+
+
+def test_appo_is_refused_where_a_branch_cannot_be_scored_or_sampled():
+    """A branch is scored by the gold reward: refused with the label-free vote; episodes cannot be continued from a
+    prefix: refused with env.name."""
+    from esroll.config import ConfigError
+    from esroll.grpo.method import check_config
+
+    cfg = shipped_config(get_config, "quick,appo")
+    with pytest.raises(ConfigError, match="without branched rollouts with data.reward='majority'"):
+        check_config(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, reward="majority")))
+    with pytest.raises(ConfigError, match="no reasoning steps or branches with env.name set"):
+        check_config(dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, name="frozenlake")))
 
 
 @pytest.mark.e2e
@@ -134,8 +152,9 @@ def test_a_grpo_step_with_appo_by_name():
     method = make_grpo_method(cfg, task, mesh)
     out = method.step(params, method.init(params, jax.random.key(0)), get_batch(train, 4, 0, 0), 0)
     rows = cfg.train.prompts_per_step * cfg.grpo.group_size
-    assert 2 * rows <= out.metrics["branch_rows"] <= 3 * rows  # completions of ≥ 3 tokens get 3 positions
-    assert 0 < out.metrics["appo_position"] < 1 and out.metrics["appo_scale"] == pytest.approx(1.5)
+    assert rows < out.metrics["branch_rows"] <= 3 * rows  # a completion of L ≥ 4 tokens gets 3 positions
+    assert 0 < out.metrics["appo_position"] < 1 and out.metrics["appo_scale"] == pytest.approx(1.5)  # Ω = 1
+    assert out.metrics["appo_entropy_overlap"] == 1.0  # Ω the same everywhere: the entropy's choice
     assert all(bool(np.isfinite(x).all()) for x in jax.tree.leaves(out.params))
 
 

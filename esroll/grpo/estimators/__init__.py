@@ -22,6 +22,8 @@ step-level ones and GuAE: docs/step_level.md):
     discounted  multi-turn episodes: discounted per-turn returns normalised over the group (docs/agents.md)
     svm       Success Visitation Matching: turn rewards plus a clipped discriminator logit of successful visits
     gigpo     GiGPO: the episode's group advantage plus the turn's return against turns from the same state
+    memopilot MemoPilot: each round's reward against the same round of the game's other episodes (fixed rounds)
+    a2agent   A2Agent: turn returns compared within groups sharing the last k actions and the episode's, weighted
     gae       PPO: GAE over generated tokens from a learned critic's values (docs/critics.md)
     srppo     SR-PPO: one completion per prompt, token credit from a success head's pass@k (docs/critics.md)
     hygae     HyGAE: turn-level and token-level GAE mixed, from one critic (multi-turn episodes, docs/critics.md)
@@ -30,6 +32,7 @@ step-level ones and GuAE: docs/step_level.md):
 """
 
 from esroll.grpo.estimators import (  # noqa: F401 — registers them
+    a2agent,
     agrae,
     appo,
     bv_blend,
@@ -44,6 +47,7 @@ from esroll.grpo.estimators import (  # noqa: F401 — registers them
     lampo,
     maxpo,
     mc_steps,
+    memopilot,
     ntf,
     progpo,
     sas,

@@ -59,7 +59,7 @@ def future_gain(logratio_BxN: np.ndarray, mask_BxN: np.ndarray, gamma: float) ->
     for t in reversed(range(x.shape[1])):
         acc = x[:, t] + gamma * acc
         out[:, t] = acc
-    return np.exp(np.where(mask_BxN, out, 0.0))
+    return np.exp(np.clip(np.where(mask_BxN, out, 0.0), -50.0, 50.0))  # clipped far outside any Ω clip: no overflow
 
 
 def zscores(x_BxN: np.ndarray, mask_BxN: np.ndarray) -> np.ndarray:
@@ -83,8 +83,9 @@ def branching_scores(entropy_BxN, logratio_BxN, mask_BxN, o: AppoOptions):
 def choose_positions(bs_BxN, z_h_BxN, z_o_BxN, length_B, count: int) -> np.ndarray:
     """[B, count] positions t (1 ≤ t ≤ length − 1, distinct, -1 where a row has fewer): first the tokens whose
     entropy and gain are both above their row's mean (z > 0: a product of two negative z-scores is positive too, and
-    picks nothing uncertain) by BS, highest first; then the rest by entropy, highest first (so that where Ω is the
-    same everywhere, as at the initial policy, the most uncertain tokens are chosen). Ties: the earlier position."""
+    picks nothing uncertain) by BS, highest first; then the rest by entropy alone, highest first (so that where Ω is
+    the same everywhere, as at the initial policy, the most uncertain tokens are chosen). Ties: the higher entropy,
+    then the earlier position."""
     B = len(length_B)
     out = np.full((B, count), -1, np.int64)
     for b in range(B):
@@ -125,7 +126,9 @@ def appo(g: Group, o: AppoOptions, state=None) -> Estimate:
     z-score of those branches' rewards against all of the prompt's branches. Tokens with no branch through them get
     z(R_n) alone. Invalid completions and tokens past the end get 0. Logs `appo_shared` (the share of tokens that
     branches share), `appo_position` (a branch point's mean position over its completion's length),
-    `appo_branch_reward` (the branches' mean reward) and `appo_scale` (mean 1 + b·clip(Ω) over tokens)."""
+    `appo_branch_reward` (the branches' mean reward), `appo_scale` (mean 1 + b·clip(Ω) over tokens) and
+    `appo_entropy_overlap` (the share of branch points that are among their completion's as many most uncertain
+    tokens: 1 where the score chose as entropy alone would)."""
     r, valid = valid_rewards(g)
     X, M, N = g.token_mask.shape
     mask = np.asarray(g.token_mask, bool) & valid[..., None]
@@ -133,7 +136,7 @@ def appo(g: Group, o: AppoOptions, state=None) -> Estimate:
                     o.omega_high).reshape(X, M, N)  # fmt: skip
     pos = np.asarray(g.branch_positions)
     br = np.asarray(g.branch_rewards, np.float64)
-    taken = (pos >= 1)[..., None] & np.isfinite(br)  # [X, M, K, A]
+    taken = (pos >= 1)[..., None] & np.isfinite(br) & valid[..., None, None]  # [X, M, K, A]
     base = np.zeros((X, M, N))
     shared = np.zeros((X, M, N), bool)
     for x in range(X):
@@ -148,6 +151,13 @@ def appo(g: Group, o: AppoOptions, state=None) -> Estimate:
             through = counts > 0
             base[x, j] = np.where(through, 0.5 * (z_init[j] + sums / np.maximum(counts, 1)), z_init[j])
             shared[x, j] = through
+    overlap = []  # of each completion's branch points, the share among its most uncertain tokens (t ≥ 1)
+    entropy = np.asarray(g.entropy, np.float64)
+    for x, j in zip(*np.nonzero((pos >= 1).any(-1) & valid)):
+        chosen = pos[x, j][pos[x, j] >= 1]
+        t = np.arange(1, int(mask[x, j].sum()))
+        top = t[np.lexsort((t, -entropy[x, j, t]))[: len(chosen)]]
+        overlap.append(np.isin(chosen, top).mean())
     scale = 1.0 + o.scale * omega
     advantage = np.where(mask, base * scale, 0.0)
     lengths = mask.sum(-1)
@@ -157,6 +167,7 @@ def appo(g: Group, o: AppoOptions, state=None) -> Estimate:
         "appo_position": float(np.mean(rel)) if rel else 0.0,
         "appo_branch_reward": float(br[taken].mean()) if taken.any() else 0.0,
         "appo_scale": float(scale[mask].mean()) if mask.any() else 0.0,
+        "appo_entropy_overlap": float(np.mean(overlap)) if overlap else 0.0,
     }
     return Estimate(advantage.astype(np.float32), metrics=metrics)
 
