@@ -10,8 +10,9 @@ Each episode's opponent is drawn from its seed alone: `cycle` (rock, paper, scis
 
 The memory is untrusted text: the player reads its first line (at most `MAX_ACTION_CHARS` characters) and takes
 the last move it names (rock, paper or scissors) as the prediction, nothing else; a memory that names none is a
-malformed action, a no-op round (no one plays) that costs `invalid_penalty`. Reward per round: +1 when the player
-wins, 0 for a tie, −1 for a loss. `rounds` turns (malformed ones included). Solved: more wins than losses.
+malformed action, a no-op round (no one plays; the observation says "No round.") that costs `invalid_penalty`.
+Reward per round: +1 when the player wins, 0 for a tie, −1 for a loss. `rounds` turns (malformed ones included).
+Solved: more wins than losses.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class Rps:
         prediction = read_prediction(action)
         if prediction is None:
             reward = -o.invalid_penalty
-            self._last = "No move was predicted: no round."
+            self._last = "No round."
         else:
             if self.opponent == "biased" and self.history:
                 others = [m for m in MOVES if m != self.favourite]

@@ -179,7 +179,7 @@ def test_hostile_actions_are_penalised_no_ops(name, tmp_path):
         if name == "locate":
             assert turn.observation == start
         else:
-            assert turn.observation.endswith("No move was predicted: no round.") and not env.history
+            assert turn.observation.endswith("No round.") and not env.history
     for action in (None, b"look 1", 3, ["rock"]):
         env.reset(3)
         assert not env.step(action).valid
