@@ -1,5 +1,6 @@
 """Multi-turn agents: ES and GRPO on FrozenLake and Sokoban episodes, from the shipped agent model
-(`assets/tiny-qwen3-agent`, docs/agents.md).
+(`assets/tiny-qwen3-agent`), and on the two games, rock-paper-scissors with a frozen player and locate-and-commit,
+from the shipped games model (`assets/tiny-qwen3-games`; docs/agents.md).
 
     python -m experiments.train --config configs/agents.py:frozenlake --workdir runs/agents_frozenlake
     python -m experiments.train --config configs/agents.py:sokoban,grpo --workdir runs/agents_sokoban_grpo
@@ -8,6 +9,9 @@
 The variant is comma-separated, each part at most once: an environment, a method and modifiers.
     frozenlake  FrozenLake 4 × 4, at most 8 turns (the default)
     sokoban     Sokoban 6 × 6 with one box, at most 10 turns
+    rps         rock-paper-scissors, 6 rounds against a seeded scripted opponent; the agent writes a one-line memory
+                each round and a frozen player plays what beats the move it predicts (the games model)
+    locate      locate-and-commit: 4 boxes, at most 4 turns of `look N` / `answer N` (the games model)
     NAME        any other registered environment (`esroll.agents.register_env`, docs/extending.md), e.g. one a config
                 file of yours imports before it offers this one
     looroll     LOO-ROLL (the default): population 32 on 8 shared episodes, greedy, σ = 0.01, raw fitness, Adam lr 3e-3
@@ -18,6 +22,9 @@ The variant is comma-separated, each part at most once: an environment, a method
     dae         DAE: as ppo, with a learned advantage model over the environment's actions (γ 0.99; docs/critics.md)
     svm         Success Visitation Matching: as grpo, each turn's reward plus λ·clip(logit) of a discriminator of
                 successful against failed episodes' state-actions, credited per turn (λ 0.1, β 2, γ 0.95; agents.md)
+    memopilot   MemoPilot: as grpo, each round's reward against the same round of the game's other episodes
+    a2agent     A2Agent: as grpo, turn returns compared within groups sharing the last k actions and the episode's,
+                trained by advantage-weighted reinforcement of each action (docs/agents.md)
     quick       a seconds-long smoke run (tests)
     svm_fitness (LOO-ROLL, EGGROLL) each episode's fitness gains λ·Σ_t clip(logit) of the same discriminator, fitted
                 on the population's episodes of each seed (es.svm_weight 0.1)
@@ -31,7 +38,13 @@ wall time (`train.time_budget_s`), evaluation excluded. Every other key starts a
 from esroll.agents import ENVIRONMENTS
 from esroll.experiment import default_config
 
-ENVS = {"frozenlake": "FrozenLake 4 × 4, 8 turns", "sokoban": "Sokoban 6 × 6, one box, 10 turns"}
+ENVS = {
+    "frozenlake": "FrozenLake 4 × 4, 8 turns",
+    "sokoban": "Sokoban 6 × 6, one box, 10 turns",
+    "rps": "rock-paper-scissors with a frozen player, 6 rounds",
+    "locate": "locate-and-commit, 4 boxes, 4 turns",
+}
+GAMES_MODEL = {"rps", "locate"}  # played by assets/tiny-qwen3-games; the others by assets/tiny-qwen3-agent
 METHOD_PARTS = {
     "looroll": "LOO-ROLL",
     "eggroll": "antithetic EGGROLL",
@@ -40,9 +53,18 @@ METHOD_PARTS = {
     "hygae": "HyGAE: turn-level and token-level GAE mixed, one critic (grpo.advantage = 'hygae')",
     "dae": "DAE: a learned advantage model over the environment's actions (grpo.advantage = 'dae')",
     "svm": "Success Visitation Matching: turn rewards densified by a discriminator (grpo.advantage = 'svm')",
+    "memopilot": "MemoPilot: each round's reward against the same round's (grpo.advantage = 'memopilot')",
+    "a2agent": "A2Agent: turn returns within shared action contexts, weighted (grpo.advantage = 'a2agent')",
 }
 # GRPO's sampling and update with another advantage estimator
-ESTIMATOR_METHODS = {"ppo": "gae", "hygae": "hygae", "dae": "dae", "svm": "svm"}
+ESTIMATOR_METHODS = {
+    "ppo": "gae",
+    "hygae": "hygae",
+    "dae": "dae",
+    "svm": "svm",
+    "memopilot": "memopilot",
+    "a2agent": "a2agent",
+}
 MODIFIERS = {
     "quick": "a seconds-long smoke run (tests)",
     "svm_fitness": "(ES) each episode's fitness gains Success Visitation Matching's dense reward (es.svm_weight 0.1)",
@@ -76,7 +98,7 @@ def get_config(arg: str | None = None):
     env = envs[0] if envs else "frozenlake"
     method = methods[0] if methods else "looroll"
     c = default_config()
-    c.model.path = "assets/tiny-qwen3-agent"
+    c.model.path = "assets/tiny-qwen3-games" if env in GAMES_MODEL else "assets/tiny-qwen3-agent"
     c.env.name = env
     c.env.max_action_tokens = ACTION_TOKENS
     c.env.max_observation_tokens = OBSERVATION_TOKENS

@@ -11,7 +11,7 @@ Each episode's opponent is drawn from its seed alone: `cycle` (rock, paper, scis
 The memory is untrusted text: the player reads its first line (at most `MAX_ACTION_CHARS` characters) and takes
 the last move it names (rock, paper or scissors) as the prediction, nothing else; a memory that names none is a
 malformed action, a no-op round (no one plays; the observation says "No round.") that costs `invalid_penalty`.
-Reward per round: +1 when the player wins, 0 for a tie, −1 for a loss. `rounds` turns (malformed ones included).
+Reward per round: +1 when the player wins, 0 for a tie, −1 for a loss. `max_turns` rounds (malformed ones included).
 Solved: more wins than losses.
 """
 
@@ -46,11 +46,11 @@ def outcome(player: str, opponent: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RpsOptions:
-    """Rock-paper-scissors' options (`env.options.rps.*`): rounds (turns), opponents (which scripted opponents the
-    seeds draw from, comma-separated among cycle, biased, copy), bias (the biased opponent's favourite's
-    probability), invalid_penalty."""
+    """Rock-paper-scissors' options (`env.options.rps.*`): max_turns (the rounds of a match), opponents (which
+    scripted opponents the seeds draw from, comma-separated among cycle, biased, copy), bias (the biased opponent's
+    favourite's probability), invalid_penalty."""
 
-    rounds: int = 6
+    max_turns: int = 6
     opponents: str = "cycle,biased,copy"
     bias: float = 0.6
     invalid_penalty: float = 0.1
@@ -58,16 +58,12 @@ class RpsOptions:
     def __post_init__(self):
         kinds = [k.strip() for k in self.opponents.split(",") if k.strip()]
         checks = [
-            ("rounds", self.rounds >= 1, ">= 1"),
+            ("max_turns", self.max_turns >= 1, ">= 1"),
             ("opponents", bool(kinds) and set(kinds) <= set(OPPONENTS), f"some of {', '.join(OPPONENTS)}"),
             ("bias", 0 <= self.bias <= 1, "in [0, 1]"),
             ("invalid_penalty", self.invalid_penalty >= 0, ">= 0"),
         ]
         check_fields(self, checks, "RpsOptions")
-
-    @property
-    def max_turns(self) -> int:
-        return self.rounds
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -112,7 +108,7 @@ class Rps:
         return self._biased
 
     def render(self) -> str:
-        head = f"Round {min(self.turns + 1, self.options.rounds)} of {self.options.rounds}."
+        head = f"Round {min(self.turns + 1, self.options.max_turns)} of {self.options.max_turns}."
         return f"{head} {self._last}".strip()
 
     def plan(self) -> tuple[str, ...] | None:
@@ -145,7 +141,7 @@ class Rps:
             self.history.append((theirs, mine))
             result = {1: "win", 0: "tie", -1: "loss"}[reward]
             self._last = f"Opponent played {theirs}, player played {mine}: {result}."
-        self.done = self.turns >= o.rounds
+        self.done = self.turns >= o.max_turns
         return Turn(self.render(), float(reward), self.done, prediction is not None)
 
 

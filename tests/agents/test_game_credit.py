@@ -94,3 +94,25 @@ def test_a2agent_with_overlapping_contexts_and_groups_of_one():
     assert _at_turns(clipped.token_weight, 0, 3, 1) == [3.0]
     assert _at_turns(clipped.token_weight, 1, 3, 1) == pytest.approx([0.1])
     assert not clipped.advantage[1, 1:].any()  # invalid episodes: no advantage
+
+
+@pytest.mark.e2e
+def test_the_games_train_by_name(tmp_path):
+    """configs/agents.py:quick,rps,memopilot and quick,locate,a2agent take GRPO steps from the shipped games model
+    (each estimator's figures logged), and rps,looroll,quick takes LOO-ROLL steps around the frozen player."""
+    from configs import agents
+    from conftest import shipped_config
+    from esroll.metrics import read_metrics
+    from esroll.train import train_and_evaluate
+
+    for variant, key in (("quick,rps,memopilot", "memopilot_ragged"), ("quick,locate,a2agent", "a2agent_abs")):
+        cfg = shipped_config(agents.get_config, variant)
+        assert cfg.model.path.endswith("tiny-qwen3-games")
+        train_and_evaluate(cfg, tmp_path / variant, progress=False)
+        steps = [r for r in read_metrics(tmp_path / variant / "metrics.jsonl") if key in r]
+        assert len(steps) == 2, variant
+    assert all(r["memopilot_ragged"] == 0.0 for r in read_metrics(tmp_path / "quick,rps,memopilot" / "metrics.jsonl")
+               if "memopilot_ragged" in r)  # fmt: skip
+    es = shipped_config(agents.get_config, "rps,looroll,quick")
+    train_and_evaluate(es, tmp_path / "es", progress=False)
+    assert len([r for r in read_metrics(tmp_path / "es" / "metrics.jsonl") if "fitness_mean" in r]) == 2

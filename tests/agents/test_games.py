@@ -37,7 +37,6 @@ def test_registry_and_options():
         make_env("locate", {"boxes": 1})
     with pytest.raises(InputError, match=r"env\.options\.rps\.opponents"):
         make_env("rps", {"opponents": "cycle,mirror"})
-    assert make_env("rps", {"rounds": 3}).options.max_turns == 3
 
 
 # ---- locate
@@ -114,7 +113,7 @@ def test_a_perfect_memory_beats_the_cycle_every_round_after_the_first():
     """Against the cycling opponent (rock → paper → scissors → rock from a seeded start), a memory that predicts the
     successor of the opponent's last move, read from the observation alone, wins every round after the first; the
     first round's result is whatever its blind guess gives."""
-    env = make_env("rps", {"rounds": 6})
+    env = make_env("rps", {"max_turns": 6})
     observation = env.reset(_seed_of("cycle"))
     assert observation == "Round 1 of 6."
     rewards = []
@@ -135,7 +134,7 @@ def test_a_random_memory_scores_zero_in_expectation(kind):
     seed = _seed_of(kind)
     totals = []
     for memories in itertools.product(MOVES, repeat=4):
-        env = make_env("rps", {"rounds": 4})
+        env = make_env("rps", {"max_turns": 4})
         env.reset(seed)
         totals.append(sum(env.step(m).reward for m in memories))
     assert sum(totals) == 0
@@ -144,7 +143,7 @@ def test_a_random_memory_scores_zero_in_expectation(kind):
 def test_the_copier_and_the_biased_opponent():
     """The copier plays the player's previous move; the biased opponent plays its favourite about `bias` of the
     time (0.6: between 0.5 and 0.7 over 300 rounds), the same way for the same seed."""
-    env = make_env("rps", {"rounds": 5})
+    env = make_env("rps", {"max_turns": 5})
     env.reset(_seed_of("copy"))
     played = []
     for memory in ("rock", "paper", "paper", "scissors", "rock"):
@@ -156,7 +155,7 @@ def test_the_copier_and_the_biased_opponent():
     seed = _seed_of("biased")
     runs = []
     for _ in range(2):
-        env = make_env("rps", {"rounds": 300})
+        env = make_env("rps", {"max_turns": 300})
         env.reset(seed)
         runs.append([env.step("rock").observation for _ in range(300)])
     assert runs[0] == runs[1]
@@ -171,7 +170,7 @@ def test_the_copier_and_the_biased_opponent():
 
 @pytest.mark.parametrize("name", ["locate", "rps"])
 def test_hostile_actions_are_penalised_no_ops(name, tmp_path):
-    env = make_env(name, {"max_turns": len(HOSTILE) + 1} if name == "locate" else {"rounds": len(HOSTILE) + 1})
+    env = make_env(name, {"max_turns": len(HOSTILE) + 1})
     start = env.reset(3)
     for action in HOSTILE:
         turn = env.step(action)

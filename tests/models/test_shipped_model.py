@@ -27,40 +27,48 @@ def test_shipped_model_loads_in_both():
     assert [tok.decode([t]) for t in tok(" 47").input_ids] == [" ", "4", "7"]
 
 
-AGENT = ASSET.parent / "tiny-qwen3-agent"
+# each agent model: its environments (the first the one its build stops on) and the range that one's success is built in
+AGENT_MODELS = {
+    "tiny-qwen3-agent": (("frozenlake", "sokoban"), (0.2, 0.6), "right"),
+    "tiny-qwen3-games": (("locate", "rps"), (0.3, 0.6), "look 1"),
+}
 
 
 @pytest.mark.e2e
-def test_shipped_agent_model_loads_in_both_and_plays_as_its_build_log_says():
-    """The agent model: the same logits in transformers and esroll on an episode's text; room for the longest
-    episode in either environment at the builder's action and answer room; and greedy play on the builder's 64 held-out seeds of
-    each environment solves the share its build log (pretrain_summary.json) reports, FrozenLake's within the 20-60%
-    the model is built for."""
+@pytest.mark.parametrize("name", list(AGENT_MODELS))
+def test_shipped_agent_model_loads_in_both_and_plays_as_its_build_log_says(name):
+    """An agent model: the same logits in transformers and esroll on an episode's text; room for the longest
+    episode in each of its environments at the builder's action and answer room; and greedy play on the builder's 64
+    held-out seeds of each environment solves the share its build log (pretrain_summary.json) reports, the first
+    environment's within the range the model is built for."""
     import json
 
     import jax
 
     from experiments.pretrain_agent import MAX_ACTION_TOKENS as ACTION_TOKENS
     from experiments.pretrain_agent import MAX_OBSERVATION_TOKENS as OBSERVATION_TOKENS
-    from esroll.agents import FrozenLake, Sokoban
+    from esroll.agents import make_env
     from esroll.agents.multiturn import format_observation, episode_prompt, play
 
-    assert sum(f.stat().st_size for f in AGENT.iterdir()) < 25 * 2**20
-    tok = transformers.AutoTokenizer.from_pretrained(str(AGENT))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(AGENT), dtype=torch.float32).eval()
-    env = FrozenLake()
-    text = episode_prompt(env.instructions, env.reset(5)) + "right" + tok.eos_token + format_observation(env.render())
+    path = ASSET.parent / name
+    envs_of, (low, high), action = AGENT_MODELS[name]
+    assert sum(f.stat().st_size for f in path.iterdir()) < 25 * 2**20
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    env = make_env(envs_of[0])
+    first = env.reset(5)
+    turn = env.step(action)
+    text = episode_prompt(env.instructions, first) + action + tok.eos_token + format_observation(turn.observation)
     ids = tok(text, return_tensors="np").input_ids
-    cfg, params = load_hf(AGENT)
+    cfg, params = load_hf(path)
     ours, _ = forward(cfg, params, ids)
     with torch.no_grad():
         ref = model(torch.tensor(ids)).logits.numpy()
     assert np.abs(np.asarray(ours) - ref).max() < 1e-4
 
-    summary = json.loads((AGENT / "pretrain_summary.json").read_text())
-    for cls in (FrozenLake, Sokoban):
-        name = cls.__name__.lower()
-        envs = [cls() for _ in range(64)]
+    summary = json.loads((path / "pretrain_summary.json").read_text())
+    for env_name in envs_of:
+        envs = [make_env(env_name) for _ in range(64)]
         seeds = range(1_000_000, 1_000_064)
         longest_prompt = max(len(tok.encode(episode_prompt(e.instructions, e.reset(s)))) for e, s in zip(envs, seeds))
         turns = envs[0].options.max_turns
@@ -69,5 +77,5 @@ def test_shipped_agent_model_loads_in_both_and_plays_as_its_build_log_says():
             cfg, params, tok, envs, seeds, jax.random.key(0), max_turns=turns, max_action_tokens=ACTION_TOKENS,
             max_observation_tokens=OBSERVATION_TOKENS, temperature=0.0, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
         )  # fmt: skip
-        assert ep.solved_B.mean() == summary[f"{name}_success"], name
-    assert 0.2 <= summary["frozenlake_success"] <= 0.6
+        assert ep.solved_B.mean() == summary[f"{env_name}_success"], env_name
+    assert low <= summary[f"{envs_of[0]}_success"] <= high

@@ -29,7 +29,7 @@ def memopilot(g: Group, o: MemoPilotOptions, state=None) -> Estimate:
     """Per-token advantages A_{i,t} = (r_{i,t} − mean_j r_{j,t}) / (std_j r_{j,t} + eps) over the valid episodes j of
     the same game (the group's prompt) that played round t, on round t's action tokens; a round that only one
     episode played gets 0, and an invalid episode 0 everywhere. Sound only when the group's episodes play the same
-    number of rounds (rock-paper-scissors: `rounds`): where they do not, the t-th turns of different episodes are
+    number of rounds (rock-paper-scissors: `max_turns`): where they do not, the t-th turns of different episodes are
     different situations (as verl-project/verl#7244 notes for per-turn-index normalisation), and
     `memopilot_ragged` logs the share of groups whose episodes played different numbers of turns."""
     _, valid = valid_rewards(g)
