@@ -15,13 +15,9 @@ completions are --group per question of the first --prompts held-out questions.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from esroll import parallel
@@ -29,7 +25,7 @@ from esroll.data import make_splits
 from esroll.grpo.branch_credit import SIGNALS, measure
 from esroll.task import load_task
 from experiments._entry import quiet_tpu_probe
-from experiments.credit import _config
+from experiments.credit import _config, check_halves, command_of, parse_models, run_meta, write_results
 
 NAMES = {"bs": "Branching Score (BS)", "entropy": "entropy H", "omega": "future gain Ω"}
 
@@ -93,15 +89,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     quiet_tpu_probe()
-    models = [m.split("=", 1) for m in args.models.split(",") if m]
-    if not models or any(len(m) != 2 or not m[0] or not m[1] for m in models):
-        raise SystemExit(f"error: --models: expected label=path[,label=path...], got {args.models!r}")
-    if args.k < 2 or args.k % 2:
-        raise SystemExit(f"error: --k: an even number >= 2 (the reliability splits it in halves), got {args.k}")
+    models = parse_models(args.models)
+    check_halves("--k", args.k)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mesh = parallel.make_mesh(1)
     start = time.perf_counter()
+    ref_cfg = _config(args.config, args.reference)
+    _, ref_params = load_task(ref_cfg, *make_splits(ref_cfg.data), mesh)  # the one reference of every model's Ω
     results = {}
     for label, path in models:
         cfg = _config(args.config, path)
@@ -109,26 +104,12 @@ def main(argv: list[str] | None = None) -> dict:
         if args.prompts > len(held_out):
             raise SystemExit(f"error: --prompts: {args.prompts} > the {len(held_out)} held-out questions")
         task, params = load_task(cfg, train, held_out, mesh)
-        _, ref_params = load_task(_config(args.config, args.reference), train, held_out, mesh)
         results[label] = measure(
             cfg, task, params, ref_params, mesh, held_out[: args.prompts],
             group_size=args.group, k=args.k, seed=args.seed, boot=args.boot,
         )  # fmt: skip
-    command = "python -m experiments.branching " + " ".join(
-        f"--{k} {v}" for k, v in vars(args).items() if v != parser.get_default(k) or k == "out"
-    )
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "platform": jax.devices()[0].platform,
-        "cpus": os.cpu_count(),
-        "seconds": time.perf_counter() - start,
-        "seed": args.seed,
-        "models": models,
-        "reference": args.reference,
-    }
-    (out / "results.json").write_text(json.dumps({"meta": meta, **results}, indent=1, default=float) + "\n")
-    (out / "results.md").write_text(report(results, command, meta))
-    print(report(results, command, meta))
+    meta = run_meta(start, args.seed, models, reference=args.reference)
+    write_results(out, results, meta, report(results, command_of("experiments.branching", parser, args), meta))
     return results
 
 

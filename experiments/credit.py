@@ -152,6 +152,46 @@ def _value_model(flag: str, path: str | None) -> dict | None:
     return params
 
 
+def parse_models(text: str) -> list[list[str]]:
+    """`--models`' [label, path] pairs from "label=path,label=path"; anything else is refused naming the flag."""
+    models = [m.split("=", 1) for m in text.split(",") if m]
+    if not models or any(len(m) != 2 or not m[0] or not m[1] for m in models):
+        raise SystemExit(f"error: --models: expected label=path[,label=path...], got {text!r}")
+    return models
+
+
+def check_halves(flag: str, k: int) -> None:
+    """A count of samples the reliability splits in halves: even and at least 2, else refused naming `flag`."""
+    if k < 2 or k % 2:
+        raise SystemExit(f"error: {flag}: an even number >= 2 (the reliability splits it in halves), got {k}")
+
+
+def command_of(module: str, parser, args) -> str:
+    """The command line that reproduces a run: the module and every flag set away from its default, and --out."""
+    flags = " ".join(f"--{k} {v}" for k, v in vars(args).items() if v != parser.get_default(k) or k == "out")
+    return f"python -m {module} {flags}"
+
+
+def run_meta(start: float, seed: int, models, **more) -> dict:
+    """The report's meta: date, platform, CPU count, seconds since `start`, seed, models and `more`."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "platform": jax.devices()[0].platform,
+        "cpus": os.cpu_count(),
+        "seconds": time.perf_counter() - start,
+        "seed": seed,
+        "models": models,
+        **more,
+    }
+
+
+def write_results(out: Path, results: dict, meta: dict, text: str) -> None:
+    """results.json (meta and results) and results.md (`text`) in `out`; the text printed too."""
+    (out / "results.json").write_text(json.dumps({"meta": meta, **results}, indent=1, default=float) + "\n")
+    (out / "results.md").write_text(text)
+    print(text)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="shipped=assets/tiny-qwen3-steps", help="label=path,...")
@@ -168,11 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     quiet_tpu_probe()
-    models = [m.split("=", 1) for m in args.models.split(",") if m]
-    if not models or any(len(m) != 2 or not m[0] or not m[1] for m in models):
-        raise SystemExit(f"error: --models: expected label=path[,label=path...], got {args.models!r}")
-    if args.k_ref < 2 or args.k_ref % 2:
-        raise SystemExit(f"error: --k_ref: an even number >= 2 (the reliability splits it in halves), got {args.k_ref}")
+    models = parse_models(args.models)
+    check_halves("--k_ref", args.k_ref)
     critics, heads = (dict(m.split("=", 1) for m in a.split(",") if m) for a in (args.critics, args.success_heads))
     for flag, named in (("--critics", critics), ("--success_heads", heads)):
         if set(named) - {label for label, _ in models}:
@@ -195,21 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
             cfg, task, params, mesh, held_out[: args.prompts],
             group_size=args.group, k_ref=args.k_ref, seed=args.seed, boot=args.boot, critic=critic, success_head=head,
         )  # fmt: skip
-    command = "python -m experiments.credit " + " ".join(
-        f"--{k} {v}" for k, v in vars(args).items() if v != parser.get_default(k) or k == "out"
-    )
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "platform": jax.devices()[0].platform,
-        "cpus": os.cpu_count(),
-        "seconds": time.perf_counter() - start,
-        "seed": args.seed,
-        "models": models,
-    }
-    (out / "results.json").write_text(json.dumps({"meta": meta, **results}, indent=1, default=float) + "\n")
-    (out / "results.md").write_text(report(results, command, meta))
+    meta = run_meta(start, args.seed, models)
+    write_results(out, results, meta, report(results, command_of("experiments.credit", parser, args), meta))
     figure(results, out / "credit.png")
-    print(report(results, command, meta))
     return results
 
 

@@ -43,13 +43,13 @@ import scipy.stats
 
 from esroll.grpo import advantages, ppo
 from esroll.grpo.advantages import Group
+from esroll.grpo.branching import token_branches
 from esroll.grpo.estimators.mc_steps import step_values
 from esroll.grpo.estimators.srppo import SrPpoOptions
 from esroll.grpo.method import estimator_group
 from esroll.report import paired_test
 from esroll.rollout import Sampling, rollout
-from esroll.scoring import rollout_logprobs
-from esroll.steps import branch, branch_at, with_steps
+from esroll.steps import branch, with_steps
 from esroll.steps.branch import branch_rewards, score_steps
 
 SCORED = ("grpo", "sas", "verigate", "guae", "ibpo", "graft", "graft_gae", "progpo", "exprl")
@@ -281,12 +281,10 @@ def measure(
     # APPO at its defaults, its branches at the positions it picks: Ω against the sampling model itself is 1, so
     # they are the most uncertain tokens, and its scale a constant 1.5
     options = advantages.ESTIMATORS.options_of({}, "appo")
-    entropy = rollout_logprobs(task.cfg, params, out, True, cfg.grpo.logprob_chunk)[1].reshape(g.token_mask.shape)
-    g_appo = g._replace(entropy=entropy, ref_logratio=np.zeros(g.token_mask.shape))
-    at, A = advantages.ESTIMATORS["appo"].branch_points(options, g_appo)
-    at_BxK, key_a = at.reshape(X * M, -1), jax.random.fold_in(key, 4)
-    appo_branches, origin_a = branch_at(task, mesh, params, examples, out, at_BxK, key_a, sampling, A)
-    g_appo = g_appo._replace(branch_positions=at, branch_rewards=branch_rewards(appo_branches, origin_a, at.shape, A))
+    g_appo = token_branches(
+        task, mesh, params, None, examples, out, g, "appo", options, jax.random.fold_in(key, 4), sampling,
+        cfg.grpo.logprob_chunk,
+    )[0]  # fmt: skip
     est = advantages.estimate("appo", g_appo, options)
     results["appo"] = scores(
         per_step(est.advantage, g), est.advantage, ref, se, equal, halves=halves, boot=boot, seed=seed

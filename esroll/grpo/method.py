@@ -33,6 +33,7 @@ from esroll.data import Example
 from esroll.grpo import advantages, ppo
 from esroll.grpo import variants as grpo_variants
 from esroll.grpo.checks import check_grpo_names
+from esroll.grpo.branching import token_branches
 from esroll.grpo.diagnostics import split_half_diagnostics
 from esroll.grpo.loss import token_weights
 from esroll.grpo.update import (
@@ -52,7 +53,7 @@ from esroll.grpo.advantages import STEP_NEEDS, TEACHER_NEEDS, estimator_group
 from esroll.grpo.variants import Sampled
 from esroll.rollout import Sampling, given_rollout, prompt_means, rollout, training_rewards
 from esroll.scoring import rollout_logprobs
-from esroll.steps import branch, branch_at, with_steps
+from esroll.steps import branch, with_steps
 from esroll.steps.branch import branch_rewards
 from esroll.task import Method, StepOutput, Task
 from esroll.teacher import load_teacher, teacher_head, teacher_signals
@@ -321,13 +322,11 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
             shape = (X, M, steps.max_steps)
             group = group._replace(branch_rewards=branch_rewards(branched, origin, shape, steps.branches))
         if "token_branches" in needs:  # A continuations from the token positions the estimator chooses (APPO)
-            logp_BxN, entropy_BxN = rollout_logprobs(task.cfg, compute, out, True, g.logprob_chunk)
-            ratio_BxN = logp_BxN - rollout_logprobs(task.cfg, to_compute(state.ref_params), out, False, g.logprob_chunk)
-            group = group._replace(entropy=entropy_BxN.reshape(X, M, N), ref_logratio=ratio_BxN.reshape(X, M, N))
-            at, A = advantages.ESTIMATORS[g.advantage].branch_points(advantages.options_of(g), group)
-            at_BxK = at.reshape(X * M, -1)
-            branched, origin = branch_at(task, mesh, compute, examples, out, at_BxK, branch_key_t, sampling, A)
-            group = group._replace(branch_positions=at, branch_rewards=branch_rewards(branched, origin, at.shape, A))
+            ref = to_compute(state.ref_params)
+            group, branched, origin = token_branches(
+                task, mesh, compute, ref, examples, out, group, g.advantage, advantages.options_of(g), branch_key_t,
+                sampling, g.logprob_chunk,
+            )  # fmt: skip
         if branched is not None:
             branch_tokens = int(branched.generated_B.sum())
             branch_flops = float(ledger.rollout_flops(task.cfg, branched.prompt_BxP.shape[1], branched.generated_B))
