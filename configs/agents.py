@@ -17,6 +17,8 @@ The variant is comma-separated, each part at most once: an environment, a method
     looroll     LOO-ROLL (the default): population 32 on 8 shared episodes, greedy, σ = 0.01, raw fitness, Adam lr 3e-3
     eggroll     antithetic EGGROLL, otherwise as looroll
     grpo        GRPO: 8 episodes × 8 sampled at temperature 1, AdamW clipped at norm 1
+    discounted  GRPO with discounted per-turn returns normalised over the group (γ 0.95)
+    gigpo       GiGPO: GRPO with the episode's group advantage plus anchor-state turn advantages (ω 1, γ 0.95)
     ppo         PPO: as grpo, with GAE over the actions from a learned critic (docs/critics.md)
     hygae       HyGAE: as ppo, with turn-level and token-level GAE mixed (α 0.5, γ 0.99, λ 1; docs/critics.md)
     dae         DAE: as ppo, with a learned advantage model over the environment's actions (γ 0.99; docs/critics.md)
@@ -36,6 +38,7 @@ wall time (`train.time_budget_s`), evaluation excluded. Every other key starts a
 """
 
 from esroll.agents import ENVIRONMENTS
+from esroll.agents.reflect import HEADER_TOKENS
 from esroll.experiment import default_config
 
 ENVS = {
@@ -44,26 +47,33 @@ ENVS = {
     "rps": "rock-paper-scissors with a frozen player, 6 rounds",
     "locate": "locate-and-commit, 4 boxes, 4 turns",
 }
+REFLECT_MODEL = "assets/tiny-qwen3-reflect"  # the agent model taught the reflection's format (`repro`)
 GAMES_MODEL = {"rps", "locate"}  # played by assets/tiny-qwen3-games; the others by assets/tiny-qwen3-agent
 METHOD_PARTS = {
     "looroll": "LOO-ROLL",
     "eggroll": "antithetic EGGROLL",
     "grpo": "GRPO on the episode return",
+    "discounted": "GRPO with discounted per-turn returns (grpo.advantage = 'discounted')",
+    "gigpo": "GiGPO: episode plus anchor-state turn advantages (grpo.advantage = 'gigpo')",
     "ppo": "PPO: GAE over the actions from a learned critic (grpo.advantage = 'gae')",
     "hygae": "HyGAE: turn-level and token-level GAE mixed, one critic (grpo.advantage = 'hygae')",
     "dae": "DAE: a learned advantage model over the environment's actions (grpo.advantage = 'dae')",
     "svm": "Success Visitation Matching: turn rewards densified by a discriminator (grpo.advantage = 'svm')",
     "memopilot": "MemoPilot: each round's reward against the same round's (grpo.advantage = 'memopilot')",
     "a2agent": "A2Agent: turn returns within shared action contexts, weighted (grpo.advantage = 'a2agent')",
+    "repro": "RePro: the model rates its moves after each episode; ratings as turn credit (grpo.advantage = 'repro')",
 }
 # GRPO's sampling and update with another advantage estimator
 ESTIMATOR_METHODS = {
+    "discounted": "discounted",
+    "gigpo": "gigpo",
     "ppo": "gae",
     "hygae": "hygae",
     "dae": "dae",
     "svm": "svm",
     "memopilot": "memopilot",
     "a2agent": "a2agent",
+    "repro": "repro",
 }
 MODIFIERS = {
     "quick": "a seconds-long smoke run (tests)",
@@ -99,6 +109,8 @@ def get_config(arg: str | None = None):
     method = methods[0] if methods else "looroll"
     c = default_config()
     c.model.path = "assets/tiny-qwen3-games" if env in GAMES_MODEL else "assets/tiny-qwen3-agent"
+    if method == "repro":
+        c.model.path = REFLECT_MODEL
     c.env.name = env
     c.env.max_action_tokens = ACTION_TOKENS
     c.env.max_observation_tokens = OBSERVATION_TOKENS
@@ -106,6 +118,10 @@ def get_config(arg: str | None = None):
     # on the command line resizes it; setting train.max_new_tokens itself replaces it.
     room = c.env.get_ref("max_action_tokens") + c.env.get_ref("max_observation_tokens")
     c.train.max_new_tokens = c.env.options[env].get_ref("max_turns") * room
+    if method == "repro":  # the reflection's header (the final observation and the outcome) and its ratings
+        c.env.reflect_tokens = c.env.options[env].get_ref("max_turns") + 2
+        reflection = c.env.get_ref("max_observation_tokens") + HEADER_TOKENS + c.env.get_ref("reflect_tokens")
+        c.train.max_new_tokens = c.env.options[env].get_ref("max_turns") * room + reflection
     c.data.n_examples = 100_000  # training episodes: seeds 0 .. 99,999
     c.data.eval_size = 128  # held-out episodes: seeds from 1,000,000
     c.train.prompts_per_step = 8

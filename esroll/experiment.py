@@ -131,7 +131,7 @@ def unread_keys(cfg: ExperimentConfig) -> dict[str, str]:
         if name != cfg.env.name:
             rules[f"env.options.{name}."] = f"only env.name {name!r} reads it, and this run's is {cfg.env.name!r}"
     if not cfg.env.name:
-        for key in ("env.max_action_tokens", "env.max_observation_tokens"):
+        for key in ("env.max_action_tokens", "env.max_observation_tokens", "env.reflect_tokens"):
             rules[key] = "only agent runs read it, and env.name is '' (off)"
     else:
         for field in dataclasses.fields(cfg.data):

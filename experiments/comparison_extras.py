@@ -1,9 +1,12 @@
 """Figures a comparison's report leaves out, from its workdir (the README quotes them): paired differences against
 any method, Holm-adjusted paired-t p over the methods given, the fraction of all-equal groups over the first steps,
-and each run's start, peak, final accuracy and drop from its peak.
+each run's start, peak, final accuracy and drop from its peak, and any logged training metric (--metric, repeated)
+averaged over each run's first and last --early_steps steps.
 
     python -m experiments.comparison_extras --workdir runs/advantages_hard --reference grpo \
         --holm rloo,agrae,bv_blend,gmae,maxpo,lampo,ntf
+    python -m experiments.comparison_extras --workdir runs/agents_repro --reference grpo \
+        --metric reflection_parsed --metric reflection_oracle
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reference", required=True, help="paired differences are method − reference")
     parser.add_argument("--holm", default="", help="comma-separated methods whose tests Holm adjusts together")
     parser.add_argument("--early_steps", type=int, default=5)
+    parser.add_argument("--metric", action="append", default=[], help="a training metric to average per run")
     args = parser.parse_args(argv)
 
     spec, runs = load_comparison(args.workdir)
@@ -59,6 +63,16 @@ def main(argv: list[str] | None = None) -> None:
                 early.append(100 * np.mean(fractions[: args.early_steps]))
         if early:
             print(f"  {method:22s} {np.mean(early):.0f} ({min(early):.0f}-{max(early):.0f})")
+
+    for name in args.metric:
+        print(f"{name}: mean over the first and the last {args.early_steps} steps that log it, per run")
+        for method in spec["methods"]:
+            for seed in spec["seeds"]:
+                records = read_metrics(run_dir(args.workdir, method, seed) / "metrics.jsonl")
+                values = [float(r[name]) for r in records if name in r and np.isfinite(float(r[name]))]
+                if values:
+                    first, last = np.mean(values[: args.early_steps]), np.mean(values[-args.early_steps :])
+                    print(f"  {method:22s} seed{seed} first {first:.3f} last {last:.3f} ({len(values)} steps)")
 
     print("runs: start, peak (at s), final accuracy, steps, drop from the peak (points)")
     for r in runs:

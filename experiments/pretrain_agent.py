@@ -22,6 +22,17 @@ the current state (a tuple of action words; empty or None where there is none), 
     python -m experiments.pretrain_agent --module my_envs --envs corridor --out runs/corridor-model
 
 Each environment plays at its registered default options.
+
+The reflecting agent model (`assets/tiny-qwen3-reflect`, RePro's: `configs/agents.py:repro`) is built the same way
+with --reflect F: a share F of the training episodes is followed by its reflection demonstration, what
+`esroll.agents.play(reflect_tokens=...)` writes after an episode (`reflection_header`: the final observation and
+the outcome) and then the exact ratings of the moves (`oracle_ratings`, one "+", "0" or "-" per move, with loss)
+and the end token: the warm-up that teaches the reflection's format. Which episodes get one is drawn from its own
+stream, so the episodes and batches are those of the build without it. Each evaluation then also plays every
+held-out episode's reflection greedily and reports the share whose ratings parse and their agreement with the
+oracle's.
+
+    python -m experiments.pretrain_agent --reflect 1 --out assets/tiny-qwen3-reflect
 """
 
 from __future__ import annotations
@@ -41,6 +52,14 @@ import optax
 from esroll.agents import ENVIRONMENTS, make_env
 from esroll.models import save_hf
 from esroll.agents.multiturn import format_observation, episode_prompt, play
+from esroll.agents.reflect import (
+    HEADER_TOKENS,
+    format_ratings,
+    oracle_ratings,
+    parse_ratings,
+    rating_agreement,
+    reflection_header,
+)
 from experiments.pretrain_tiny import EOS, build_tokenizer, init_params, model_config, supervised_step
 
 HELD_OUT = 1_000_000  # the first held-out seed
@@ -54,11 +73,20 @@ def max_turns(name: str) -> int:
     return ENVIRONMENTS.options_of({}, name).max_turns
 
 
-def planner_episode(name: str, seed: int, rng: np.random.Generator, random_moves: float) -> list[tuple[str, bool]]:
-    """The planner's episode of `seed` as (text, is_action) pieces: the prompt, then each action and answer."""
+def reflect_tokens(name: str) -> int:
+    """The reflection's room in environment `name`: a rating per turn, the end token and one spare (configs/agents.py
+    gives the same)."""
+    return max_turns(name) + 2
+
+
+def planner_episode(name: str, seed: int, rng: np.random.Generator, random_moves: float,
+                    reflect: bool = False) -> list[tuple[str, bool]]:  # fmt: skip
+    """The planner's episode of `seed` as (text, is_action) pieces: the prompt, then each action and answer; with
+    `reflect`, then the reflection's header and the oracle's ratings (a piece with loss, as an action)."""
     env = make_env(name)
     observation = env.reset(seed)
     pieces = [(episode_prompt(env.instructions, observation), False)]
+    actions = []
     for _ in range(max_turns(name)):
         plan = env.plan()
         if plan and rng.random() >= random_moves:
@@ -67,9 +95,13 @@ def planner_episode(name: str, seed: int, rng: np.random.Generator, random_moves
             action = env.actions[int(rng.integers(len(env.actions)))]
         turn = env.step(action)
         pieces.append((action, True))
+        actions.append(action)
         if turn.done:
             break
         pieces.append((format_observation(turn.observation), False))
+    if reflect:
+        pieces.append((reflection_header(turn.observation, env.solved), False))
+        pieces.append((format_ratings(oracle_ratings(make_env(name), seed, actions)), True))
     return pieces
 
 
@@ -83,21 +115,33 @@ def encode(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[b
     return ids, loss
 
 
-def success_rates(cfg, params, tokenizer, episodes: int, names: tuple[str, ...] = BUILT_IN) -> dict[str, float]:
-    """Greedy play on the held-out seeds: each environment's success rate, mean turns and tokens per episode."""
+def success_rates(cfg, params, tokenizer, episodes: int, names: tuple[str, ...] = BUILT_IN,
+                  reflect: bool = False) -> dict[str, float]:  # fmt: skip
+    """Greedy play on the held-out seeds: each environment's success rate, mean turns and tokens per episode; with
+    `reflect`, each episode's reflection too: the share whose ratings parse and their agreement with the oracle's."""
     out = {}
     for name in names:
         envs = [make_env(name) for _ in range(episodes)]
+        seeds = range(HELD_OUT, HELD_OUT + episodes)
         ep = play(
-            cfg, params, tokenizer, envs, range(HELD_OUT, HELD_OUT + episodes), jax.random.key(0),
+            cfg, params, tokenizer, envs, seeds, jax.random.key(0),
             max_turns=max_turns(name), max_action_tokens=MAX_ACTION_TOKENS,
             max_observation_tokens=MAX_OBSERVATION_TOKENS, temperature=0.0, eos_id=tokenizer.eos_token_id,
-            pad_id=tokenizer.pad_token_id,
+            pad_id=tokenizer.pad_token_id, reflect_tokens=reflect_tokens(name) if reflect else 0,
         )  # fmt: skip
         out[f"{name}_success"] = float(ep.solved_B.mean())
         out[f"{name}_turns"] = float(ep.turns_B.mean())
         out[f"{name}_tokens"] = float((ep.length_B + ep.prompt_mask_BxP.sum(1)).mean())
         out[f"{name}_valid_actions"] = float(ep.valid_BxW[ep.action_end_BxW > 0].mean())
+        if reflect:
+            parsed, agree, compared = 0, 0, 0
+            for b, seed in enumerate(seeds):
+                ratings = parse_ratings(ep.reflections[b], int(ep.turns_B[b]))
+                if ratings is not None:
+                    same, n = rating_agreement(ratings, oracle_ratings(make_env(name), seed, ep.actions[b]))
+                    parsed, agree, compared = parsed + 1, agree + same, compared + n
+            out[f"{name}_reflection_parsed"] = parsed / episodes
+            out[f"{name}_reflection_oracle"] = agree / max(compared, 1)
     return out
 
 
@@ -118,6 +162,7 @@ def main(argv=None) -> dict:
     add("--hidden", type=int, default=128, help="hidden size (4 heads of 32, 2 kv heads)")
     add("--layers", type=int, default=4, help="decoder layers")
     add("--envs", default=",".join(BUILT_IN), help="registered environments to learn, comma-separated")
+    add("--reflect", type=float, default=0.0, help="share of training episodes followed by a reflection (RePro)")
     add("--module", action="append", default=[], help="a module to import first (one that registers --envs)")
     args = parser.parse_args(argv)
     if not args.out.parent.is_dir():
@@ -135,20 +180,30 @@ def main(argv=None) -> dict:
             parser.error(f"--envs: environment {name!r} has no plan() method, the planner the episodes come from")
     if not envs:
         parser.error("--envs: name at least one environment")
+    if not 0 <= args.reflect <= 1:
+        parser.error(f"--reflect: {args.reflect} is not a share in [0, 1]")
 
     start = time.perf_counter()
     rng = np.random.default_rng(args.seed)
-    episodes = [planner_episode(n, s, rng, args.random_moves) for s in range(args.episodes) for n in envs]
+    reflecting = np.random.default_rng([args.seed, 1]).random(args.episodes * len(envs)) < args.reflect
+    episodes = [
+        planner_episode(n, s, rng, args.random_moves, bool(reflecting[s * len(envs) + e]))
+        for s in range(args.episodes)
+        for e, n in enumerate(envs)
+    ]
     tokenizer = build_tokenizer(["".join(t for t, _ in ep) for ep in episodes[:4000]], args.vocab)
     encoded = [encode(tokenizer, ep) for ep in episodes]
-    answers = [t for ep in episodes for t, is_action in ep[1:] if not is_action]
+    answers = [t for ep in episodes for t, is_action in ep[1:] if not is_action and not t.endswith("Progress:\n")]
     longest_answer = max(len(tokenizer.encode(a, add_special_tokens=False)) for a in answers)
     if longest_answer > MAX_OBSERVATION_TOKENS:
         parser.error(f"--vocab: an answer takes {longest_answer} tokens, above the {MAX_OBSERVATION_TOKENS} room")
     # The longest episode either environment can give: its prompt and every turn's action and answer at their caps.
     longest_prompt = max(len(tokenizer.encode(ep[0][0], add_special_tokens=False)) for ep in episodes)
     turns = max(max_turns(name) for name in envs)
-    positions = 64 * -(-(longest_prompt + turns * (MAX_ACTION_TOKENS + MAX_OBSERVATION_TOKENS + 1)) // 64)
+    longest = longest_prompt + turns * (MAX_ACTION_TOKENS + MAX_OBSERVATION_TOKENS + 1)
+    if args.reflect:  # the reflection's header and ratings
+        longest += MAX_OBSERVATION_TOKENS + HEADER_TOKENS + max(reflect_tokens(name) for name in envs)
+    positions = 64 * -(-longest // 64)
     cfg = dataclasses.replace(
         model_config(len(tokenizer), tokenizer.eos_token_id),
         hidden_size=args.hidden,
@@ -181,7 +236,7 @@ def main(argv=None) -> dict:
         idx = rng.integers(0, len(tokens), args.batch)
         params, opt_state, loss = step(params, opt_state, tokens[idx], mask[idx], target[idx])
         if i % args.eval_every == 0:
-            figures = success_rates(cfg, params, tokenizer, args.eval_episodes, envs)
+            figures = success_rates(cfg, params, tokenizer, args.eval_episodes, envs, reflect=args.reflect > 0)
             history.append({"step": i, "train_loss": float(loss), **figures})
             print(f"step {i:5d}  loss {float(loss):.3f}  " + "  ".join(f"{k} {v:.3f}" for k, v in figures.items()),
                   flush=True)  # fmt: skip

@@ -85,9 +85,12 @@ class FrozenLake:
         return "\n".join("".join(row) for row in rows)
 
     def plan(self) -> tuple[str, ...] | None:
-        """A shortest walk from the player's tile to G over non-hole tiles (breadth-first), or None."""
+        """A shortest walk from the player's tile to G over non-hole tiles (breadth-first), or None (none from a
+        hole: the episode is lost)."""
         size, rows = self.options.size, self.map
         start = (self.state // size, self.state % size)
+        if rows[start[0]][start[1]] == "H":
+            return None
         parent = {start: None}
         frontier = [start]
         while frontier:

@@ -34,12 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from esroll.agents.base import TextEnv
+from esroll.agents.reflect import HEADER_TOKENS, reflection_header
 from esroll.errors import InputError
 from esroll.models import ModelConfig, Perturbation, forward, init_cache
 from esroll.models.layers import table_slots
 from esroll.sampling import draw, pad_prompts
 
 Array = jax.Array
+ENV, ACTION, REFLECTION = 0, 1, 2  # the kinds of an episode's pieces: the environment's text, an action, a reflection
 
 
 def episode_prompt(instructions: str, observation: str) -> str:
@@ -57,7 +59,8 @@ class Turns(NamedTuple):
     the span of turn t's action in the episode after its prompt (start_BxW, end_BxW), its reward, the turns played
     (count_B), the observation each action answered (states[b][t], the text the environment showed before it), the
     action texts as the environment read them (actions[b][t]) and whether the episode ended solved (solved_B, the
-    environment's `solved`). The last two are None where a caller built turns without them."""
+    environment's `solved`). The last two are None where a caller built turns without them, and so are the
+    reflection's text and span (`play(reflect_tokens=...)`: RePro's ratings after the episode) without one."""
 
     start_BxW: np.ndarray
     end_BxW: np.ndarray
@@ -66,6 +69,9 @@ class Turns(NamedTuple):
     states: list[list[str]]
     actions: list[list[str]] | None = None
     solved_B: np.ndarray | None = None
+    reflections: list[str] | None = None
+    reflection_start_B: np.ndarray | None = None
+    reflection_end_B: np.ndarray | None = None
 
     def spans(self, b: int) -> list[tuple[int, int, int, float]]:
         """(turn, start, end, reward) of each turn row b played whose action has a token (a turn with none is
@@ -87,7 +93,9 @@ class Episodes:
     reward_BxW, valid_BxW (the action parsed, `esroll.agents.parse_action`), turns_B (turns played); done_B (ended by
     the environment or its turn limit, not cut by `max_turns`); solved_B (the environment's `solved` at the end);
     observations: each row's observation texts, the first one and one per turn; actions: the action texts as the
-    environment read them. return_B: the sum of the rewards."""
+    environment read them. return_B: the sum of the rewards. With a reflection (`play(reflect_tokens=...)`):
+    its span reflection_start_B .. reflection_end_B (model tokens, with loss) after the header the environment wrote
+    (`esroll.agents.reflection_header`), and its text (`reflections`); None without one."""
 
     prompt_BxP: np.ndarray
     prompt_mask_BxP: np.ndarray
@@ -104,6 +112,9 @@ class Episodes:
     solved_B: np.ndarray
     observations: list[list[str]]
     actions: list[list[str]]
+    reflection_start_B: np.ndarray | None = None
+    reflection_end_B: np.ndarray | None = None
+    reflections: list[str] | None = None
 
     @property
     def return_B(self) -> np.ndarray:
@@ -121,6 +132,9 @@ class Episodes:
             states,
             self.actions,
             self.solved_B,
+            self.reflections,
+            self.reflection_start_B,
+            self.reflection_end_B,
         )
 
 
@@ -143,6 +157,7 @@ def play(
     actions: Callable[[int, list[str]], list[str]] | None = None,
     prompt_multiple: int = 16,
     member_slots: int | None = None,
+    reflect_tokens: int = 0,
 ) -> Episodes:
     """Play `envs[b]` from `seeds[b]` for every row b, at most `max_turns` turns, in one KV cache per row.
 
@@ -162,18 +177,21 @@ def play(
     ]
     prompt_BxP, prompt_mask_BxP = pad_prompts(prompts, multiple=prompt_multiple, pad_id=pad_id)
     P = prompt_BxP.shape[1]
+    H = O + HEADER_TOKENS  # the reflection's header
     slots = P - 1 + W * (O + N)  # the prompt but its last token; per turn O of the input's O + 1, then N decoded
+    slots += H + reflect_tokens if reflect_tokens else 0
     if perturb is not None and perturb.member_B is not None:  # the factors gathered once for every turn
         entries = table_slots(np.asarray(perturb.member_B), B, 1, member_slots, "play")
         perturb = _factors(perturb, entries)
     cache = _start(cfg, params, jnp.asarray(prompt_BxP), jnp.asarray(prompt_mask_BxP), perturb, slots=slots)
     observations = [[o] for o in first]
     acted: list[list[str]] = [[] for _ in range(B)]
-    pieces: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in range(B)]  # (tokens, logprobs, is_action)
+    pieces: list[list[tuple[list[int], list[float], int]]] = [[] for _ in range(B)]  # (tokens, logprobs, kind)
     reward_BxW, valid_BxW = np.zeros((B, W), np.float32), np.zeros((B, W), bool)
     turns_B, live_B = np.zeros(B, np.int32), np.ones(B, bool)
     # The next input of each row: what the cache has not seen yet (left-padded to O + 1; the last column is real).
     input_rows = [[p[-1]] for p in prompts]
+    tail: list[list[int]] = [[] for _ in range(B)]  # each row's last action token when it is not cached yet
     for turn in range(W):
         inputs_BxT, inputs_mask_BxT = _left_pad(input_rows, O + 1, pad_id, live_B)
         forced_BxN, forced_len_B = np.zeros((B, N), np.int32), np.zeros(B, np.int32)
@@ -205,12 +223,13 @@ def play(
         for b in np.flatnonzero(live_B):
             n = int(length_B[b])
             ids = [int(i) for i in tokens_BxN[b, :n]]
-            pieces[b].append((ids, [float(x) for x in logprobs_BxN[b, :n]], True))
+            pieces[b].append((ids, [float(x) for x in logprobs_BxN[b, :n]], ACTION))
             text = tokenizer.decode([i for i in ids if i != eos_id], skip_special_tokens=False)
             step = envs[b].step(text)
             acted[b].append(text)
             observations[b].append(step.observation)
             reward_BxW[b, turn], valid_BxW[b, turn], turns_B[b] = step.reward, step.valid, turn + 1
+            tail[b] = ids[-1:] if n == N else []
             if step.done:
                 live_B[b] = False
                 continue
@@ -220,15 +239,55 @@ def play(
                     f"env.max_observation_tokens: an observation of {len(answer)} tokens does not fit its {O} (turn "
                     f"{turn}, row {b}: {step.observation[:40]!r}...): raise it or shorten the environment's observations"
                 )
-            pieces[b].append((answer, [0.0] * len(answer), False))
+            pieces[b].append((answer, [0.0] * len(answer), ENV))
             # The decode loop feeds each drawn token back at its next step: an action that used all N steps still
             # has its last token to cache; a shorter one ended with the end token, which was fed back.
             input_rows[b] = ids[-1:] + answer if n == N else answer
         if not live_B.any():
             break
     solved_B = np.array([bool(env.solved) for env in envs])
-    return _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxW, valid_BxW, turns_B, ~live_B, solved_B, pad_id,
-                     observations, acted)  # fmt: skip
+    done_B = ~live_B
+    reflections = None
+    if reflect_tokens:
+        for b in np.flatnonzero(live_B):  # cut by `max_turns`: the header repeats the last answer, never cached
+            pieces[b].pop()
+        reflections = _reflect(
+            cfg, params, cache, tokenizer, pieces, tail, observations, solved_B, jax.random.fold_in(key, W), perturb,
+            row_offset, H, reflect_tokens, eos_id=eos_id, pad_id=pad_id, temperature=temperature,
+        )  # fmt: skip
+    return _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxW, valid_BxW, turns_B, done_B, solved_B, pad_id,
+                     observations, acted, reflections)  # fmt: skip
+
+
+def _reflect(cfg, params, cache, tokenizer, pieces, tail, observations, solved_B, key, perturb, row_offset, H, R, *,
+             eos_id, pad_id, temperature) -> list[str]:  # fmt: skip
+    """Every row's reflection, decoded after its episode in the same cache: the header (environment tokens) then at
+    most R model tokens. Appends both to `pieces` and returns the reflections' texts."""
+    B = len(pieces)
+    rows = []
+    for b in range(B):
+        header = tokenizer.encode(reflection_header(observations[b][-1], bool(solved_B[b])), add_special_tokens=False)
+        if len(header) > H:
+            raise InputError(
+                f"env.max_observation_tokens: a reflection header of {len(header)} tokens does not fit its {H} (row "
+                f"{b}: {observations[b][-1][:40]!r}...): raise it or shorten the environment's observations"
+            )
+        pieces[b].append((header, [0.0] * len(header), ENV))
+        rows.append(tail[b] + header)
+    live_B = np.ones(B, bool)
+    inputs_BxT, inputs_mask_BxT = _left_pad(rows, H + 1, pad_id, live_B)
+    none_BxR = jnp.zeros((B, R), jnp.int32)
+    _, out = _turn(cfg, params, cache, jnp.asarray(inputs_BxT), jnp.asarray(inputs_mask_BxT), key, perturb,
+                   jnp.asarray(row_offset, jnp.int32), jnp.asarray(live_B), none_BxR, jnp.zeros(B, jnp.int32),
+                   eos_id=eos_id, pad_id=pad_id, max_action_tokens=R, temperature=temperature, forced=False)  # fmt: skip
+    tokens_BxR, logprobs_BxR, length_B = (np.asarray(x) for x in out)
+    texts = []
+    for b in range(B):
+        n = int(length_B[b])
+        ids = [int(i) for i in tokens_BxR[b, :n]]
+        pieces[b].append((ids, [float(x) for x in logprobs_BxR[b, :n]], REFLECTION))
+        texts.append(tokenizer.decode([i for i in ids if i != eos_id], skip_special_tokens=False))
+    return texts
 
 
 def _left_pad(rows: list[list[int]], width: int, pad_id: int, live_B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -240,25 +299,31 @@ def _left_pad(rows: list[list[int]], width: int, pad_id: int, live_B: np.ndarray
 
 
 def _assemble(prompt_BxP, prompt_mask_BxP, pieces, reward_BxW, valid_BxW, turns_B, done_B, solved_B, pad_id, observations,
-              acted):  # fmt: skip
+              acted, reflections=None):  # fmt: skip
     B, W = reward_BxW.shape
     L = max([sum(len(p[0]) for p in row) for row in pieces] + [1])
     tokens = np.full((B, L), pad_id, np.int32)
     loss, logp = np.zeros((B, L), bool), np.zeros((B, L), np.float32)
     start, end, length = np.zeros((B, W), np.int32), np.zeros((B, W), np.int32), np.zeros(B, np.int32)
+    spans = np.zeros((2, B), np.int32)  # the reflection's start and end
     for b, row in enumerate(pieces):
         at, turn = 0, 0
-        for ids, lps, is_action in row:
+        for ids, lps, kind in row:
             tokens[b, at : at + len(ids)] = ids
-            if is_action:
+            if kind != ENV:
                 loss[b, at : at + len(ids)] = True
                 logp[b, at : at + len(ids)] = lps
+            if kind == ACTION:
                 start[b, turn], end[b, turn] = at, at + len(ids)
                 turn += 1
+            elif kind == REFLECTION:
+                spans[:, b] = at, at + len(ids)
             at += len(ids)
         length[b] = at
+    reflected = reflections is not None
     return Episodes(prompt_BxP, prompt_mask_BxP, tokens, loss, logp, length, start, end, reward_BxW, valid_BxW,
-                    turns_B, done_B, solved_B, observations, acted)  # fmt: skip
+                    turns_B, done_B, solved_B, observations, acted, spans[0] if reflected else None,
+                    spans[1] if reflected else None, reflections)  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnames="slots")

@@ -10,6 +10,7 @@ import numpy as np
 from esroll import parallel
 from esroll.errors import InputError
 from esroll.agents.multiturn import Turns, play
+from esroll.agents.reflect import oracle_ratings, parse_ratings, rating_agreement
 from esroll.models import Perturbation, member_slots
 from esroll.rollout import PAD, Rollout, Sampling
 
@@ -25,7 +26,10 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
     `sampling.max_new_tokens` (a longer one is refused: `train.max_new_tokens` must hold the longest episode); the
     log-probabilities are those of the action tokens; the reward is the return; `scores` gives the held-out scores
     `EPISODE_SCORES` (the first, "accuracy", whether the environment was solved). A padding row plays the first
-    example's episode and its outcome is dropped (reward 0, nothing generated)."""
+    example's episode and its outcome is dropped (reward 0, nothing generated). With `env.reflect_tokens`, every
+    training episode (not a scored one) is followed by its reflection (`esroll.agents.reflect`): its tokens are the
+    model's (loss), its text and span are in the turns, and the metrics give the share of reflections whose ratings
+    parse and, where the environment has a planner, the share of parsed ratings that equal the oracle's."""
     env = task.env
     example_B = np.asarray(example_B)
     B, N = len(example_B), sampling.max_new_tokens
@@ -64,6 +68,7 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
             row_offset=start,
             prompt_multiple=task.prompt_multiple,
             member_slots=slots,
+            reflect_tokens=0 if scores else env.reflect_tokens,
         )
         if played.tokens_BxT.shape[1] > N:
             raise InputError(
@@ -83,6 +88,9 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
     start_BxW, end_BxW = np.zeros((rows, W), np.int32), np.zeros((rows, W), np.int32)
     turn_reward_BxW, states = np.zeros((rows, W), np.float32), [[] for _ in range(rows)]
     actions = [[] for _ in range(rows)]
+    reflected = any(p.reflections is not None for _, p in parts)
+    reflections = [""] * rows
+    reflection_BxS = np.zeros((rows, 2), np.int32)  # each reflection's start and end
     for c, p in parts:
         keep = real_B[c]
         width, L = p.prompt_BxP.shape[1], p.tokens_BxT.shape[1]
@@ -102,6 +110,9 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
         for i, b in enumerate(range(c.start, c.stop)):
             states[b] = turned.states[i] if keep[i] else []
             actions[b] = list(turned.actions[i]) if keep[i] else []
+            if reflected and keep[i]:
+                reflections[b] = p.reflections[i]
+                reflection_BxS[b] = p.reflection_start_B[i], p.reflection_end_B[i]
     generated_s = time.perf_counter()
     n = max(int(real_B.sum()), 1)
     metrics = {
@@ -109,6 +120,8 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
         "episode_turns": float(turns_B.sum() / n),
         "valid_actions": valid / max(acted, 1),
     }
+    if reflected:
+        metrics.update(reflection_metrics(env, seeds, reflections, actions, turns_B, real_B))
     table = {"accuracy": solved_B, "return": reward_B, "turns": turns_B}
     return Rollout(
         example_B=example_B[:B],
@@ -130,5 +143,29 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
             states[:B],
             actions[:B],
             solved_B[:B] > 0,
+            reflections[:B] if reflected else None,
+            reflection_BxS[:B, 0] if reflected else None,
+            reflection_BxS[:B, 1] if reflected else None,
         ),
     )
+
+
+def reflection_metrics(env, seeds, reflections, actions, turns_B, real_B) -> dict[str, float]:
+    """`reflection_parsed`: the share of the real rows' reflections whose ratings parse (`parse_ratings`);
+    `reflection_oracle`: the share of those ratings that equal the oracle's (`oracle_ratings`), where the
+    environment has a planner."""
+    parsed, agree, compared = 0, 0, 0
+    game = env.make()
+    for b in np.flatnonzero(real_B):
+        ratings = parse_ratings(reflections[b], int(turns_B[b]))
+        if ratings is None:
+            continue
+        parsed += 1
+        oracle = oracle_ratings(game, seeds[b], actions[b])
+        if oracle is not None:
+            same, n = rating_agreement(ratings, oracle)
+            agree, compared = agree + same, compared + n
+    out = {"reflection_parsed": parsed / max(int(real_B.sum()), 1)}
+    if callable(getattr(game, "plan", None)):
+        out["reflection_oracle"] = agree / compared if compared else float("nan")
+    return out

@@ -23,6 +23,7 @@ from esroll.data import Example
 from esroll.data.build import held_out_splits
 from esroll.agents.base import ENVIRONMENTS, TextEnv
 from esroll.agents.multiturn import episode_prompt
+from esroll.agents.reflect import HEADER_TOKENS
 from esroll.agents.rollout import episodes
 
 HELD_OUT = 1_000_000  # the first held-out episode's seed
@@ -32,14 +33,15 @@ DATA_KEYS = ("n_examples", "eval_size", "validation_size", "eval_split", "seed",
 
 
 class EnvTask(NamedTuple):
-    """What a rollout needs to play an environment's episodes: its registered name, options, turn limit and the
-    token room of an action and of an observation (`env.*`)."""
+    """What a rollout needs to play an environment's episodes: its registered name, options, turn limit, the token
+    room of an action and of an observation, and of the reflection that follows a training episode (0: none) (`env.*`)."""
 
     name: str
     options: Any
     max_turns: int
     max_action_tokens: int
     max_observation_tokens: int
+    reflect_tokens: int = 0
 
     def make(self) -> TextEnv:
         """A fresh environment (one per row: each holds one episode's state)."""
@@ -53,8 +55,12 @@ class EnvTask(NamedTuple):
 
     @property
     def max_episode_tokens(self) -> int:
-        """The most tokens an episode can hold after its prompt: per turn an action and an answer."""
-        return self.max_turns * (self.max_action_tokens + self.max_observation_tokens)
+        """The most tokens an episode can hold after its prompt: per turn an action and an answer, then the
+        reflection's header and the reflection when there is one (`esroll.agents.reflect`)."""
+        turns = self.max_turns * (self.max_action_tokens + self.max_observation_tokens)
+        if not self.reflect_tokens:
+            return turns
+        return turns + self.max_observation_tokens + HEADER_TOKENS + self.reflect_tokens
 
 
 def env_task(cfg: ExperimentConfig) -> EnvTask:
@@ -64,7 +70,7 @@ def env_task(cfg: ExperimentConfig) -> EnvTask:
     max_turns = getattr(options, "max_turns", None)
     if not isinstance(max_turns, int) or max_turns < 1:
         raise ConfigError("env.name", e.name, "an environment whose options have a max_turns >= 1 (its turn limit)")
-    return EnvTask(e.name, options, max_turns, e.max_action_tokens, e.max_observation_tokens)
+    return EnvTask(e.name, options, max_turns, e.max_action_tokens, e.max_observation_tokens, e.reflect_tokens)
 
 
 def check_config(cfg: ExperimentConfig) -> None:
@@ -81,7 +87,12 @@ def check_config(cfg: ExperimentConfig) -> None:
             "train.max_new_tokens",
             cfg.train.max_new_tokens >= need,
             f">= {need} for env.name={cfg.env.name!r}: max_turns × (env.max_action_tokens + "
-            "env.max_observation_tokens), the longest episode after its prompt",
+            "env.max_observation_tokens), the longest episode after its prompt (and its reflection's room)",
+        ),
+        (
+            "env.reflect_tokens",
+            cfg.env.reflect_tokens == 0 or cfg.method == "grpo",
+            "0 unless method = 'grpo' (a reflection is trained by a policy gradient: grpo.advantage = 'repro')",
         ),
         ("data.reward", cfg.data.reward == "gold", "'gold' with env.name set (an episode's reward is its return)"),
         ("curriculum.ads", not cfg.curriculum.ads, "False with env.name set (episodes have no clusters)"),

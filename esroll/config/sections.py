@@ -110,17 +110,21 @@ class EnvConfig:
     reward of a row is its episode's return; held-out "accuracy" is the share of episodes solved. With `name` set,
     `data.n_examples` is the number of training episodes (seeds 0, 1, ...), `data.eval_size` the held-out ones
     (seeds from 1,000,000, never trained on), split by `data.validation_size` / `data.eval_split` as questions are,
-    and `data.order_seed` (or `data.seed`) orders the training batches; the other data keys are not read."""
+    and `data.order_seed` (or `data.seed`) orders the training batches; the other data keys are not read.
+    reflect_tokens: 0 (off), or the room of the reflection RePro trains (`grpo.advantage = "repro"`): after each
+    training episode the model rates its moves in at most this many tokens (`esroll.agents.reflect`)."""
 
     name: str = ""
     options: Options = Options()
     max_action_tokens: int = 4
     max_observation_tokens: int = 48
+    reflect_tokens: int = 0
 
     def __post_init__(self):
         checks = [
             ("max_action_tokens", self.max_action_tokens >= 2, ">= 2 (a word and the end token)"),
             ("max_observation_tokens", self.max_observation_tokens >= 1, ">= 1"),
+            ("reflect_tokens", self.reflect_tokens >= 0, ">= 0"),
         ]
         check_fields(self, checks, "EnvConfig")
 

@@ -47,6 +47,7 @@ NEEDS = (
     "teacher",
     "teacher_distributions",
     "token_branches",
+    "reflection",
 )  # what it may read beyond the rewards
 TEACHER_NEEDS = frozenset({"teacher", "teacher_distributions"})  # what loads the `teacher` config section's model
 
@@ -106,7 +107,9 @@ def register_advantage(
     options, `beta`; `esroll.grpo.estimators.distill.gkd`), "token_branches" (`Group.entropy` and
     `Group.ref_logratio` of each sampled token, the initial policy kept to give the latter; then `branch_points(options,
     group)` -> (positions [X, M, K], A) says where to branch, and `Group.branch_positions`, `Group.branch_rewards`
-    [X, M, K, A] hold the rewards of A continuations of each completion from its first t tokens, t = each position);
+    [X, M, K, A] hold the rewards of A continuations of each completion from its first t tokens, t = each position),
+    "reflection" (with "turns": each training episode is followed by the model's reflection, `env.reflect_tokens`,
+    whose text and span are in `Group.turns`, RePro's);
     the step fills only these fields of its `Group` (and the steps, token log-probabilities and mask with any step
     need).
     single_rollout: it works with one completion per prompt (grpo.group_size 1 is then allowed); label_free_only:

@@ -149,11 +149,11 @@ def check_config(cfg: ExperimentConfig) -> None:
     if not cfg.env.name and "turns" in needs:
         expected = f"an estimator of single-turn completions without env.name ({cfg.grpo.advantage} reads turns)"
         raise ConfigError("grpo.advantage", cfg.grpo.advantage, expected)
+    if cfg.env.name and (cfg.env.reflect_tokens > 0) != ("reflection" in needs):
+        expected = "> 0 (the reflection's room)" if "reflection" in needs else "0 (grpo.advantage reads no reflection)"
+        raise ConfigError("env.reflect_tokens", cfg.env.reflect_tokens, expected)
     if cfg.env.name and set(needs) & {*STEP_NEEDS, "token_branches"}:
-        expected = (
-            "an estimator that reads no reasoning steps or branches with env.name set (turn-level credit is its own "
-            "estimator)"
-        )
+        expected = "an estimator that reads no reasoning steps or branches with env.name set (turn credit is its own)"
         raise ConfigError("grpo.advantage", cfg.grpo.advantage, expected)
     if cfg.data.label_free and set(needs) & {"branches", "token_branches"}:
         expected = "an estimator without branched rollouts with data.reward='majority' (a branch is scored by gold)"

@@ -267,7 +267,8 @@ def test_agent_configs_fit_the_agent_model(env):
 def test_agent_comparison_quick_pairs_every_arm_with_grpo(tmp_path):
     """configs/agents_compare.py:quick through the tuned protocol: GiGPO starts from GRPO's chosen setting and trains
     with the turn-level advantage (its steps log the anchor groups), LOO-ROLL trains on the same episodes, and the
-    report pairs each arm with GRPO. Both full variants build with their 4 arms."""
+    report pairs each arm with GRPO. The four full variants build with their 4 arms (the games' own estimator on
+    the games model, 3 seeds)."""
     import csv
     import json
 
@@ -276,10 +277,15 @@ def test_agent_comparison_quick_pairs_every_arm_with_grpo(tmp_path):
     from esroll.metrics import read_metrics
     from esroll.report import write_report
 
-    for variant in ("frozenlake", "sokoban"):
+    for variant in ("frozenlake", "sokoban", "rps", "locate"):
         comp = comparison_from_dict(agents_compare.get_config(variant).to_dict())
-        assert list(comp.configs) == list(agents_compare.ARMS) and comp.reference == "grpo"
+        arms = agents_compare.GAMES.get(variant, agents_compare.ARMS)
+        assert sorted(comp.configs) == sorted(arms) and comp.reference == "grpo"
         assert comp.configs["gigpo"].grpo.advantage == "gigpo" and comp.configs["looroll"].env.name == variant
+    for variant, own in (("rps", "memopilot"), ("locate", "a2agent")):
+        comp = comparison_from_dict(agents_compare.get_config(variant).to_dict())
+        assert comp.configs[own].grpo.advantage == own and comp.configs[own].model.path.endswith("tiny-qwen3-games")
+        assert len(comp.seeds) == 3 and comp.tuning.inherit[own] == "grpo"
     cd = agents_compare.get_config("quick")
     cd.experiment.model.path = AGENT_MODEL
     comp = comparison_from_dict(cd.to_dict())

@@ -31,6 +31,7 @@ def test_shipped_model_loads_in_both():
 AGENT_MODELS = {
     "tiny-qwen3-agent": (("frozenlake", "sokoban"), (0.2, 0.6), "right"),
     "tiny-qwen3-games": (("locate", "rps"), (0.3, 0.6), "look 1"),
+    "tiny-qwen3-reflect": (("frozenlake", "sokoban"), (0.2, 0.6), "right"),
 }
 
 
@@ -40,14 +41,17 @@ def test_shipped_agent_model_loads_in_both_and_plays_as_its_build_log_says(name)
     """An agent model: the same logits in transformers and esroll on an episode's text; room for the longest
     episode in each of its environments at the builder's action and answer room; and greedy play on the builder's 64
     held-out seeds of each environment solves the share its build log (pretrain_summary.json) reports, the first
-    environment's within the range the model is built for."""
+    environment's within the range the model is built for; a reflecting model's reflections after those episodes
+    parse and agree with the oracle in the shares its log reports."""
     import json
 
     import jax
 
     from experiments.pretrain_agent import MAX_ACTION_TOKENS as ACTION_TOKENS
     from experiments.pretrain_agent import MAX_OBSERVATION_TOKENS as OBSERVATION_TOKENS
+    from experiments.pretrain_agent import reflect_tokens, success_rates
     from esroll.agents import make_env
+    from esroll.agents.reflect import HEADER_TOKENS
     from esroll.agents.multiturn import format_observation, episode_prompt, play
 
     path = ASSET.parent / name
@@ -72,10 +76,18 @@ def test_shipped_agent_model_loads_in_both_and_plays_as_its_build_log_says(name)
         seeds = range(1_000_000, 1_000_064)
         longest_prompt = max(len(tok.encode(episode_prompt(e.instructions, e.reset(s)))) for e, s in zip(envs, seeds))
         turns = envs[0].options.max_turns
-        assert longest_prompt + turns * (ACTION_TOKENS + OBSERVATION_TOKENS) <= cfg.max_position_embeddings
+        room = turns * (ACTION_TOKENS + OBSERVATION_TOKENS)
+        if f"{env_name}_reflection_parsed" in summary:
+            room += OBSERVATION_TOKENS + HEADER_TOKENS + reflect_tokens(env_name)
+        assert longest_prompt + room <= cfg.max_position_embeddings
         ep = play(
             cfg, params, tok, envs, seeds, jax.random.key(0), max_turns=turns, max_action_tokens=ACTION_TOKENS,
             max_observation_tokens=OBSERVATION_TOKENS, temperature=0.0, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
         )  # fmt: skip
         assert ep.solved_B.mean() == summary[f"{env_name}_success"], env_name
+    if "frozenlake_reflection_parsed" in summary:
+        figures = success_rates(cfg, params, tok, 64, envs_of, reflect=True)
+        for key in (f"{e}_reflection_{what}" for e in envs_of for what in ("parsed", "oracle")):
+            assert figures[key] == summary[key], key
+        assert summary["frozenlake_reflection_parsed"] >= 0.5
     assert low <= summary[f"{envs_of[0]}_success"] <= high

@@ -24,6 +24,7 @@ step-level ones and GuAE: docs/step_level.md):
     gigpo     GiGPO: the episode's group advantage plus the turn's return against turns from the same state
     memopilot MemoPilot: each round's reward against the same round of the game's other episodes (fixed rounds)
     a2agent   A2Agent: turn returns compared within groups sharing the last k actions and the episode's, weighted
+    repro     RePro: the model's own ratings of its moves after the episode as turn credit; the ratings trained too
     gae       PPO: GAE over generated tokens from a learned critic's values (docs/critics.md)
     srppo     SR-PPO: one completion per prompt, token credit from a success head's pass@k (docs/critics.md)
     hygae     HyGAE: turn-level and token-level GAE mixed, from one critic (multi-turn episodes, docs/critics.md)
@@ -50,6 +51,7 @@ from esroll.grpo.estimators import (  # noqa: F401 — registers them
     memopilot,
     ntf,
     progpo,
+    repro,
     sas,
     turns,
     verigate,
