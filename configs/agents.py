@@ -110,6 +110,9 @@ def get_config(arg: str | None = None):
     c = default_config()
     c.model.path = "assets/tiny-qwen3-games" if env in GAMES_MODEL else "assets/tiny-qwen3-agent"
     if method == "repro":
+        if env in GAMES_MODEL:
+            raise ValueError(f"configs/agents.py: variant {arg!r}: repro plays the reflecting agent model, which knows "
+                             "FrozenLake and Sokoban (the games' progress has no planner to rate it by)")  # fmt: skip
         c.model.path = REFLECT_MODEL
     c.env.name = env
     c.env.max_action_tokens = ACTION_TOKENS

@@ -141,7 +141,8 @@ def success_rates(cfg, params, tokenizer, episodes: int, names: tuple[str, ...] 
                     same, n = rating_agreement(ratings, oracle_ratings(make_env(name), seed, ep.actions[b]))
                     parsed, agree, compared = parsed + 1, agree + same, compared + n
             out[f"{name}_reflection_parsed"] = parsed / episodes
-            out[f"{name}_reflection_oracle"] = agree / max(compared, 1)
+            if compared:  # as the rollout's metric: only where a reflection parsed
+                out[f"{name}_reflection_oracle"] = agree / compared
     return out
 
 

@@ -95,7 +95,7 @@ class Episodes:
     observations: each row's observation texts, the first one and one per turn; actions: the action texts as the
     environment read them. return_B: the sum of the rewards. With a reflection (`play(reflect_tokens=...)`):
     its span reflection_start_B .. reflection_end_B (model tokens, with loss) after the header the environment wrote
-    (`esroll.agents.reflection_header`), and its text (`reflections`); None without one."""
+    (`esroll.agents.reflect.reflection_header`), and its text (`reflections`); None without one."""
 
     prompt_BxP: np.ndarray
     prompt_mask_BxP: np.ndarray
@@ -277,9 +277,11 @@ def _reflect(cfg, params, cache, tokenizer, pieces, tail, observations, solved_B
     live_B = np.ones(B, bool)
     inputs_BxT, inputs_mask_BxT = _left_pad(rows, H + 1, pad_id, live_B)
     none_BxR = jnp.zeros((B, R), jnp.int32)
-    _, out = _turn(cfg, params, cache, jnp.asarray(inputs_BxT), jnp.asarray(inputs_mask_BxT), key, perturb,
-                   jnp.asarray(row_offset, jnp.int32), jnp.asarray(live_B), none_BxR, jnp.zeros(B, jnp.int32),
-                   eos_id=eos_id, pad_id=pad_id, max_action_tokens=R, temperature=temperature, forced=False)  # fmt: skip
+    _, out = _turn(
+        cfg, params, cache, jnp.asarray(inputs_BxT), jnp.asarray(inputs_mask_BxT), key, perturb,
+        jnp.asarray(row_offset, jnp.int32), jnp.asarray(live_B), none_BxR, jnp.zeros(B, jnp.int32),
+        eos_id=eos_id, pad_id=pad_id, max_action_tokens=R, temperature=temperature, forced=False,
+    )  # fmt: skip
     tokens_BxR, logprobs_BxR, length_B = (np.asarray(x) for x in out)
     texts = []
     for b in range(B):

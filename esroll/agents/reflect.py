@@ -4,9 +4,10 @@ progress of each of its moves, one symbol per turn: "+" (closer to the goal), "0
 at most `MAX_RATING_CHARS` characters, spaces ignored, and accepts exactly one symbol per turn played; anything else
 is a malformed reflection (None), never an exception.
 
-Where the environment has a planner (`plan()`: a shortest way from the current state to the goal, or None when
-there is none, as FrozenLake's and Sokoban's), progress has an exact oracle: a move's rating is the sign of the
-drop in the number of moves left to the goal (`oracle_ratings`), which scores the model's ratings
+Where the environment has a planner, progress has an exact oracle: a move's rating is the sign of the drop in the
+number of moves left to the goal (`oracle_ratings`; the environment's `moves_left()` where it has one, as Sokoban,
+whose `plan()` searches only the turns left; else the length of `plan()`, as FrozenLake's shortest walk, None from
+a hole), which scores the model's ratings
 (`rating_agreement`) and writes the demonstrations a reflecting model is built from
 (`experiments.pretrain_agent --reflect`). What RePro does with the ratings: `esroll.grpo.estimators.repro`.
 """
@@ -46,17 +47,20 @@ def format_ratings(ratings: Sequence[int]) -> str:
 
 
 def _moves_left(env) -> float:
-    """The planner's shortest number of moves to the goal from the current state: 0 when solved, inf when none."""
+    """The fewest moves to the goal from the current state, whatever the turns left: 0 when solved, inf when the goal
+    cannot be reached."""
     if env.solved:
         return 0.0
+    if callable(getattr(env, "moves_left", None)):
+        return float(env.moves_left())
     path = env.plan()
     return float("inf") if path is None else float(len(path))
 
 
 def oracle_ratings(env: TextEnv, seed: int, actions: Sequence[str]) -> list[int] | None:
     """Each move's exact progress on the episode `seed` replayed with `actions`: the sign of the drop in the moves left
-    to the goal (`plan()`), a move from where the goal can be reached to where it cannot rated −1; None when the
-    environment has no planner. A malformed action changes nothing (0)."""
+    to the goal (`_moves_left`, never bounded by the turns left), a move from where the goal can be reached to where
+    it cannot rated −1; None when the environment has no planner. A malformed action changes nothing (0)."""
     if not callable(getattr(env, "plan", None)):
         return None
     env.reset(int(seed))

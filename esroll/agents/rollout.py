@@ -74,7 +74,7 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
             raise InputError(
                 f"train.max_new_tokens: an episode of {played.tokens_BxT.shape[1]} tokens after its prompt does not "
                 f"fit its {N}: raise it to env.options.<name>.max_turns × (env.max_action_tokens + "
-                "env.max_observation_tokens)"
+                "env.max_observation_tokens), plus the reflection's room with env.reflect_tokens"
             )
         parts.append((c, played))
     P = max([p.prompt_BxP.shape[1] for _, p in parts] + [task.prompt_multiple])
@@ -153,7 +153,7 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
 def reflection_metrics(env, seeds, reflections, actions, turns_B, real_B) -> dict[str, float]:
     """`reflection_parsed`: the share of the real rows' reflections whose ratings parse (`parse_ratings`);
     `reflection_oracle`: the share of those ratings that equal the oracle's (`oracle_ratings`), where the
-    environment has a planner."""
+    environment has a planner and a reflection parsed."""
     parsed, agree, compared = 0, 0, 0
     game = env.make()
     for b in np.flatnonzero(real_B):
@@ -166,6 +166,6 @@ def reflection_metrics(env, seeds, reflections, actions, turns_B, real_B) -> dic
             same, n = rating_agreement(ratings, oracle)
             agree, compared = agree + same, compared + n
     out = {"reflection_parsed": parsed / max(int(real_B.sum()), 1)}
-    if callable(getattr(game, "plan", None)):
-        out["reflection_oracle"] = agree / compared if compared else float("nan")
+    if compared:
+        out["reflection_oracle"] = agree / compared
     return out

@@ -39,6 +39,9 @@ ACTIONS = ("up", "down", "left", "right")
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 OPPOSITE = {"up": "down", "down": "up", "left": "right", "right": "left"}
 Pos = tuple[int, int]
+# Above the number of (player, boxes) states of any level (16 inner tiles, at most 2 boxes: 16 × 120), so a search
+# this deep finds a solution whenever there is one.
+MOVES_LIMIT = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +200,13 @@ class Sokoban:
         """A shortest solution from the current state within the turns left (`solve`), or None."""
         lv = self.level
         return solve(lv.walls, lv.targets, frozenset(self.boxes), self.player, self.options.max_turns - self.turns)
+
+    def moves_left(self) -> float:
+        """The fewest moves from the current state to a solved level, whatever the turns left (inf when none): the
+        distance RePro's progress oracle reads (`esroll.agents.reflect.oracle_ratings`)."""
+        lv = self.level
+        path = solve(lv.walls, lv.targets, frozenset(self.boxes), self.player, MOVES_LIMIT)
+        return float("inf") if path is None else float(len(path))
 
     def render(self) -> str:
         lv = self.level

@@ -34,7 +34,7 @@ DATA_KEYS = ("n_examples", "eval_size", "validation_size", "eval_split", "seed",
 
 class EnvTask(NamedTuple):
     """What a rollout needs to play an environment's episodes: its registered name, options, turn limit, the token
-    room of an action and of an observation, and of the reflection that follows a training episode (0: none) (`env.*`)."""
+    room of an action and of an observation, and of the reflection after a training episode (0: none) (`env.*`)."""
 
     name: str
     options: Any

@@ -286,6 +286,10 @@ def test_agent_comparison_quick_pairs_every_arm_with_grpo(tmp_path):
         comp = comparison_from_dict(agents_compare.get_config(variant).to_dict())
         assert comp.configs[own].grpo.advantage == own and comp.configs[own].model.path.endswith("tiny-qwen3-games")
         assert len(comp.seeds) == 3 and comp.tuning.inherit[own] == "grpo"
+    comp = comparison_from_dict(agents_compare.get_config("repro").to_dict())
+    assert list(comp.configs) == ["grpo", "repro"] and comp.tuning is None
+    assert {c.model.path for c in comp.configs.values()} == {"assets/tiny-qwen3-reflect"}
+    assert comp.configs["repro"].env.reflect_tokens > 0 and comp.configs["grpo"].env.reflect_tokens == 0
     cd = agents_compare.get_config("quick")
     cd.experiment.model.path = AGENT_MODEL
     comp = comparison_from_dict(cd.to_dict())

@@ -46,7 +46,8 @@ def test_the_oracle_rates_moves_by_the_drop_in_moves_left():
     """FrozenLake seed 1's map is SHFH / FFHF / FFFF / FFFG: from S the goal is 6 moves away. "up" bumps the edge
     (6 → 6: 0), "jump" is malformed (0), "down" reaches (1, 0), 5 away (+), "up" goes back (−), "right" falls into
     the hole at (0, 1), from where the goal cannot be reached (−). The shortest walk is all "+". A Sokoban level's
-    own plan is all "+", and a malformed action in it 0."""
+    own plan is all "+", and a malformed action in it 0, also when the malformed actions leave too few turns to
+    finish: the moves left are counted whatever the turn limit."""
     env = FrozenLake()
     assert env.reset(1).split("\n") == ["PHFH", "FFHF", "FFFF", "FFFG"]
     assert oracle_ratings(FrozenLake(), 1, ["up", "jump", "down", "up", "right"]) == [0, 0, 1, -1, -1]
@@ -57,6 +58,10 @@ def test_the_oracle_rates_moves_by_the_drop_in_moves_left():
     sokoban.reset(5)
     plan = list(sokoban.plan())
     assert oracle_ratings(Sokoban(), 5, ["push", *plan]) == [0] + [1] * len(plan)
+    wasted = sokoban.options.max_turns - len(plan) + 1  # then the plan no longer fits the turns left
+    assert len(plan) >= 2 and oracle_ratings(Sokoban(), 5, ["push"] * wasted + plan[:-1]) == [0] * wasted + [1] * (
+        len(plan) - 1
+    )
     assert oracle_ratings(type("NoPlanner", (), {"reset": lambda self, s: ""})(), 0, ["up"]) is None
 
 
@@ -94,8 +99,8 @@ def test_repro_credits_moves_by_their_ratings_and_reflections_by_their_agreement
     failed), c −1: mean 1/3, centred (2/3, 2/3, −4/3), sample std √((4/9 + 4/9 + 16/9)/2) = √(4/3).
     Group 1: d (2 turns, solved, return 1) rates "+0"; e and f are invalid (return NaN): d alone gets no episode or
     reflection advantage, its two rated turns (1, 0) are centred to (1/2, −1/2) over std √(1/2); e and f get 0."""
-    g = _group([[(2, True, "++"), (2, False, "+-"), (1, False, "ok")], [(2, True, "+0"), (2, False, "++"), (1, False, "-")]],
-               [[1.0, 0.0, 0.0], [1.0, math.nan, math.nan]])  # fmt: skip
+    rows = [[(2, True, "++"), (2, False, "+-"), (1, False, "ok")], [(2, True, "+0"), (2, False, "++"), (1, False, "-")]]
+    g = _group(rows, [[1.0, 0.0, 0.0], [1.0, math.nan, math.nan]])
     out = repro(g, ReproOptions(omega=0.5, reflect_weight=2.0))
     adv = out.advantage
     eps = 1e-4
@@ -126,18 +131,21 @@ def model():
     return cfg, params, AutoTokenizer.from_pretrained(SHIPPED_MODEL)
 
 
-@pytest.mark.parametrize("max_turns", [8, 2])
-def test_the_reflection_follows_each_episode_in_its_cache(model, max_turns):
-    """After each sampled episode (6 rows; with max_turns 2 most are cut before the environment ends them) comes the
-    header the environment writes — the final observation and the outcome — with no loss, then the model's
-    reflection, with loss; the episode itself is the one played without a reflection, and every model token's
-    recorded log-probability is that of a cache-free forward over the whole text."""
+@pytest.mark.parametrize("max_turns, scripted", [(8, False), (2, False), (3, True)])
+def test_the_reflection_follows_each_episode_in_its_cache(model, max_turns, scripted):
+    """After each episode (6 rows, sampled; with max_turns 2 most are cut before the environment ends them; scripted
+    with actions that fill all 6 action tokens, so that each one's last token is still to be cached when the
+    header comes) comes the header the environment writes — the final observation and the outcome — with no loss,
+    then the model's reflection, with loss; the episode itself is the one played without a reflection, and every
+    model token's recorded log-probability is that of a cache-free forward over the whole text."""
     from test_multiturn import check_logprobs_by_full_forward
 
     cfg, params, tok = model
     seeds = list(range(6))
     kwargs = dict(max_turns=max_turns, max_action_tokens=6, max_observation_tokens=32, temperature=1.0,
                   eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)  # fmt: skip
+    if scripted:
+        kwargs["actions"] = lambda turn, observations: ["jumpjumpjump"] * 6  # malformed: no move, no end
     plain = play(cfg, params, tok, [FrozenLake() for _ in seeds], seeds, jax.random.key(4), **kwargs)
     ep = play(cfg, params, tok, [FrozenLake() for _ in seeds], seeds, jax.random.key(4), reflect_tokens=7, **kwargs)
     assert plain.reflections is None and len(ep.reflections) == 6
@@ -153,6 +161,8 @@ def test_the_reflection_follows_each_episode_in_its_cache(model, max_turns):
         assert ep.reflections[b] == text
     if max_turns == 2:
         assert not ep.done_B.all()  # some rows were cut: their last answer is not repeated before the header
+    if scripted:  # every action took all 6 tokens, its end token last
+        assert ((ep.action_end_BxW - ep.action_start_BxW)[:, :3] == 6).all() and ep.turns_B.tolist() == [3] * 6
     check_logprobs_by_full_forward(model, ep)
 
 
@@ -171,6 +181,9 @@ def test_reflection_settings_are_refused_where_nothing_reads_them():
         return check_names(from_config_dict(cd.to_dict()))
 
     assert build("quick,repro").env.reflect_tokens == 10
+    for game in ("rps", "locate"):
+        with pytest.raises(ValueError, match="repro plays the reflecting agent model"):
+            agent_configs.get_config(f"{game},repro")
     for variant, value in (("quick,repro", 0), ("quick,gigpo", 10), ("quick,looroll", 10)):
         with pytest.raises(ConfigError, match=r"env\.reflect_tokens") as e:
             build(variant, **{"env.reflect_tokens": value, "train.max_new_tokens": 400})
@@ -193,5 +206,5 @@ def test_repro_trains_by_name(tmp_path):
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "repro_parsed" in r]
     assert len(steps) == 2
     for r in steps:
-        assert 0 <= r["reflection_parsed"] <= 1 and "reflection_oracle" in r
+        assert 0 <= r["reflection_parsed"] <= 1 and ("reflection_oracle" in r) == (r["reflection_parsed"] > 0)
         assert r["repro_parsed"] == pytest.approx(r["reflection_parsed"])  # every episode of a quick step is valid
