@@ -38,7 +38,7 @@ wall time (`train.time_budget_s`), evaluation excluded. Every other key starts a
 """
 
 from esroll.agents import ENVIRONMENTS
-from esroll.agents.reflect import HEADER_TOKENS
+from esroll.agents.reflect import HEADER_TOKENS, reflection_room
 from esroll.experiment import default_config
 
 ENVS = {
@@ -122,7 +122,7 @@ def get_config(arg: str | None = None):
     room = c.env.get_ref("max_action_tokens") + c.env.get_ref("max_observation_tokens")
     c.train.max_new_tokens = c.env.options[env].get_ref("max_turns") * room
     if method == "repro":  # the reflection's header (the final observation and the outcome) and its ratings
-        c.env.reflect_tokens = c.env.options[env].get_ref("max_turns") + 2
+        c.env.reflect_tokens = reflection_room(c.env.options[env].get_ref("max_turns"))
         reflection = c.env.get_ref("max_observation_tokens") + HEADER_TOKENS + c.env.get_ref("reflect_tokens")
         c.train.max_new_tokens = c.env.options[env].get_ref("max_turns") * room + reflection
     c.data.n_examples = 100_000  # training episodes: seeds 0 .. 99,999

@@ -56,9 +56,9 @@ from esroll.agents.reflect import (
     HEADER_TOKENS,
     format_ratings,
     oracle_ratings,
-    parse_ratings,
-    rating_agreement,
     reflection_header,
+    reflection_room,
+    score_reflections,
 )
 from experiments.pretrain_tiny import EOS, build_tokenizer, init_params, model_config, supervised_step
 
@@ -74,9 +74,8 @@ def max_turns(name: str) -> int:
 
 
 def reflect_tokens(name: str) -> int:
-    """The reflection's room in environment `name`: a rating per turn, the end token and one spare (configs/agents.py
-    gives the same)."""
-    return max_turns(name) + 2
+    """The reflection's room in environment `name` (`reflection_room`, as configs/agents.py gives it)."""
+    return reflection_room(max_turns(name))
 
 
 def planner_episode(name: str, seed: int, rng: np.random.Generator, random_moves: float,
@@ -133,16 +132,9 @@ def success_rates(cfg, params, tokenizer, episodes: int, names: tuple[str, ...] 
         out[f"{name}_turns"] = float(ep.turns_B.mean())
         out[f"{name}_tokens"] = float((ep.length_B + ep.prompt_mask_BxP.sum(1)).mean())
         out[f"{name}_valid_actions"] = float(ep.valid_BxW[ep.action_end_BxW > 0].mean())
-        if reflect:
-            parsed, agree, compared = 0, 0, 0
-            for b, seed in enumerate(seeds):
-                ratings = parse_ratings(ep.reflections[b], int(ep.turns_B[b]))
-                if ratings is not None:
-                    same, n = rating_agreement(ratings, oracle_ratings(make_env(name), seed, ep.actions[b]))
-                    parsed, agree, compared = parsed + 1, agree + same, compared + n
-            out[f"{name}_reflection_parsed"] = parsed / episodes
-            if compared:  # as the rollout's metric: only where a reflection parsed
-                out[f"{name}_reflection_oracle"] = agree / compared
+        if reflect:  # as the rollout's metrics (`score_reflections`)
+            scored = score_reflections(make_env(name), list(seeds), ep.reflections, ep.actions, ep.turns_B)
+            out.update({f"{name}_{key}": value for key, value in scored.items()})
     return out
 
 

@@ -76,3 +76,29 @@ def oracle_ratings(env: TextEnv, seed: int, actions: Sequence[str]) -> list[int]
 def rating_agreement(ratings: Sequence[int], oracle: Sequence[int]) -> tuple[int, int]:
     """(moves whose rating equals the oracle's, moves compared)."""
     return sum(int(a == b) for a, b in zip(ratings, oracle)), min(len(ratings), len(oracle))
+
+
+def reflection_room(max_turns):
+    """The reflection's token room for episodes of at most `max_turns` turns: a rating per turn, the end token and one
+    spare (an int, or a config's field reference to one)."""
+    return max_turns + 2
+
+
+def score_reflections(env: TextEnv, seeds, reflections, actions, turns) -> dict[str, float]:
+    """Episodes' reflections scored, one entry per episode (its seed, reflection text, actions and turns played):
+    `reflection_parsed`, the share whose ratings parse; `reflection_oracle`, the share of the parsed ratings equal to
+    the oracle's (replayed on `env`), present only where the environment has a planner and a reflection parsed."""
+    parsed = agree = compared = 0
+    for seed, text, acted, count in zip(seeds, reflections, actions, turns):
+        ratings = parse_ratings(text, int(count))
+        if ratings is None:
+            continue
+        parsed += 1
+        oracle = oracle_ratings(env, seed, acted)
+        if oracle is not None:
+            same, n = rating_agreement(ratings, oracle)
+            agree, compared = agree + same, compared + n
+    out = {"reflection_parsed": parsed / max(len(seeds), 1)}
+    if compared:
+        out["reflection_oracle"] = agree / compared
+    return out

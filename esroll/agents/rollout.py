@@ -10,7 +10,7 @@ import numpy as np
 from esroll import parallel
 from esroll.errors import InputError
 from esroll.agents.multiturn import Turns, play
-from esroll.agents.reflect import oracle_ratings, parse_ratings, rating_agreement
+from esroll.agents.reflect import score_reflections
 from esroll.models import Perturbation, member_slots
 from esroll.rollout import PAD, Rollout, Sampling
 
@@ -121,7 +121,9 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
         "valid_actions": valid / max(acted, 1),
     }
     if reflected:
-        metrics.update(reflection_metrics(env, seeds, reflections, actions, turns_B, real_B))
+        real = np.flatnonzero(real_B)
+        metrics.update(score_reflections(env.make(), [seeds[b] for b in real], [reflections[b] for b in real],
+                                         [actions[b] for b in real], turns_B[real]))  # fmt: skip
     table = {"accuracy": solved_B, "return": reward_B, "turns": turns_B}
     return Rollout(
         example_B=example_B[:B],
@@ -148,24 +150,3 @@ def episodes(task, params, examples, example_B, key, sampling: Sampling, mesh, d
             reflection_BxS[:B, 1] if reflected else None,
         ),
     )
-
-
-def reflection_metrics(env, seeds, reflections, actions, turns_B, real_B) -> dict[str, float]:
-    """`reflection_parsed`: the share of the real rows' reflections whose ratings parse (`parse_ratings`);
-    `reflection_oracle`: the share of those ratings that equal the oracle's (`oracle_ratings`), where the
-    environment has a planner and a reflection parsed."""
-    parsed, agree, compared = 0, 0, 0
-    game = env.make()
-    for b in np.flatnonzero(real_B):
-        ratings = parse_ratings(reflections[b], int(turns_B[b]))
-        if ratings is None:
-            continue
-        parsed += 1
-        oracle = oracle_ratings(game, seeds[b], actions[b])
-        if oracle is not None:
-            same, n = rating_agreement(ratings, oracle)
-            agree, compared = agree + same, compared + n
-    out = {"reflection_parsed": parsed / max(int(real_B.sum()), 1)}
-    if compared:
-        out["reflection_oracle"] = agree / compared
-    return out

@@ -74,7 +74,9 @@ def repro(g: Group, o: ReproOptions, state=None) -> Estimate:
         out[b, turns.reflection_start_B[b] : turns.reflection_end_B[b]] = o.reflect_weight * reflect.reshape(-1)[b]
     real = valid.reshape(-1)
     parsed = [ratings[b] is not None for b in range(X * M) if real[b]]
-    agreeing = [reflection_reward(ratings[b], solved[b]) > 0 for b in range(X * M) if real[b] and ratings[b]]
+    agreeing = [
+        reflection_reward(ratings[b], solved[b]) > 0 for b in range(X * M) if real[b] and ratings[b] is not None
+    ]
     metrics = {
         "repro_parsed": float(np.mean(parsed)) if parsed else 0.0,
         "repro_consistent": float(np.mean(agreeing)) if agreeing else 0.0,
