@@ -66,6 +66,10 @@ class Plan:
     eval_rows_per_device: int
     resident: dict[str, int]  # bytes per device: masters, optimizer state, decoding copy
     programs: list[Program]
+    # A policy-gradient plan asked to choose (`esroll.grpo.plan.remat_options`): each remat policy's update, and the
+    # cheapest that fits (None: none fits).
+    remat: dict[str, dict] = dataclasses.field(default_factory=dict)
+    remat_choice: str | None = None
 
     @property
     def peak_bytes_per_device(self) -> int:

@@ -17,6 +17,7 @@ Shape letters (see `esroll`): B rows, P padded prompt length, N new tokens, T po
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -207,6 +208,8 @@ def _generate(
     constrain = None
     if tensor_parallel:
         constrain = functools.partial(_constrain_cache, cfg=cfg, mesh=mesh, rows=axis)
+    elif mesh is not None:  # a per-device program: the prefill's attention kernel runs as it is, on its rows
+        cfg = dataclasses.replace(cfg, attention=cfg.attention.local())
     decode = functools.partial(
         _decode,
         cfg,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Callable, NamedTuple
 
@@ -13,6 +14,7 @@ from esroll import agents, sharding
 from esroll.config import ExperimentConfig
 from esroll.data import Example, eval_scores, format_prompt, parse_answer, score, task_spec
 from esroll.models import abstract_params, load_hf
+from esroll.models import attention
 from esroll.models.hf import resolve
 from esroll.rewards import answer_id, get_reward
 
@@ -97,6 +99,7 @@ def load_task(cfg: ExperimentConfig, train: list[Example], held_out: list[Exampl
             dtype=jnp.dtype(cfg.model.master_dtype),
             shardings=lambda model_cfg: sharding.master_shardings(mesh, abstract_params(model_cfg)),
         )
+        model_cfg = dataclasses.replace(model_cfg, attention=attention.choose(cfg.model.attention, mesh))
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     eos = {tokenizer.eos_token_id, *_config_eos(model_cfg)}
     eos_ids = tuple(sorted(e for e in eos if e is not None))

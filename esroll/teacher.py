@@ -18,6 +18,7 @@ log-probabilities (at a 150k vocabulary, 600 kB a token in float32), the rows ca
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -29,6 +30,7 @@ from jax.sharding import Mesh
 from esroll import sharding
 from esroll.errors import InputError, reading
 from esroll.models import ModelConfig, forward, load_hf
+from esroll.models import attention
 from esroll.models.hf import abstract_params
 from esroll.models.transformer import head
 from esroll.scoring import completion_logprobs, rollout_logprobs
@@ -60,12 +62,18 @@ _MUST = "a teacher must share the student's tokenizer exactly"
 
 
 def load_teacher(
-    path: str, student_tokenizer, where: str = "teacher.path", dtype=None, mesh: Mesh | None = None
+    path: str,
+    student_tokenizer,
+    where: str = "teacher.path",
+    dtype=None,
+    mesh: Mesh | None = None,
+    kernel: str = "auto",
 ) -> tuple[ModelConfig, dict]:
     """The teacher model in folder `path` (a causal LM: `esroll.models.load_hf`), after checking its tokenizer against
     the student's (`check_tokenizer`); any error reading it is one line naming `where`. With `mesh`, its parameters
     are split over the mesh as the student's masters are (`esroll.sharding.master_shardings`; each device reads its
-    shards from the file), so a teacher larger than one device's memory scores the rows under GSPMD."""
+    shards from the file), so a teacher larger than one device's memory scores the rows under GSPMD, with the attention
+    kernel that `kernel` (the student's `model.attention`) picks for the mesh (`esroll.models.attention.choose`)."""
     from transformers import AutoTokenizer
 
     shardings = None if mesh is None else (lambda c: sharding.master_shardings(mesh, abstract_params(c)))
@@ -75,7 +83,14 @@ def load_teacher(
     if cfg.head != "lm":
         raise InputError(f"{where}: {path} is a {cfg.head} model; a teacher is a causal language model")
     check_tokenizer(student_tokenizer, tokenizer, where)
-    return cfg, params
+    return dataclasses.replace(cfg, attention=attention.choose(kernel, mesh)), params
+
+
+def experiment_teacher(cfg, student_tokenizer, mesh: Mesh | None) -> tuple[ModelConfig, dict]:
+    """`load_teacher` of an experiment config `cfg`: `teacher.path`, in `model.dtype`, with `model.attention`."""
+    return load_teacher(
+        cfg.teacher.path, student_tokenizer, dtype=jnp.dtype(cfg.model.dtype), mesh=mesh, kernel=cfg.model.attention
+    )
 
 
 def _completion_hidden(cfg, params, prompt_BxP, prompt_mask_BxP, tokens_BxN, mask_BxN):

@@ -11,9 +11,12 @@ local folder with a config.json, else from the built-in presets of the published
 "Qwen/Qwen3-8B" is the preset qwen3-8b); nothing is downloaded. An ES step (`esroll.es.plan`) is the cast of the master
 weights to the decoding copy, ask, one chunk of generate, tell, and held-out evaluation's generate; a GRPO step the
 cast, one chunk of sampling, the optimizer update of one minibatch, and evaluation. The printed peak adds the buffers
-that live beside each program. Exit status 0 when it fits, 3 when it does not.
+that live beside each program. Exit status 0 when it fits, 3 when it does not. --choose_remat (a policy-gradient step)
+also compiles the update under each remat policy (none, dots, full: cheapest first) and names the cheapest that
+fits, with each one's temporaries per layer.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -30,6 +33,11 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file
 _TOPOLOGY = flags.DEFINE_string("topology", "local", "A TPU topology such as v5e:8x8, or 'local' (the local devices).")
 _JSON = flags.DEFINE_string("json", None, "Also write the plan as JSON to this path.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 256, "Padded prompt length in tokens (the data's prompt bucket).")
+_CHOOSE_REMAT = flags.DEFINE_bool(
+    "choose_remat",
+    False,
+    "A policy-gradient step: compile the update under every remat policy and name the cheapest that fits (grpo.remat).",
+)
 flags.mark_flags_as_required(["config"])
 
 GiB = 1024**3
@@ -60,6 +68,7 @@ def main(argv):
 
     from esroll import parallel
     from esroll.methods import plan_step
+    from esroll.models import attention
     from esroll.plan import topology_mesh
 
     cfg = check_names(from_config_dict(_CONFIG.value.to_dict()))
@@ -71,7 +80,13 @@ def main(argv):
             mesh, platform = topology_mesh(_TOPOLOGY.value, cfg.parallel.model)
         except ValueError as e:
             raise InputError(str(e)) from None
-    p = plan_step(cfg, model_cfg, mesh, platform=platform, prompt_len=_PROMPT_LEN.value)
+    model_cfg = dataclasses.replace(model_cfg, attention=attention.choose(cfg.model.attention, mesh))
+    choose = {}
+    if _CHOOSE_REMAT.value:
+        if cfg.method != "grpo":
+            raise InputError(f"--choose_remat: method {cfg.method!r} has no backward pass to rematerialise")
+        choose = {"choose_remat": True}
+    p = plan_step(cfg, model_cfg, mesh, platform=platform, prompt_len=_PROMPT_LEN.value, **choose)
     spec = flags.FLAGS["config"].config_filename
     limit = p.device_memory_bytes
     shape = " × ".join(f"{k} {v}" for k, v in p.mesh_shape.items())
@@ -97,6 +112,15 @@ def main(argv):
         + (f" of {limit / GiB:.1f} GiB" if limit else "")
         + f" ({p.peak_program.name}): {verdict}"
     )
+    if p.remat:
+        lines.append(f"remat (grpo.remat = {cfg.grpo.remat!r}): the update under each policy, cheapest first")
+        for name, o in p.remat.items():
+            verdict = {None: "", True: "fits", False: "does NOT fit"}[o["fits"]]
+            lines.append(
+                f"  {name:<6} temps {size(o['temp_bytes'])} ({size(o['temp_bytes_per_layer'] or 0)} per layer), "
+                f"peak {size(o['peak_bytes'])} {verdict}"
+            )
+        lines.append(f"  chosen: {p.remat_choice or 'none fits'}")
     print("\n".join(lines), flush=True)
     if _JSON.value:
         record = {"config": spec, "topology": _TOPOLOGY.value, "model": source, **p.to_json()}

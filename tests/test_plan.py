@@ -138,3 +138,32 @@ def test_topology_without_libtpu_names_the_install_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # find_spec answers None for a None entry
     with pytest.raises(ValueError, match=r"^--topology=v5e:2x2: .*needs libtpu.*pip install -e '\.\[plan\]'$"):
         topology_mesh("v5e:2x2", 1)
+
+
+def test_grpo_plan_chooses_the_cheapest_remat_policy_that_fits(monkeypatch):
+    """With `choose_remat`, the update is compiled under each policy, cheapest first: saving every layer's
+    activations ("none") needs more temporaries, in all and per layer, than recomputing each layer ("full"). With
+    a device limit between the two peaks, the choice is the first policy (in that order) whose peak is under it."""
+    from esroll import memory, parallel
+    from esroll.methods import plan_step
+
+    from conftest import quick_config
+
+    cfg = quick_config("grpo_quick")
+    model_cfg, _ = model_shapes(cfg.model.path)
+    mesh = parallel.make_mesh(1)
+    plan = plan_step(cfg, model_cfg, mesh, platform="cpu", prompt_len=16, choose_remat=True)
+    options = plan.remat
+    from esroll.models.transformer import REMAT_POLICIES
+
+    assert list(options) == ["none", "dots", "full"] and set(options) == set(REMAT_POLICIES)
+    none, full = options["none"], options["full"]
+    assert none["temp_bytes"] > full["temp_bytes"] and none["temp_bytes_per_layer"] > full["temp_bytes_per_layer"]
+    assert plan.remat_choice is None and all(o["fits"] is None for o in options.values())  # a CPU reports no limit
+
+    limit = (none["peak_bytes"] + full["peak_bytes"]) // 2
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda device: limit)
+    plan = plan_step(cfg, model_cfg, mesh, platform="cpu", prompt_len=16, choose_remat=True)
+    fitting = [name for name, o in plan.remat.items() if o["peak_bytes"] <= limit]
+    assert plan.remat["none"]["fits"] is False and plan.remat["full"]["fits"] is True
+    assert plan.remat_choice == fitting[0] != "none"

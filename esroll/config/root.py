@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from esroll.config.methods import ESConfig, ESSettings, GRPOConfig
 from esroll.config.sections import (
+    ATTENTION,
     CurriculumConfig,
     DataConfig,
     EnvConfig,
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DTYPES = ("float32", "bfloat16")
+
 EVAL_SPLITS = ("test", "validation")
 
 
@@ -66,6 +68,7 @@ class ExperimentConfig:
             ("model.path", bool(self.model.path), "a local model folder (--config.model.path=DIR) or a Hub id"),
             ("model.dtype", self.model.dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
             ("model.master_dtype", self.model.master_dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
+            ("model.attention", self.model.attention in ATTENTION, f"one of {', '.join(ATTENTION)}"),
             ("parallel.model", self.parallel.model >= 1, ">= 1"),
             ("parallel.rows_per_device", self.parallel.rows_per_device >= 0, ">= 0 (0: as many as fit)"),
             ("parallel.memory_fraction", 0 < self.parallel.memory_fraction <= 1, "in (0, 1]"),

@@ -8,6 +8,7 @@ import dataclasses
 from esroll.config.keys import Options
 from esroll.errors import check_fields
 
+ATTENTION = ("auto", "xla")  # model.attention: `esroll.models.attention.SETTINGS`
 LABEL_FREE = "majority"  # `data.reward`'s label-free mode (`DataConfig.label_free`), reserved in `esroll.rewards`
 
 
@@ -16,11 +17,15 @@ class ModelSpec:
     """path: a local Hugging Face folder (or a Hub id when online). dtype: the compute dtype (what rollouts decode
     and GRPO's loss runs in; also the dtype of the exported model). master_dtype: the parameters the optimizer
     updates, its state, and checkpoints (float32 masters keep small updates that bfloat16 would round away; set it
-    to the same as dtype for pure low-precision training)."""
+    to the same as dtype for pure low-precision training). attention: the kernel of the attention among new tokens
+    (training, scoring, prefill; `esroll.models.attention`): "auto" picks it from the platform of the mesh's devices
+    (splash on a TPU, cuDNN on an NVIDIA GPU, XLA's elsewhere), "xla" keeps XLA's everywhere; the values are the same
+    up to float rounding."""
 
     path: str = "assets/tiny-qwen3-arith"
     dtype: str = "float32"
     master_dtype: str = "float32"
+    attention: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

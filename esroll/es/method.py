@@ -18,7 +18,6 @@ import functools
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from esroll import baselines, es, ledger, memory, parallel, sharding
@@ -31,7 +30,7 @@ from esroll.models import abstract_params
 from esroll.rollout import Sampling, prompt_means, rollout, training_rewards
 from esroll.steps import with_steps
 from esroll.task import Method, StepOutput, Task
-from esroll.teacher import load_teacher, teacher_logprobs
+from esroll.teacher import experiment_teacher, teacher_logprobs
 
 
 @functools.cache
@@ -248,7 +247,7 @@ def make_es_method(
     step_weight, teacher_weight = cfg.es.step_weight, cfg.es.teacher_weight
     teacher = None
     if teacher_weight:  # one cache-free teacher forward over each step's rows (`esroll.teacher`)
-        teacher = load_teacher(cfg.teacher.path, task.tokenizer, dtype=jnp.dtype(cfg.model.dtype), mesh=mesh)
+        teacher = experiment_teacher(cfg, task.tokenizer, mesh)
     every = cfg.train.diagnostics_every
     diagnose, ranks = _diagnostics(es_cfg, task.cfg)
     first = jax.local_devices()[0]  # where `ranks` runs

@@ -56,7 +56,7 @@ from esroll.scoring import rollout_logprobs
 from esroll.steps import branch, with_steps
 from esroll.steps.branch import branch_rewards
 from esroll.task import Method, StepOutput, Task
-from esroll.teacher import load_teacher, teacher_head, teacher_signals
+from esroll.teacher import experiment_teacher, teacher_head, teacher_signals
 
 
 # fmt: off
@@ -257,7 +257,7 @@ def make_grpo_method(cfg: ExperimentConfig, task: Task, mesh: Mesh, rows_per_dev
     compiled = update_config(g)
     teacher = None
     if TEACHER_NEEDS & set(needs):  # one cache-free teacher forward over each step's rows (`esroll.teacher`)
-        teacher = load_teacher(cfg.teacher.path, task.tokenizer, dtype=jnp.dtype(cfg.model.dtype), mesh=mesh)
+        teacher = experiment_teacher(cfg, task.tokenizer, mesh)
     # GKD: the teacher's whole distributions in the loss, from its hidden states and its head (an update argument)
     gkd = "teacher_distributions" in needs
     teacher_cfg, head = (teacher[0], parallel.replicate(mesh, teacher_head(*teacher))) if gkd else (None, None)

@@ -9,6 +9,7 @@ GRPO's update (`experiments.benchmarks.tpu_cost`) use it too."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,8 +24,8 @@ from esroll.grpo import advantages
 from esroll.grpo import method as grpo_method
 from esroll.grpo import ppo
 from esroll.grpo.update import GRPOState, Rollouts, init_state, make_update, state_shardings, update_config
-from esroll.models import ModelConfig
-from esroll.plan import Plan, Target, compile_program
+from esroll.models import ModelConfig, abstract_params
+from esroll.plan import Plan, Program, Target, compile_program
 
 
 def abstract_state(g: GRPOConfig, optim: OptimConfig, mesh: Mesh, params) -> GRPOState:
@@ -43,9 +44,12 @@ def plan_grpo(
     prompt_len: int,
     eos_ids: tuple[int, ...] = (0,),
     shrink: bool = True,
+    choose_remat: bool = False,
 ) -> Plan:
     """Compile a GRPO step of `cfg` for `mesh` and measure it (the row count chosen as `esroll.es.plan.plan_es`
-    chooses it)."""
+    chooses it). With `choose_remat`, the update is also compiled under every remat policy (`remat_options`) and the
+    plan names the cheapest that fits (`Plan.remat`, `Plan.remat_choice`; None where none fits or the device's
+    memory is unknown)."""
     t = Target(cfg, model_cfg, mesh, platform, prompt_len, eos_ids, shrink)
     g = cfg.grpo
     params = t.masters()
@@ -66,13 +70,50 @@ def plan_grpo(
         t.cast(params, resident["optimizer state"]),
         compile_program("update", update.lower(params, state, batch, on_policy), 0)[0],
     ]
+    options = {}
+    if choose_remat:
+        options = remat_options(cfg, model_cfg, mesh, batch, on_policy, known={g.remat: programs[1]})
     if ppo.keeps_critic(g):
         programs += critic_programs(model_cfg, g, mesh, state, rows, prompt_len + N, masters_and_state, params)
     gen, per_device = t.fit_rows("generate", t.auto_rows(rows, resident), g.temperature, masters_and_state)
     evaluation, eval_per_device = t.fit_rows(
         "evaluate", t.auto_rows(min(256, cfg.data.eval_size), resident), 0.0, masters_and_state
     )
-    return t.plan(rows, per_device, eval_per_device, resident, [*programs, gen, evaluation])
+    plan = t.plan(rows, per_device, eval_per_device, resident, [*programs, gen, evaluation])
+    if options:
+        fitting = [name for name, o in options.items() if o["fits"]]  # none where the device's memory is unknown
+        plan.remat, plan.remat_choice = options, (fitting[0] if fitting else None)
+    return plan
+
+
+def remat_options(cfg: ExperimentConfig, model_cfg: ModelConfig, mesh: Mesh, batch, on_policy, known=None) -> dict:
+    """The update on one minibatch under each remat policy, cheapest first ("none": nothing recomputed; "dots": the
+    weight products saved, the rest of each layer recomputed; "full": each layer recomputed from its input), each
+    compiled at the model's depth L (`known`: the programs already compiled, by policy) and at d = min(2, L - 1)
+    layers: its temporaries per device, its peak (with the masters and optimizer state, its arguments), whether it
+    fits, and its temporaries per layer, (temporaries at L layers - at d) / (L - d) (None for one layer)."""
+    g, L = cfg.grpo, model_cfg.num_layers
+    limit = memory.device_memory_bytes(mesh.devices.flat[0])
+    out = {}
+    for policy in ("none", "dots", "full"):  # every one of esroll.models.transformer.REMAT_POLICIES
+        settings = update_config(dataclasses.replace(g, remat=policy))
+
+        def compiled(depth: int) -> Program:
+            c = dataclasses.replace(model_cfg, num_layers=depth)
+            params = sharding.master_copy(mesh, abstract_params(c), cfg.model.master_dtype)
+            state = abstract_state(g, cfg.optimizer, mesh, params)
+            update = make_update(c, settings, cfg.optimizer, mesh, cfg.model.dtype)
+            return compile_program(f"update ({policy})", update.lower(params, state, batch, on_policy), 0)[0]
+
+        whole = (known or {}).get(policy) or compiled(L)
+        d = min(2, L - 1)
+        out[policy] = {
+            "temp_bytes": whole.temp_bytes,
+            "peak_bytes": whole.peak_bytes,
+            "fits": None if limit is None else whole.peak_bytes <= limit,
+            "temp_bytes_per_layer": (whole.temp_bytes - compiled(d).temp_bytes) // (L - d) if d > 0 else None,
+        }
+    return out
 
 
 def critic_programs(

@@ -76,7 +76,7 @@ def load_critic(g: GRPOConfig, model_cfg: ModelConfig, mesh: Mesh, dtype) -> dic
         )
     except (OSError, ValueError, KeyError) as e:
         raise InputError(f"config: '{key}': {e}") from None
-    same = {"head": "lm", "tie_word_embeddings": False}
+    same = {"head": "lm", "tie_word_embeddings": False, "attention": model_cfg.attention}
     if dataclasses.replace(cfg, **same) != dataclasses.replace(model_cfg, **same):
         raise InputError(
             f"config: '{key}': {folder} is not of the policy's architecture (critic {_shape(cfg)}, policy "

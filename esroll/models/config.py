@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from esroll.models.attention import XLA, Attention
+
 SUPPORTED = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen2ForCausalLM": "qwen2",
@@ -50,6 +52,9 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3 per-head RMSNorm on q and k
     # "lm": the vocabulary head (a policy); "value": one scalar per token (a critic, `esroll.critic`)
     head: str = "lm"
+    # The kernel of the attention among new tokens (`esroll.models.attention`): not the model's, the platform's;
+    # set by `dataclasses.replace(cfg, attention=attention.choose(...))` where the program's mesh is known.
+    attention: Attention = XLA
     # The original config.json (as sorted JSON) so save_hf can write back every field it did not interpret.
     hf_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from esroll.models.attention import self_attention
 from esroll.models.config import ModelConfig
 from esroll.models.layers import STACKED, Perturbation, linear, rms_norm, rope, rope_tables, row_vector
 
@@ -159,7 +160,7 @@ def forward(
         if old is not None and attend_slots < old[0].shape[2]:  # the slots read, sliced where they lie
             old = tuple(x[:, :, :attend_slots] for x in old)
         h_BxTxD = rms_norm(x_BxTxD, vector(p["attn_norm"], d.get("attn_norm")), cfg.rms_norm_eps)
-        h_BxTxD, new = _attention(cfg, p, d, index_B, h_BxTxD, cos_sin, visible_BxTxT, old, visible_BxTxS)
+        h_BxTxD, new = _attention(cfg, p, d, index_B, h_BxTxD, cos_sin, mask_BxT, visible_BxTxT, old, visible_BxTxS)
         x_BxTxD = x_BxTxD + h_BxTxD
         h_BxTxD = rms_norm(x_BxTxD, vector(p["mlp_norm"], d.get("mlp_norm")), cfg.rms_norm_eps)
         gate_BxTxF = linear(h_BxTxD, p["gate"], d.get("gate"), index_B)
@@ -200,13 +201,14 @@ def head(cfg: ModelConfig, params: dict, x_BxTxD: Array, perturb: Perturbation |
     return logits_BxTxV.astype(jnp.float32)
 
 
-def _attention(cfg, p, d, index_B, h_BxTxD, cos_sin, visible_BxTxT, old, visible_BxTxS):
+def _attention(cfg, p, d, index_B, h_BxTxD, cos_sin, mask_BxT, visible_BxTxT, old, visible_BxTxS):
     """Grouped-query attention of one layer (weights p, deltas d indexed by `index_B`) over its T new tokens
     (`visible_BxTxT`) and, when `old` holds the layer's cached keys and values ([B, K, S, H] each), over those slots
     too (`visible_BxTxS`).
 
     Returns [B, T, D] and the new tokens' keys and values ([B, K, T, H] each), which a cache stores. Without cached
-    slots the attention is `jax.nn.dot_product_attention`'s, with them `attend`'s (the same arithmetic).
+    slots the attention is `esroll.models.attention.self_attention` with the kernel `cfg.attention` (XLA's:
+    `jax.nn.dot_product_attention`; a fused kernel on an accelerator), with them `attend`'s (XLA's arithmetic).
     """
     B, T, _ = h_BxTxD.shape
     H, Q, K = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -226,9 +228,7 @@ def _attention(cfg, p, d, index_B, h_BxTxD, cos_sin, visible_BxTxT, old, visible
 
     k_BxKxTxH, v_BxKxTxH = k_BxTxKxH.transpose(0, 2, 1, 3), v_BxTxKxH.transpose(0, 2, 1, 3)  # the cache's order
     if old is None:  # the T tokens among themselves (training, scoring, a prefill that fills a fresh cache)
-        out_BxTxQxH = jax.nn.dot_product_attention(
-            q_BxTxQxH, k_BxTxKxH, v_BxTxKxH, mask=visible_BxTxT[:, None], scale=1.0 / np.sqrt(H)
-        )
+        out_BxTxQxH = self_attention(cfg.attention, q_BxTxQxH, k_BxTxKxH, v_BxTxKxH, mask_BxT)
     else:
         k_BxKxSxH, v_BxKxSxH = (x.astype(q_BxTxQxH.dtype) for x in old)
         out_BxTxQxH = attend(q_BxTxQxH, (k_BxKxSxH, v_BxKxSxH, visible_BxTxS), (k_BxKxTxH, v_BxKxTxH, visible_BxTxT))

@@ -16,24 +16,27 @@ convention of XLA's HloCostAnalysis (`breakdown_table` prints them); `SHAPE` mat
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
 
-FIELDS = ("flops", "bytes_accessed", "optimal_seconds")
+FIELDS = ("flops", "bytes_accessed", "optimal_seconds", "optimal_seconds_declared", "optimal_seconds_square")
+HBM_BYTES_PER_S = 819e9  # TPU v5e
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:
-    """An optimized HLO module's computations by name, each its instruction lines."""
+    """An optimized HLO module's computations by name, each its instruction lines (an instruction's attributes may
+    run on over further lines, as a Mosaic kernel's do: those are left out)."""
     out, name = {}, None
     for line in hlo.splitlines():
         head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{$", line)
         if head:
             name = head.group(1)
             out[name] = []
-        elif line.startswith("}"):
+        elif line.rstrip() == "}":
             name = None
-        elif name and " = " in line:
+        elif name and line.startswith("  ") and " = " in line:
             out[name].append(line.strip())
     return out
 
@@ -69,22 +72,137 @@ def _uncosted(hlo: str) -> int:
     return count
 
 
+def _cost_analysis(compiled) -> dict:
+    ca = compiled.cost_analysis()
+    return (ca[0] if ca else {}) if isinstance(ca, (list, tuple)) else (ca or {})
+
+
+_MATMUL_RATES: dict[tuple, float] = {}
+
+
+def matmul_rate(device, block: int, width: int) -> float:
+    """FLOP/s the cost model gives XLA's batched bfloat16 product of an attention kernel's blocks (512 products of
+    [block, width] by [width, block], float32 out) on `device`'s kind of chip; with `block` 0, a square 8192 x 8192
+    product's (the chip's peak, on a v5e). The first prices a kernel's hand-counted FLOPs as the cost model prices
+    the same products in XLA's attention and in the calibration programs; the second, as a large product."""
+    key = (device.device_kind, block, width)
+    if key not in _MATMUL_RATES:
+        import jax
+        import jax.numpy as jnp
+
+        one = jax.sharding.SingleDeviceSharding(device)
+        if block:
+            x = y = jax.ShapeDtypeStruct((512, block, width), jnp.bfloat16, sharding=one)
+            product = functools.partial(jnp.einsum, "nqh,nkh->nqk", preferred_element_type=jnp.float32)
+        else:
+            x = y = jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16, sharding=one)
+            product = jnp.dot
+        ca = _cost_analysis(jax.jit(product).lower(x, y).compile())
+        _MATMUL_RATES[key] = float(ca["flops"]) / float(ca["optimal_seconds"])
+    return _MATMUL_RATES[key]
+
+
+def custom_calls(hlo: str) -> list[dict]:
+    """The hand count of every Mosaic kernel (tpu_custom_call) in the computations the cost model sums (the entry and
+    the while bodies), whose own cost is what the kernel declares (splash attention: nothing). Each is the splash
+    kernel by its name (`splash_mha_fwd…`, `…_dq…`, `…_dkv…`), its operands q [b, Q, P, H], k and v [b, K, P, H]
+    (or without b: one row):
+
+        FLOPs   the causal blocks' pairs (n(n+1)/2 blocks of block² pairs, n = P / block, per row and query head)
+                times 4H (forward: q·kᵀ and p·v), 6H (dq: the scores again, dO·vᵀ and ds·k) or 8H (dkv: the scores
+                again, pᵀ·dO, dO·vᵀ and dsᵀ·q);
+        bytes   what it must move: forward q, k, v in and o out (and, saving residuals, the log-sum-exp, float32 per
+                query); dq and dkv q, k, v, dO, the log-sum-exp and dO·o's row sums in, dq (or dk and dv) out.
+
+    A kernel not of that form raises: its cost would otherwise be whatever it declares."""
+    from esroll.models.attention import splash_block
+
+    summed = set(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo)) | {_entry_name(hlo)}
+    found = []
+    for name, lines in _computations(hlo).items():
+        for line in lines:
+            if 'custom_call_target="tpu_custom_call"' not in line:
+                continue
+            kernel = _split_instruction(line)[0]
+            if name not in summed:
+                raise ValueError(f"{kernel}: a Mosaic kernel in {name}, outside the entry and the loop bodies")
+            operands = re.search(r"operand_layout_constraints=\{(.*?)\}(?:, [\w.]+=|$)", line)
+            arrays = [
+                (t, tuple(int(d) for d in dims.split(",") if d))
+                for t, dims, _ in SHAPE.findall(operands.group(1) if operands else "")
+            ]
+            # [b, heads, P, H], or [heads, P, H] for a call on one row
+            floats = [(t, (1,) * (len(s) == 3) + s) for t, s in arrays if t in ("bf16", "f16", "f32") and len(s) >= 3]
+            kind = next((k for k in ("fwd", "dkv", "dq") if f"_{k}" in kernel), None)
+            if not kernel.startswith("splash_") or kind is None or len(floats) < 3:
+                raise ValueError(
+                    f"{kernel}: a Mosaic kernel this cost count does not know; its cost is what it declares"
+                )
+            (t, (b, q_heads, P, H)), (_, (_, kv_heads, _, _)) = floats[0], floats[1]
+            item = _ITEMSIZE[t]
+            block = splash_block(P)
+            n = P // block
+            pairs = b * q_heads * block * block * n * (n + 1) // 2
+            q_bytes, kv_bytes, row_bytes = b * q_heads * P * H * item, b * kv_heads * P * H * item, b * q_heads * P * 4
+            if kind == "fwd":
+                flops, moved = 4 * H * pairs, 2 * q_bytes + 2 * kv_bytes + row_bytes * ("_no_residuals" not in kernel)
+            elif kind == "dq":
+                flops, moved = 6 * H * pairs, 3 * q_bytes + 2 * kv_bytes + 2 * row_bytes
+            else:
+                flops, moved = 8 * H * pairs, 2 * q_bytes + 4 * kv_bytes + 2 * row_bytes
+            found.append(
+                {"kernel": kernel, "computation": name, "flops": flops, "bytes": moved, "block": block, "width": H}
+            )
+    return found
+
+
+def _device(lowered):
+    """A device the lowered program runs on (its arguments' shardings'; `Compiled.input_shardings` cannot rebuild
+    every program's argument tree)."""
+    for s in lowered._lowering.compile_args["in_shardings"]:
+        if hasattr(s, "device_set"):
+            return next(iter(s.device_set))
+    raise ValueError("a program with no sharded argument: no device to price its kernels on")
+
+
+def _entry_name(hlo: str) -> str:
+    found = re.search(r"^ENTRY %?([\w.\-]+) \(", hlo, re.M)
+    return found.group(1) if found else ""
+
+
 def cost(lowered) -> dict:
     """The cost model's figures of the compiled program (absent keys: 0), the trip counts of its while loops and its
-    compile time."""
+    compile time. Its Mosaic kernels (`custom_calls`) are counted by hand and added: their FLOPs and bytes, and
+    max(bytes / HBM bandwidth, FLOPs / `matmul_rate` of their blocks) seconds each; `optimal_seconds_square` prices
+    their FLOPs at a large square product's rate instead (the two bound what the cost model would give a kernel it
+    could see into); `optimal_seconds_declared` is the figure without them (what the kernels declare: nothing for
+    splash attention, a thousandth of a millisecond)."""
     t0 = time.perf_counter()
     compiled = lowered.compile()
     seconds = time.perf_counter() - t0
-    ca = compiled.cost_analysis()
-    ca = (ca[0] if ca else {}) if isinstance(ca, (list, tuple)) else (ca or {})
+    ca = _cost_analysis(compiled)
     hlo = compiled.as_text()
     raw, uncosted = float(ca.get("optimal_seconds", 0.0)), _uncosted(hlo)
+    kernels = custom_calls(hlo)
+    kernel_seconds = kernel_seconds_square = 0.0
+    if kernels:
+        device = _device(lowered)
+        kernel_seconds = sum(
+            max(k["bytes"] / HBM_BYTES_PER_S, k["flops"] / matmul_rate(device, k["block"], k["width"])) for k in kernels
+        )
+        square = matmul_rate(device, 0, 0)
+        kernel_seconds_square = sum(max(k["bytes"] / HBM_BYTES_PER_S, k["flops"] / square) for k in kernels)
     return {
-        "flops": float(ca.get("flops", 0.0)),
-        "bytes_accessed": float(ca.get("bytes accessed", 0.0)),
-        "optimal_seconds": raw + uncosted,
+        "flops": float(ca.get("flops", 0.0)) + sum(k["flops"] for k in kernels),
+        "bytes_accessed": float(ca.get("bytes accessed", 0.0)) + sum(k["bytes"] for k in kernels),
+        "optimal_seconds": raw + uncosted + kernel_seconds,
+        "optimal_seconds_declared": raw + uncosted,
+        "optimal_seconds_square": raw + uncosted + kernel_seconds_square,
         "optimal_seconds_raw": raw,
         "uncosted_ops": uncosted,
+        "kernels": len(kernels),
+        "kernel_seconds": kernel_seconds,
+        "kernel_seconds_square": kernel_seconds_square,
         "trip_counts": _trip_counts(hlo),
         "compile_s": round(seconds, 1),
     }

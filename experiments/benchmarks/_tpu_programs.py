@@ -33,6 +33,7 @@ from esroll.config import from_config_dict
 from esroll.es import method as es_method
 from esroll.es import plan as es_planner
 from esroll.grpo import plan as grpo_planner
+from esroll.models import attention
 from esroll.models import (
     STACKED,
     KVCache,
@@ -138,8 +139,11 @@ class CaseTarget:
         self.case = case
         self.cfg = _config(case)
         self.grpo_cfg = _config(case, "grpo")
-        self.model_cfg = dataclasses.replace(model_config(case.preset, case.layers), **dict(case.widths))
         self.mesh, _ = topology_mesh(case.topology, self.cfg.parallel.model)
+        kernel = attention.choose(self.cfg.model.attention, self.mesh)
+        self.model_cfg = dataclasses.replace(
+            model_config(case.preset, case.layers), **dict(case.widths), attention=kernel
+        )
         self.data, self.model = parallel.data_size(self.mesh), parallel.model_size(self.mesh)
         self.tensor_parallel = self.model > 1
         per_device = case.rows_per_device
@@ -304,6 +308,9 @@ class CaseTarget:
         mask = sds((self.rows, self.case.prompt), bool, self.mesh, DATA)
         perturb = self.perturbation(cfg, params)
         unroll = self.cfg.parallel.scan_unroll
+
+        if not self.tensor_parallel:  # per device, as `generate` runs it: the attention kernel as it is
+            cfg = dataclasses.replace(cfg, attention=cfg.attention.local())
 
         def prefill(params, prompt_BxP, mask_BxP, perturb):
             B = prompt_BxP.shape[0]

@@ -1,7 +1,7 @@
 """Per-chip cost of a training step's accelerator programs, from the TPU compiler's cost model, without a TPU.
 
     python -m experiments.benchmarks.tpu_cost [--quick] [--cases 0.6b,8b] [--programs decode_plain,...]
-                                              [--rows-per-device N] [--json PATH]
+                                              [--rows-per-device N] [--attention auto|xla] [--json PATH]
     python -m experiments.benchmarks.tpu_cost --cases 0.6b --breakdown decode_plain [--hlo-out DIR]
 
 Each program is compiled ahead of time for a deviceless TPU topology (`jax.experimental.topologies`, as
@@ -26,9 +26,22 @@ for `tell` and the update. Programs:
     update            GRPO's `make_update` on one microbatch of the trainer's rows, the completions scored at once
                       (microbatches 1, logprob_chunk 0: memory knobs, the same arithmetic per row), so that no loop
                       but the layer scans is left in the program; the trainer's update of a minibatch sums
-                      `microbatches` such gradients before its one optimizer step. Where a chip cannot hold that
-                      program (the compiler refuses it), it is compiled at r and r/2 rows, r the trainer's halved
-                      until it fits, and extrapolated linearly in the rows (`_update_program`).
+                      `microbatches` such gradients before its one optimizer step.
+
+Where a chip cannot hold a program at the configured rows (the compiler refuses it: RESOURCE_EXHAUSTED), it is
+compiled at r and r/2 rows, r the configured rows halved until it compiles, and its figures are extrapolated linearly
+in the rows (`fitting`; `rows_compiled` says which were compiled): rows per chip for the decode steps and the
+prefill, the microbatch's rows for the update; the must-move bytes stay those of the configured rows. So the default
+command completes at the planner's rows whatever they are.
+
+Attention: the programs use the attention kernel `model.attention` picks for the topology (`--attention`, default
+the config's "auto": splash on a TPU, `esroll.models.attention`). The cost model prices a Mosaic kernel at the cost it
+declares, which for splash attention is nothing, so each kernel is counted by hand (`_tpu_hlo.custom_calls`: its
+causal blocks' FLOPs at the rate the cost model gives XLA's product of the kernel's blocks, its must-move bytes at
+the chip's bandwidth) and added to the program's figures; `optimal_seconds_square` prices the kernels' FLOPs at the
+rate of a large square product instead (the chip's peak: the two bound what the cost model would give a kernel it
+could see into; `over_calibration_square`), and `optimal_seconds_declared` keeps the figure without the hand count
+(the table's last two columns). `--attention xla` compiles XLA's attention instead (no kernel to count).
 
 The layouts of what stays on the chip across `generate`'s decode loop (weights, cache, factors) and of the cache the
 prefill hands to it are the compiler's choice (`Layout.AUTO`), as inside that loop: with default entry layouts a
@@ -90,8 +103,8 @@ the cost model's own layer-body figure. A copy of a layer's keys and values or w
 
 Where the pieces are: the cases and the programs lowered at any depth in `_tpu_programs` (`CaseTarget`), the
 calibration programs in `_tpu_calibration`, reading the compiled HLO and its cost model (the depth model, the
-breakdown) in `_tpu_hlo`; this module resolves the update's rows, sets each program against its roofline and
-calibration (`run_case`), and reports.
+breakdown, the kernels' hand count) in `_tpu_hlo`; this module resolves the rows a chip holds, sets each program
+against its roofline and calibration (`run_case`), and reports.
 """
 
 from __future__ import annotations
@@ -109,10 +122,18 @@ import jax
 
 from esroll import es
 from experiments.benchmarks import _tpu_calibration
-from experiments.benchmarks._tpu_hlo import FIELDS, breakdown, breakdown_table, cost, depths, once, through_layers
+from experiments.benchmarks._tpu_hlo import (
+    FIELDS,
+    HBM_BYTES_PER_S,
+    breakdown,
+    breakdown_table,
+    cost,
+    depths,
+    once,
+    through_layers,
+)
 from experiments.benchmarks._tpu_programs import CASES, QUICK, Case, CaseTarget, device_bytes
 
-HBM_BYTES_PER_S = 819e9  # TPU v5e
 PEAK_FLOPS = 197e12  # TPU v5e, bfloat16
 PROGRAMS = ("decode_plain", "decode_perturbed", "prefill", "tell", "update")
 
@@ -128,35 +149,42 @@ def _roofline(program: dict, must_move: int, **parts) -> dict:
     }
 
 
-def _update_program(t: CaseTarget, layers: int, log, lower=None) -> dict:
-    """The update's figures at the trainer's microbatch rows b (`lower(depth, rows)`: `t.lower_update` by default,
-    or its calibration). When b rows do not fit a chip unchunked (the TPU compiler refuses the program), the rows are
-    halved until they do, r, and the figures are extrapolated linearly in the rows from r and r/2 to b (a
-    microbatch's work is linear in its rows; the optimizer step is constant). The depth components (`*_once`,
-    `*_layer_body`, ...) and `counted` are then those of r rows, `counted_half_rows` those of r/2."""
-    lower = lower or t.lower_update
-    b = rows = t.update_rows()
+def fitting(name: str, lower, layers: int, rows: int, step: int, log) -> dict:
+    """`lower(depth, r)`'s figures through the layers at r = `rows`. Where the chip cannot hold that program (the TPU
+    compiler refuses it: RESOURCE_EXHAUSTED), the rows are halved (while a multiple of `step`) until it compiles, r,
+    and the figures are extrapolated linearly in the rows from r and r/2 to `rows` (a program's work is linear in its
+    rows, plus what runs once: the weights read, the optimizer step). The depth components (`*_once`,
+    `*_layer_body`, ...) and `counted` are then those of r rows, `counted_half_rows` those of r/2; `rows_compiled`
+    says which were compiled."""
+    r = rows
     while True:
         try:
-            full = cost(lower(layers, rows))
+            full = cost(lower(layers, r))
             break
         except jax.errors.JaxRuntimeError as e:
-            if "RESOURCE_EXHAUSTED" not in str(e) or rows // 2 % t.data or rows < 2 * t.data:
+            # r/2 must leave a half, r/4, of whole steps to extrapolate from
+            if "RESOURCE_EXHAUSTED" not in str(e) or r % (4 * step):
                 raise
-            log(f"  update: {rows} rows do not fit unchunked ({str(e).splitlines()[0][:120]}); halving", flush=True)
-            rows //= 2
-    program = through_layers(lambda d: lower(d, rows), layers, known={layers: full})
-    program["rows_compiled"] = [rows]
-    if rows == b:
+            log(f"  {name}: {r} rows do not fit ({str(e).splitlines()[0][:120]}); halving", flush=True)
+            r //= 2
+    program = through_layers(lambda d: lower(d, r), layers, known={layers: full})
+    program["rows_compiled"] = [r]
+    if r == rows:
         return program
-    half = through_layers(lambda d: lower(d, rows // 2), layers)
+    half = through_layers(lambda d: lower(d, r // 2), layers)
     for f in FIELDS:
-        program[f] = program[f] + (b - rows) * (program[f] - half[f]) / (rows - rows // 2)
-    program["rows_compiled"] = [rows, rows // 2]
+        program[f] = program[f] + (rows - r) * (program[f] - half[f]) / (r - r // 2)
+    program["rows_compiled"] = [r, r // 2]
     program["counted_half_rows"] = half["counted"]
     program["valid"] = program["valid"] and half["valid"]
     program["compile_s"] += half["compile_s"]
     return program
+
+
+def _update_program(t: CaseTarget, layers: int, log, lower=None) -> dict:
+    """The update's figures at the trainer's microbatch rows (`lower(depth, rows)`: `t.lower_update` by default, or
+    its calibration), halved and extrapolated where they do not fit a chip unchunked (`fitting`)."""
+    return fitting("update", lower or t.lower_update, layers, t.update_rows(), t.data, log)
 
 
 def run_case(case: Case, log=print, programs_wanted=None) -> dict:
@@ -175,6 +203,15 @@ def run_case(case: Case, log=print, programs_wanted=None) -> dict:
     programs = {}
 
     wanted = set(programs_wanted or PROGRAMS)
+    targets = {t.rows_per_device: t}
+
+    def at(rows_per_device: int) -> CaseTarget:  # the case at fewer rows per chip, where the plan's do not fit
+        if rows_per_device not in targets:
+            targets[rows_per_device] = CaseTarget(dataclasses.replace(case, rows_per_device=rows_per_device))
+        return targets[rows_per_device]
+
+    def per_chip(name, lower):  # `lower(target, depth)` at the case's rows per chip, or fewer (`fitting`)
+        return lambda: fitting(name, lambda d, r: lower(at(r), d), L, t.rows_per_device, 1, log)
 
     def record(name, program, must_move, calibration=None, **parts):
         if name not in wanted:
@@ -187,6 +224,7 @@ def run_case(case: Case, log=print, programs_wanted=None) -> dict:
                 k: cal[k] for k in (*FIELDS, "valid", "compile_s", *(["rows_compiled"] * ("rows_compiled" in cal)))
             }
             p["over_calibration"] = p["optimal_seconds"] / cal["optimal_seconds"]
+            p["over_calibration_square"] = p["optimal_seconds_square"] / cal["optimal_seconds"]
             log(
                 f"  {name} calibration: {cal['optimal_seconds'] * 1e3:.3f} ms (program / calibration "
                 f"{p['over_calibration']:.2f}), compiled in {cal['compile_s']:.0f} s",
@@ -195,14 +233,14 @@ def run_case(case: Case, log=print, programs_wanted=None) -> dict:
 
     record(
         "decode_plain",
-        lambda: through_layers(lambda d: t.lower_decode(d, perturbed=False), L),
+        per_chip("decode_plain", lambda target, d: target.lower_decode(d, perturbed=False)),
         weights + kv,
         weights=weights,
         kv_cache=kv,
     )
     record(
         "decode_perturbed",
-        lambda: through_layers(lambda d: t.lower_decode(d, perturbed=True), L),
+        per_chip("decode_perturbed", lambda target, d: target.lower_decode(d, perturbed=True)),
         weights + kv + factors,
         weights=weights,
         kv_cache=kv,
@@ -211,9 +249,9 @@ def run_case(case: Case, log=print, programs_wanted=None) -> dict:
     written = t.cache_bytes(case.prompt - 1)
     record(
         "prefill",
-        lambda: through_layers(t.lower_prefill, L),
+        per_chip("prefill", lambda target, d: target.lower_prefill(d)),
         layers + written + factors,
-        calibration=lambda: through_layers(functools.partial(_tpu_calibration.lower_prefill, t), L),
+        calibration=per_chip("prefill calibration", _tpu_calibration.lower_prefill),
         weights=layers,
         kv_cache_written=written,
         factors=factors,
@@ -251,6 +289,7 @@ def run_case(case: Case, log=print, programs_wanted=None) -> dict:
         ratio = programs["decode_plain"]["optimal_seconds"] / programs["decode_perturbed"]["optimal_seconds"]
     return {
         "topology": case.topology,
+        "attention": c.attention.kernel,
         "device_kind": getattr(t.mesh.devices.flat[0], "device_kind", ""),
         "mesh": dict(t.mesh.shape),
         "model": case.preset,
@@ -314,13 +353,14 @@ def table(results: dict) -> str:
     """One row per (case, program)."""
     head = (
         f"{'case':<6}{'program':<18}{'optimal ms':>11}{'roofline ms':>12}{'ratio':>7}{'GFLOP':>10}"
-        f"{'GB accessed':>12}{'GB must move':>13}{'acc/(w+kv)':>11}{'/calib':>8}"
+        f"{'GB accessed':>12}{'GB must move':>13}{'acc/(w+kv)':>11}{'/calib':>8}{'square ms':>10}{'declared ms':>12}"
     )
     lines = [head]
     for name, r in results.items():
         for prog, p in r["programs"].items():
             extra = f"{p['bytes_over_weights_kv']:>11.3f}" if "bytes_over_weights_kv" in p else f"{'':>11}"
-            calib = f"{p['over_calibration']:>8.2f}" if "over_calibration" in p else ""
+            calib = f"{p['over_calibration']:>8.2f}" if "over_calibration" in p else f"{'':>8}"
+            calib += f"{p['optimal_seconds_square'] * 1e3:>10.3f}{p['optimal_seconds_declared'] * 1e3:>12.3f}"
             lines.append(
                 f"{name:<6}{prog:<18}{p['optimal_seconds'] * 1e3:>11.3f}{p['roofline_s'] * 1e3:>12.3f}"
                 f"{p['roofline_ratio']:>7.2f}{p['flops'] / 1e9:>10.1f}{p['bytes_accessed'] / 1e9:>12.3f}"
@@ -331,16 +371,21 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _chosen(quick: bool, cases=None, rows_per_device: int = 0) -> list[Case]:
-    """The cases named (QUICK for `quick`, all by default), at `rows_per_device` rows per chip when given."""
+def _chosen(quick: bool, cases=None, rows_per_device: int = 0, attention: str = "") -> list[Case]:
+    """The cases named (QUICK for `quick`, all by default), at `rows_per_device` rows per chip when given, with
+    `model.attention` = `attention` when given."""
     chosen = [QUICK] if quick else [CASES[n] for n in (cases or list(CASES))]
-    return [dataclasses.replace(c, rows_per_device=rows_per_device) if rows_per_device else c for c in chosen]
+    chosen = [dataclasses.replace(c, rows_per_device=rows_per_device) if rows_per_device else c for c in chosen]
+    if attention:
+        chosen = [dataclasses.replace(c, overrides=(*c.overrides, ("model.attention", attention))) for c in chosen]
+    return chosen
 
 
-def measure(quick: bool, cases=None, log=print, programs=None, rows_per_device: int = 0) -> dict:
+def measure(quick: bool, cases=None, log=print, programs=None, rows_per_device: int = 0, attention: str = "") -> dict:
     """Every chosen case's figures (`programs`: the program names to compile, None: all; `rows_per_device`: rows
-    per chip in place of the plan's, 0: the plan's)."""
-    results = {case.name: run_case(case, log, programs) for case in _chosen(quick, cases, rows_per_device)}
+    per chip in place of the plan's, 0: the plan's; `attention`: `model.attention`, "": the config's)."""
+    chosen = _chosen(quick, cases, rows_per_device, attention)
+    results = {case.name: run_case(case, log, programs) for case in chosen}
     log(table(results), flush=True)
     ratios = [r["perturbed_over_plain"] for r in results.values() if r["perturbed_over_plain"] is not None]
     return {
@@ -367,6 +412,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated, of {', '.join(PROGRAMS)}")
     parser.add_argument("--rows-per-device", type=int, default=0, help="rows per chip (default: the plan's)")
     parser.add_argument(
+        "--attention", choices=("auto", "xla"), default="", help="model.attention (default: the config's, auto)"
+    )
+    parser.add_argument(
         "--breakdown",
         metavar="PROGRAM",
         help="print the bytes of each instruction of PROGRAM's layer body (decode_plain, decode_perturbed, prefill) "
@@ -380,10 +428,12 @@ def main(argv=None) -> dict:
     if unknown:
         parser.error(f"unknown program or case: {', '.join(unknown)}")
     if args.breakdown:
-        for case in _chosen(args.quick, cases, args.rows_per_device):
+        for case in _chosen(args.quick, cases, args.rows_per_device, args.attention):
             print(layer_breakdown(case, args.breakdown, args.hlo_out), flush=True)
         return {}
-    results = measure(args.quick, cases, programs=programs, rows_per_device=args.rows_per_device)
+    results = measure(
+        args.quick, cases, programs=programs, rows_per_device=args.rows_per_device, attention=args.attention
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2, default=str))

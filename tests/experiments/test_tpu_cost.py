@@ -123,3 +123,49 @@ def test_decode_layer_body_reads_each_layers_cache_where_it_lies(perturbed):
     assert max(r["bytes"] for r in rows) >= layer_kv
     copies = [r["name"] for r in rows if "dynamic-slice" in r["ops"] + [r["opcode"]] and cache_slice(r["shape"])]
     assert not copies, copies
+
+
+def test_splash_kernels_are_counted_by_hand():
+    """The quick case's prefill on v5e:2x2 (2 x 2 mesh: 2 rows, 2 query heads and 1 kv head of width 64 per chip;
+    prompt 16, so 15 tokens padded to one block of 128) runs one splash forward kernel per layer. By hand: 4·H FLOPs
+    per pair of the causal blocks (one block, 128² pairs) per row and query head, 4 · 64 · 2 · 2 · 128² = 16,777,216;
+    bytes: q and o (2 · 2 · 128 · 64 · 2 B each) and k and v (2 · 1 · 128 · 64 · 2 B each), 196,608. The program's
+    figure is the cost model's plus max(bytes / HBM, FLOPs / rate) for the kernel in the layer body."""
+    t = _tpu_programs.CaseTarget(_tpu_programs.QUICK)
+    assert t.model_cfg.attention.kernel == "splash"
+    lowered = t.lower_prefill(3)
+    kernels = _tpu_hlo.custom_calls(lowered.compile().as_text())
+    assert [(k["flops"], k["bytes"], k["block"], k["width"]) for k in kernels] == [(16_777_216, 196_608, 128, 64)]
+    assert kernels[0]["kernel"].startswith("splash_mha_fwd")
+    rate = _tpu_hlo.matmul_rate(t.mesh.devices.flat[0], 128, 64)
+    assert 0 < rate < tpu_cost.PEAK_FLOPS
+    c = _tpu_hlo.cost(lowered)
+    assert c["kernels"] == 1 and close(c["kernel_seconds"], max(196_608 / 819e9, 16_777_216 / rate))
+    assert close(c["optimal_seconds"], c["optimal_seconds_declared"] + c["kernel_seconds"])
+
+
+@pytest.mark.e2e
+def test_a_program_the_chip_cannot_hold_is_compiled_at_fewer_rows_and_extrapolated(monkeypatch):
+    """The quick case at 4 rows per chip, its prefill refused above 2 (as the compiler refuses a program whose
+    temporaries exceed the chip's memory): compiled at 2 and 1 rows and extrapolated linearly to 4, within 10% of
+    the figures the same program has when it does compile at 4 rows."""
+    import dataclasses
+
+    import jax
+
+    case = dataclasses.replace(_tpu_programs.QUICK, rows_per_device=4)
+    whole = tpu_cost.run_case(case, log=lambda *a, **k: None, programs_wanted=["prefill"])["programs"]["prefill"]
+    assert whole["rows_compiled"] == [4]
+    lower = _tpu_programs.CaseTarget.lower_prefill
+
+    def refuse_above_2(self, depth):
+        if self.rows_per_device > 2:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory")
+        return lower(self, depth)
+
+    monkeypatch.setattr(_tpu_programs.CaseTarget, "lower_prefill", refuse_above_2)
+    fitted = tpu_cost.run_case(case, log=lambda *a, **k: None, programs_wanted=["prefill"])["programs"]["prefill"]
+    assert fitted["rows_compiled"] == [2, 1] and fitted["valid"]
+    assert fitted["must_move_bytes"] == whole["must_move_bytes"]  # the bytes the 4 rows must move, by shapes
+    for f in ("flops", "bytes_accessed", "optimal_seconds"):
+        assert math.isclose(fitted[f], whole[f], rel_tol=0.1), (f, fitted[f], whole[f])
