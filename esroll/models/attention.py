@@ -12,8 +12,9 @@ it out), which is what lets each kernel treat padding its own way:
               padding as segment ids (real tokens 1, padding 0), the sequence padded to the kernel's block, the
               queries scaled before the kernel; under `shard_map` over the mesh (rows over "data", heads over
               "model": a Mosaic kernel cannot be partitioned by GSPMD), one call per row;
-    "cudnn"   cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`): causal, the key
-              padding as a mask; bfloat16 or float16 with a head width of at most 128 (a multiple of 8), else "xla".
+    "cudnn"   cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`): causal, the
+              visibility mask as its [B, 1, T, T] bias; bfloat16 or float16 with a head width of at most 128 (a
+              multiple of 8), else "xla". Not yet run on a GPU.
 
 `choose(setting, mesh)` turns the experiment's `model.attention` ("auto" or "xla") into an `Attention` from the
 mesh's devices, not from `jax.default_backend()` (which is the CPU when a TPU program is compiled without a TPU):
@@ -91,19 +92,27 @@ def self_attention(att: Attention, q_BxTxQxH, k_BxTxKxH, v_BxTxKxH, mask_BxT) ->
     scale = 1.0 / np.sqrt(H)
     if att.kernel == "splash":
         return _splash(att, q_BxTxQxH, k_BxTxKxH, v_BxTxKxH, mask_BxT)
-    if att.kernel == "cudnn" and _cudnn_fits(q_BxTxQxH):
-        return jax.nn.dot_product_attention(
-            q_BxTxQxH, k_BxTxKxH, v_BxTxKxH, mask=mask_BxT[:, None, None, :], is_causal=True, scale=scale,
-            implementation="cudnn",
-        )  # fmt: skip
     T = q_BxTxQxH.shape[1]
     visible_BxTxT = mask_BxT[:, None, :] & jnp.tril(jnp.ones((T, T), bool))[None]
+    if att.kernel == "cudnn" and _cudnn_fits(q_BxTxQxH):
+        # cuDNN takes a mask as a [B, 1, T, T] bias (its sequence dims must be the queries' and keys'); causal lets it
+        # skip the blocks above the diagonal.
+        return jax.nn.dot_product_attention(
+            q_BxTxQxH, k_BxTxKxH, v_BxTxKxH, mask=visible_BxTxT[:, None], is_causal=True, scale=scale,
+            implementation="cudnn",
+        )  # fmt: skip
     return jax.nn.dot_product_attention(q_BxTxQxH, k_BxTxKxH, v_BxTxKxH, mask=visible_BxTxT[:, None], scale=scale)
 
 
 def _cudnn_fits(q) -> bool:
     H = q.shape[-1]
     return q.dtype in (jnp.bfloat16, jnp.float16) and H <= 128 and H % 8 == 0
+
+
+def token_padding(att: Attention, T: int) -> int:
+    """How many padding tokens `esroll.models.forward` appends to T new tokens before its layers, so that the kernel
+    pads nothing in each layer: up to a multiple of 128 for splash, none for the others."""
+    return -T % _LANES if att.kernel == "splash" else 0
 
 
 def splash_block(T: int) -> int:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from esroll.models.attention import self_attention
+from esroll.models.attention import self_attention, token_padding
 from esroll.models.config import ModelConfig
 from esroll.models.layers import STACKED, Perturbation, linear, rms_norm, rope, rope_tables, row_vector
 
@@ -146,12 +146,20 @@ def forward(
     reads_cache = bool(attend_slots)
     visible_BxTxS = cache.valid_BxS[:, None, :attend_slots] if reads_cache else None
 
+    # A kernel that attends in blocks of tokens (splash) gets them padded once, here, to its multiple (padding after
+    # every real token, which no real token sees), not each layer's queries, keys and values; sliced off after.
+    pad = 0 if reads_cache else token_padding(cfg.attention, T)
+    ids_BxU, real_BxU, positions_BxU = tokens_BxT, mask_BxT, positions_BxT
+    if pad:
+        ids_BxU, real_BxU = (jnp.pad(a, ((0, 0), (0, pad))) for a in (tokens_BxT, mask_BxT))
+        positions_BxU = jnp.pad(positions_BxT, ((0, 0), (0, pad)), mode="edge")
+
     perturb = None if perturb is None else perturb.per_row()
     deltas = {} if perturb is None else perturb.deltas
     index_B = None if perturb is None else perturb.index_B
     vector = functools.partial(row_vector, index_B=index_B)
-    x_BxTxD = params["embed"][tokens_BxT]
-    cos_sin = rope_tables(positions_BxT, cfg.inv_freq(), num_positions, x_BxTxD.dtype)
+    x_BxTxD = params["embed"][ids_BxU]
+    cos_sin = rope_tables(positions_BxU, cfg.inv_freq(), num_positions, x_BxTxD.dtype)
     gather = layer_params or (lambda p: p)  # e.g. FSDP: gather this layer's weights only, as it runs
 
     def layer(x_BxTxD, xs):
@@ -160,7 +168,7 @@ def forward(
         if old is not None and attend_slots < old[0].shape[2]:  # the slots read, sliced where they lie
             old = tuple(x[:, :, :attend_slots] for x in old)
         h_BxTxD = rms_norm(x_BxTxD, vector(p["attn_norm"], d.get("attn_norm")), cfg.rms_norm_eps)
-        h_BxTxD, new = _attention(cfg, p, d, index_B, h_BxTxD, cos_sin, mask_BxT, visible_BxTxT, old, visible_BxTxS)
+        h_BxTxD, new = _attention(cfg, p, d, index_B, h_BxTxD, cos_sin, real_BxU, visible_BxTxT, old, visible_BxTxS)
         x_BxTxD = x_BxTxD + h_BxTxD
         h_BxTxD = rms_norm(x_BxTxD, vector(p["mlp_norm"], d.get("mlp_norm")), cfg.rms_norm_eps)
         gate_BxTxF = linear(h_BxTxD, p["gate"], d.get("gate"), index_B)
@@ -172,6 +180,9 @@ def forward(
     x_BxTxD, new = jax.lax.scan(
         _remat(layer, remat, unroll), x_BxTxD, (params[STACKED], deltas.get(STACKED) or {}, old), unroll=unroll
     )
+    if pad:
+        x_BxTxD = x_BxTxD[:, :T]
+        new = None if new is None else tuple(n[:, :, :, :T] for n in new)
     x_BxTxD = rms_norm(x_BxTxD, vector(params["final_norm"], deltas.get("final_norm")), cfg.rms_norm_eps)
     if return_hidden:
         return x_BxTxD, None

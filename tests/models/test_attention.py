@@ -174,3 +174,32 @@ def test_gspmd_program_with_splash_compiles_for_a_deviceless_tpu():
 
     compiled = jax.jit(jax.grad(loss)).lower(params, tokens, mask).compile()  # at the suite's "highest" precision
     assert "tpu_custom_call" in compiled.as_text()
+
+
+def test_a_prefill_with_splash_fills_the_cache_as_xla_does(tiny_model):
+    """A prefill into a fresh cache (its tokens padded to the kernel's multiple before the layers, the padding sliced
+    off after) writes the same keys and values at the same slots as XLA's, and a decode step after it gives the same
+    logits."""
+    from esroll.models import init_cache
+
+    family, folder, _ = tiny_model
+    cfg, params = load_hf(folder, dtype=jnp.float32)
+    tokens, mask = padded_batch(cfg.vocab_size)
+    tokens, mask = jnp.asarray(tokens), jnp.asarray(mask)
+    B, P = tokens.shape
+
+    def prefill_and_step(c):
+        cache = init_cache(c, B, P + 3, jnp.float32)
+        _, cache = forward(c, params, tokens[:, :-1], mask_BxT=mask[:, :-1], cache=cache, attend_slots=0)
+        logits, cache = forward(c, params, tokens[:, -1:], cache=cache, attend_slots=P)
+        return logits, cache
+
+    (want, want_cache), (got, got_cache) = (
+        jax.jit(prefill_and_step, static_argnums=0)(c) for c in (cfg, dataclasses.replace(cfg, attention=SPLASH))
+    )
+    assert int(got_cache.index) == int(want_cache.index) == P
+    np.testing.assert_array_equal(np.asarray(got_cache.valid_BxS), np.asarray(want_cache.valid_BxS))
+    valid = np.asarray(want_cache.valid_BxS)[None, :, None, :, None]
+    for g, w in ((got_cache.k, want_cache.k), (got_cache.v, want_cache.v)):
+        np.testing.assert_allclose(np.where(valid, g, 0), np.where(valid, w, 0), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-4, rtol=0)
