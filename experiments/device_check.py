@@ -1,12 +1,15 @@
 """Device check: generation throughput, ES and GRPO step times, compile times and peak memory of random Qwen3 models
 in bfloat16, on the first device of the default backend.
 
-    python -m experiments.device_check --json PATH [--quick]
+    python -m experiments.device_check --json PATH [--quick] [--attention auto,xla]
 
 Models: Qwen3-0.6B and Qwen3-8B at their real shapes, random weights drawn on the device (normal(0, 0.02) matrices,
 ones for norm scales; nothing is downloaded). --quick: a two-layer model of small widths with few rows and tokens.
-Each phase is called twice, and timed both times:
+Each phase is called twice, and timed both times, once per `model.attention` setting asked for (`--attention`,
+default auto: the platform's fused kernel, `esroll.models.attention`; "auto,xla" compares it with XLA's on the same
+device):
 
+  prefill    one cache-free forward over the prompts (the attention among new tokens: the fused kernel's work).
   generate   `esroll.sampling.generate`: greedy, no EOS, so every row decodes all `new_tokens` after its prompt.
   perturbed  the same, each row with its LOO-ROLL member's low-rank factors (`ask`), `rows_per_member` consecutive
              rows per member, as the trainer lays out a member's prompts and samples.
@@ -19,7 +22,10 @@ Figures, per model and phase (all seconds are wall-clock, the outputs waited for
   seconds       the second call: the run alone.
   first_call_s  the first call: compilation and a run.
   compile_s     first_call_s - seconds.
-  tokens_per_s  rows * new_tokens / seconds (generation phases; the prompt's tokens are not counted).
+  tokens_per_s  rows * new_tokens / seconds (generation phases; the prompt's tokens are not counted); for the
+                prefill, rows * prompt / seconds.
+  max_abs_diff  (the "agreement" row, with two settings) the largest difference of the prefill's float32 logits at
+                real tokens between the two kernels, on prompts with left and right padding, and `max_abs_logit`.
   decode_step_s (generation phases) the mean decode step: (seconds - the same call's seconds at 1 new token) /
                 (new_tokens - 1), the 1-token call timed the same way (its own compile, not counted).
   decode_bytes  what a mean decode step must move: the weights it reads (layers, final norm, head), the KV cache
@@ -52,7 +58,7 @@ import jax.numpy as jnp
 
 import esroll.config
 from esroll import es, grpo, parallel, sharding
-from esroll.models import Perturbation, model_config, param_shapes
+from esroll.models import Perturbation, attention, forward, model_config, param_shapes
 from esroll.sampling import generate
 
 DTYPE = jnp.bfloat16
@@ -140,11 +146,11 @@ def decode_bytes(cfg, params, rows: int, prompt: int, new: int, deltas=None) -> 
     return weights * item + slots * slot + factors
 
 
-def check_model(name: str, plan: dict) -> list[dict]:
-    cfg = model(name)
+def check_model(name: str, plan: dict, setting: str = "auto") -> list[dict]:
+    mesh = parallel.make_mesh(1)
+    cfg = dataclasses.replace(model(name), attention=attention.choose(setting, mesh))
     B, P, N, U = plan["rows"], plan["prompt"], plan["new"], plan["microbatches"]
     R = plan["rows_per_member"]
-    mesh = parallel.make_mesh(1)
     params = random_params(cfg)
     params = sharding.place(params, sharding.master_shardings(mesh, params))  # as the update returns them
     prompt = jax.random.randint(jax.random.key(1), (B, P), 1, cfg.vocab_size, jnp.int32)
@@ -197,7 +203,9 @@ def check_model(name: str, plan: dict) -> list[dict]:
         carry["params"], carry["grpo"], metrics = update(carry["params"], carry["grpo"], batch, jnp.asarray(True))
         return metrics
 
+    prefill = jax.jit(lambda p: forward(cfg, p, prompt, mask_BxT=prompt_mask, return_hidden=True)[0])
     phases = {
+        "prefill": lambda: prefill(carry["params"]),
         "generate": lambda new=N: gen(carry["params"], new=new).tokens,
         "perturbed": lambda new=N: gen(carry["params"], Perturbation(deltas, member_B), new=new).tokens,
         "looroll": looroll,
@@ -206,12 +214,15 @@ def check_model(name: str, plan: dict) -> list[dict]:
     rows = []
     for phase, fn in phases.items():
         row = {"model": name, "phase": phase, "rows": B, "prompt": P, "new_tokens": N, "optimizer": plan["optimizer"]}
+        row["attention"] = cfg.attention.kernel
         row |= {"seconds": None, "first_call_s": None, "compile_s": None, "tokens_per_s": None}
         row |= {"decode_step_s": None, "decode_bytes": None, "bandwidth_fraction": None}
         row |= {"error": None, "oom": False}
         print(f"{name} {phase} ...", flush=True)
         try:
             row |= measure(fn)
+            if phase == "prefill":
+                row["tokens_per_s"] = B * P / row["seconds"]
             if phase in ("generate", "perturbed"):
                 row["tokens_per_s"] = B * N / row["seconds"]
                 row["decode_step_s"] = (row["seconds"] - measure(lambda: fn(1))["seconds"]) / (N - 1)
@@ -230,13 +241,35 @@ def check_model(name: str, plan: dict) -> list[dict]:
     return rows
 
 
+def agreement(name: str, plan: dict, settings: list[str]) -> dict:
+    """The prefill's float32 logits under the first two settings' kernels, on the same random model and prompts
+    (rows with left and with right padding), compared at the real tokens."""
+    mesh = parallel.make_mesh(1)
+    B, P = min(plan["rows"], 8), plan["prompt"]
+    cfgs = [dataclasses.replace(model(name), attention=attention.choose(s, mesh)) for s in settings[:2]]
+    params = random_params(cfgs[0])
+    prompt = jax.random.randint(jax.random.key(1), (B, P), 1, cfgs[0].vocab_size, jnp.int32)
+    mask = jnp.ones((B, P), bool).at[1::2, : P // 3].set(False).at[2::2, P - P // 4 :].set(False)
+    logits = [jax.jit(lambda p, c=c: forward(c, p, prompt, mask_BxT=mask)[0])(params) for c in cfgs]
+    diff = jnp.where(mask[:, :, None], jnp.abs(logits[0] - logits[1]), 0).max()
+    row = {"model": name, "phase": "agreement", "rows": B, "prompt": P, "new_tokens": 0, "optimizer": None}
+    row |= {"attention": "/".join(c.attention.kernel for c in cfgs), "seconds": None, "first_call_s": None}
+    row |= {"compile_s": None, "tokens_per_s": None, "decode_step_s": None, "decode_bytes": None}
+    row |= {"bandwidth_fraction": None, "error": None, "oom": False, "peak_bytes": None}
+    row |= {
+        "max_abs_diff": float(diff),
+        "max_abs_logit": float(jnp.where(mask[:, :, None], jnp.abs(logits[1]), 0).max()),
+    }
+    return row
+
+
 def table(rows: list[dict]) -> str:
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
 
     lines = [
-        f"{'model':<11} {'phase':<10} {'rows':>5} {'seconds':>9} {'compile_s':>9} {'tokens/s':>10} {'step ms':>8} "
-        f"{'of peak BW':>10} {'peak GiB':>8}"
+        f"{'model':<11} {'phase':<10} {'kernel':<12} {'rows':>5} {'seconds':>9} {'compile_s':>9} {'tokens/s':>10} "
+        f"{'step ms':>8} {'of peak BW':>10} {'peak GiB':>8}"
     ]
     for r in rows:
         peak = None if r["peak_bytes"] is None else r["peak_bytes"] / 2**30
@@ -244,9 +277,11 @@ def table(rows: list[dict]) -> str:
         cells = [num(r["seconds"], ".3f"), num(r["compile_s"], ".2f"), num(r["tokens_per_s"], ",.0f")]
         cells += [num(step, ".3f"), num(r["bandwidth_fraction"], ".2f"), num(peak, ".1f")]
         line = (
-            f"{r['model']:<11} {r['phase']:<10} {r['rows']:>5} {cells[0]:>9} {cells[1]:>9} {cells[2]:>10} "
-            f"{cells[3]:>8} {cells[4]:>10} {cells[5]:>8}"
+            f"{r['model']:<11} {r['phase']:<10} {r['attention']:<12} {r['rows']:>5} {cells[0]:>9} {cells[1]:>9} "
+            f"{cells[2]:>10} {cells[3]:>8} {cells[4]:>10} {cells[5]:>8}"
         )
+        if r["phase"] == "agreement":
+            line += f"  max |logit difference| {r['max_abs_diff']:.3g} of max |logit| {r['max_abs_logit']:.3g}"
         lines.append(line + (f"  {r['error'][:60]}" if r["error"] else ""))
     return "\n".join(lines)
 
@@ -256,7 +291,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, required=True, help="write the figures here")
     parser.add_argument("--quick", action="store_true", help="a tiny model, for a CPU smoke run")
+    parser.add_argument("--attention", default="auto", help="model.attention settings to run, comma-separated")
     args = parser.parse_args(argv)
+    settings = [s for s in args.attention.split(",") if s]
+    unknown = sorted(set(settings) - set(attention.SETTINGS))
+    if unknown or not settings:
+        parser.error(f"--attention: {', '.join(unknown) or 'none given'}; each one of {', '.join(attention.SETTINGS)}")
     start = time.perf_counter()
     device = jax.devices()[0]
     report = {
@@ -265,12 +305,17 @@ def main(argv: list[str] | None = None) -> dict:
         "device_kind": device.device_kind,
         "bytes_limit": memory_stat("bytes_limit"),
         "quick": args.quick,
+        "attention": settings,
         "results": [],
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     for name, plan in (QUICK if args.quick else PLANS).items():
-        report["results"] += check_model(name, plan)
-        gc.collect()  # the model's weights go before the next one's arrive
+        for setting in settings:
+            report["results"] += check_model(name, plan, setting)
+            gc.collect()  # the model's weights go before the next one's arrive
+        if len(settings) > 1:
+            report["results"].append(agreement(name, plan, settings))
+            gc.collect()
         report["total_s"] = time.perf_counter() - start
         report["imported"] = {m: sys.modules.get(m) is not None for m in ("ml_collections", "tensorboardX")}
         args.json.write_text(json.dumps(report, indent=2))
