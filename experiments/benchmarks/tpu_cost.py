@@ -1,7 +1,8 @@
 """Per-chip cost of a training step's accelerator programs, from the TPU compiler's cost model, without a TPU.
 
     python -m experiments.benchmarks.tpu_cost [--quick] [--cases 0.6b,8b] [--programs decode_plain,...]
-                                              [--rows-per-device N] [--attention auto|xla] [--json PATH]
+                                              [--rows-per-device N] [--attention auto|xla]
+                                              [--remat none|dots|full] [--json PATH]
     python -m experiments.benchmarks.tpu_cost --cases 0.6b --breakdown decode_plain [--hlo-out DIR]
 
 Each program is compiled ahead of time for a deviceless TPU topology (`jax.experimental.topologies`, as
@@ -290,6 +291,7 @@ def run_case(case: Case, log=print, programs_wanted=None) -> dict:
     return {
         "topology": case.topology,
         "attention": c.attention.kernel,
+        "grpo_remat": t.grpo_cfg.grpo.remat,
         "device_kind": getattr(t.mesh.devices.flat[0], "device_kind", ""),
         "mesh": dict(t.mesh.shape),
         "model": case.preset,
@@ -371,20 +373,22 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def _chosen(quick: bool, cases=None, rows_per_device: int = 0, attention: str = "") -> list[Case]:
+def _chosen(quick: bool, cases=None, rows_per_device: int = 0, attention: str = "", remat: str = "") -> list[Case]:
     """The cases named (QUICK for `quick`, all by default), at `rows_per_device` rows per chip when given, with
-    `model.attention` = `attention` when given."""
+    `model.attention` = `attention` and `grpo.remat` = `remat` when given."""
     chosen = [QUICK] if quick else [CASES[n] for n in (cases or list(CASES))]
     chosen = [dataclasses.replace(c, rows_per_device=rows_per_device) if rows_per_device else c for c in chosen]
-    if attention:
-        chosen = [dataclasses.replace(c, overrides=(*c.overrides, ("model.attention", attention))) for c in chosen]
-    return chosen
+    extra = (("model.attention", attention),) * bool(attention) + (("grpo.remat", remat),) * bool(remat)
+    return [dataclasses.replace(c, overrides=(*c.overrides, *extra)) for c in chosen]
 
 
-def measure(quick: bool, cases=None, log=print, programs=None, rows_per_device: int = 0, attention: str = "") -> dict:
+def measure(
+    quick: bool, cases=None, log=print, programs=None, rows_per_device: int = 0, attention: str = "", remat: str = ""
+) -> dict:
     """Every chosen case's figures (`programs`: the program names to compile, None: all; `rows_per_device`: rows
-    per chip in place of the plan's, 0: the plan's; `attention`: `model.attention`, "": the config's)."""
-    chosen = _chosen(quick, cases, rows_per_device, attention)
+    per chip in place of the plan's, 0: the plan's; `attention`: `model.attention`, `remat`: `grpo.remat`, "": the
+    config's)."""
+    chosen = _chosen(quick, cases, rows_per_device, attention, remat)
     results = {case.name: run_case(case, log, programs) for case in chosen}
     log(table(results), flush=True)
     ratios = [r["perturbed_over_plain"] for r in results.values() if r["perturbed_over_plain"] is not None]
@@ -415,6 +419,9 @@ def main(argv=None) -> dict:
         "--attention", choices=("auto", "xla"), default="", help="model.attention (default: the config's, auto)"
     )
     parser.add_argument(
+        "--remat", choices=("none", "dots", "full"), default="", help="grpo.remat (default: the config's, full)"
+    )
+    parser.add_argument(
         "--breakdown",
         metavar="PROGRAM",
         help="print the bytes of each instruction of PROGRAM's layer body (decode_plain, decode_perturbed, prefill) "
@@ -428,11 +435,16 @@ def main(argv=None) -> dict:
     if unknown:
         parser.error(f"unknown program or case: {', '.join(unknown)}")
     if args.breakdown:
-        for case in _chosen(args.quick, cases, args.rows_per_device, args.attention):
+        for case in _chosen(args.quick, cases, args.rows_per_device, args.attention, args.remat):
             print(layer_breakdown(case, args.breakdown, args.hlo_out), flush=True)
         return {}
     results = measure(
-        args.quick, cases, programs=programs, rows_per_device=args.rows_per_device, attention=args.attention
+        args.quick,
+        cases,
+        programs=programs,
+        rows_per_device=args.rows_per_device,
+        attention=args.attention,
+        remat=args.remat,
     )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
