@@ -8,7 +8,7 @@ import dataclasses
 from esroll.config.keys import Options
 from esroll.errors import check_fields
 
-ATTENTION = ("auto", "xla")  # model.attention: `esroll.models.attention.SETTINGS`
+ATTENTION = ("auto", "xla")  # model.attention: `esroll.models.attention.SETTINGS` (tests/models/test_attention.py)
 LABEL_FREE = "majority"  # `data.reward`'s label-free mode (`DataConfig.label_free`), reserved in `esroll.rewards`
 
 

@@ -32,10 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from esroll.config.sections import ATTENTION
-
 DATA, MODEL = "data", "model"  # esroll.parallel's mesh axes
-SETTINGS = ATTENTION  # model.attention
+SETTINGS = ("auto", "xla")  # model.attention (`esroll.config`'s ATTENTION: the model imports no config)
 KERNELS = ("xla", "splash", "cudnn")
 _LANES = 128  # the splash kernel's blocks are multiples of this
 

@@ -136,6 +136,13 @@ class _Mesh:
         self.devices = np.array([_Device(platform, version)] * n)
 
 
+def test_the_config_accepts_the_settings_the_model_knows():
+    from esroll.config.sections import ATTENTION
+    from esroll.models.attention import SETTINGS
+
+    assert ATTENTION == SETTINGS
+
+
 def test_choose_reads_the_platform_of_the_meshs_devices():
     assert choose("auto", None) == XLA
     assert choose("xla", _Mesh("tpu")) == XLA
