@@ -9,6 +9,9 @@ components kept as `*_once`, `*_per_layer_outside_loop` and `*_layer_body`. `onc
 loops. `valid` marks figures whose programs kept no loop but a layer scan of one layer per iteration and no negative
 time.
 
+`fitting(name, lower, layers, rows, step, log)` is `through_layers` at a row count, or where the chip cannot hold
+that program, at fewer rows and extrapolated; `custom_calls(hlo)` counts the Mosaic kernels by hand, which `cost` adds.
+
 `breakdown(hlo)` lists the instructions of every while loop's body with the bytes each reads and writes by the
 convention of XLA's HloCostAnalysis (`breakdown_table` prints them); `SHAPE` matches an array shape in HLO text and
 `shapes_bytes` sums the bytes of the shapes written in a text.
@@ -234,6 +237,40 @@ def through_layers(lower, layers: int, known: dict | None = None) -> dict:
     ) and all(costs[d]["optimal_seconds"] >= 0 for d in compiled)
     out["compile_s"] = sum(costs[d]["compile_s"] for d in compiled)
     return out
+
+
+def fitting(name: str, lower, layers: int, rows: int, step: int, log) -> dict:
+    """`lower(depth, r)`'s figures through the layers at r = `rows`. Where the chip cannot hold that program (the TPU
+    compiler refuses it: RESOURCE_EXHAUSTED), the rows are halved (while a multiple of `step`) until it compiles, r,
+    and the figures are extrapolated linearly in the rows from r and r/2 to `rows` (a program's work is linear in its
+    rows, plus what runs once: the weights read, the optimizer step). The depth components (`*_once`,
+    `*_layer_body`, ...) and `counted` are then those of r rows, `counted_half_rows` those of r/2; `rows_compiled`
+    says which were compiled."""
+    import jax
+
+    r = rows
+    while True:
+        try:
+            full = cost(lower(layers, r))
+            break
+        except jax.errors.JaxRuntimeError as e:
+            # r/2 must leave a half, r/4, of whole steps to extrapolate from
+            if "RESOURCE_EXHAUSTED" not in str(e) or r % (4 * step):
+                raise
+            log(f"  {name}: {r} rows do not fit ({str(e).splitlines()[0][:120]}); halving", flush=True)
+            r //= 2
+    program = through_layers(lambda d: lower(d, r), layers, known={layers: full})
+    program["rows_compiled"] = [r]
+    if r == rows:
+        return program
+    half = through_layers(lambda d: lower(d, r // 2), layers)
+    for f in FIELDS:
+        program[f] = program[f] + (rows - r) * (program[f] - half[f]) / (r - r // 2)
+    program["rows_compiled"] = [r, r // 2]
+    program["counted_half_rows"] = half["counted"]
+    program["valid"] = program["valid"] and half["valid"]
+    program["compile_s"] += half["compile_s"]
+    return program
 
 
 def once(lowered) -> dict:

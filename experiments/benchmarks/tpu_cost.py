@@ -128,8 +128,8 @@ from experiments.benchmarks._tpu_hlo import (
     HBM_BYTES_PER_S,
     breakdown,
     breakdown_table,
-    cost,
     depths,
+    fitting,
     once,
     through_layers,
 )
@@ -148,38 +148,6 @@ def _roofline(program: dict, must_move: int, **parts) -> dict:
         "roofline_s": roofline,
         "roofline_ratio": program["optimal_seconds"] / roofline,
     }
-
-
-def fitting(name: str, lower, layers: int, rows: int, step: int, log) -> dict:
-    """`lower(depth, r)`'s figures through the layers at r = `rows`. Where the chip cannot hold that program (the TPU
-    compiler refuses it: RESOURCE_EXHAUSTED), the rows are halved (while a multiple of `step`) until it compiles, r,
-    and the figures are extrapolated linearly in the rows from r and r/2 to `rows` (a program's work is linear in its
-    rows, plus what runs once: the weights read, the optimizer step). The depth components (`*_once`,
-    `*_layer_body`, ...) and `counted` are then those of r rows, `counted_half_rows` those of r/2; `rows_compiled`
-    says which were compiled."""
-    r = rows
-    while True:
-        try:
-            full = cost(lower(layers, r))
-            break
-        except jax.errors.JaxRuntimeError as e:
-            # r/2 must leave a half, r/4, of whole steps to extrapolate from
-            if "RESOURCE_EXHAUSTED" not in str(e) or r % (4 * step):
-                raise
-            log(f"  {name}: {r} rows do not fit ({str(e).splitlines()[0][:120]}); halving", flush=True)
-            r //= 2
-    program = through_layers(lambda d: lower(d, r), layers, known={layers: full})
-    program["rows_compiled"] = [r]
-    if r == rows:
-        return program
-    half = through_layers(lambda d: lower(d, r // 2), layers)
-    for f in FIELDS:
-        program[f] = program[f] + (rows - r) * (program[f] - half[f]) / (r - r // 2)
-    program["rows_compiled"] = [r, r // 2]
-    program["counted_half_rows"] = half["counted"]
-    program["valid"] = program["valid"] and half["valid"]
-    program["compile_s"] += half["compile_s"]
-    return program
 
 
 def _update_program(t: CaseTarget, layers: int, log, lower=None) -> dict:
