@@ -9,8 +9,8 @@ it out), which is what lets each kernel treat padding its own way:
     "xla"     `jax.nn.dot_product_attention`'s XLA implementation on the [B, 1, T, T] visibility mask (the float32
               scores and probabilities are written to memory); every platform, and the reference;
     "splash"  the TPU's Pallas splash-attention kernel (scores never leave the chip's vector memory): causal,
-              padding as segment ids (real tokens 1, padding 0), the sequence padded to the kernel's block, the
-              queries scaled before the kernel; under `shard_map` over the mesh (rows over "data", heads over
+              padding as segment ids (real tokens 1, padding 0), the sequence padded to a multiple of 128
+              (`forward` does it once, before its layers: `token_padding`), the queries scaled before the kernel; under `shard_map` over the mesh (rows over "data", heads over
               "model": a Mosaic kernel cannot be partitioned by GSPMD), one call per row;
     "cudnn"   cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`): causal, the
               visibility mask as its [B, 1, T, T] bias; bfloat16 or float16 with a head width of at most 128 (a
@@ -61,7 +61,7 @@ XLA = Attention()
 
 
 def platform(mesh: Mesh) -> str:
-    """ "tpu", "cuda", "rocm" or "cpu": the platform of `mesh`'s devices (deviceless TPU topologies included)."""
+    """The platform of `mesh`'s devices, deviceless TPU topologies included: "tpu", "cuda", "rocm" or "cpu"."""
     device = mesh.devices.flat[0]
     name = device.platform.lower()
     if name == "gpu":
