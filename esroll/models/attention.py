@@ -10,7 +10,8 @@ it out), which is what lets each kernel treat padding its own way:
               scores and probabilities are written to memory); every platform, and the reference;
     "splash"  the TPU's Pallas splash-attention kernel (scores never leave the chip's vector memory): causal,
               padding as segment ids (real tokens 1, padding 0), the sequence padded to a multiple of 128
-              (`forward` does it once, before its layers: `token_padding`), the queries scaled before the kernel; under `shard_map` over the mesh (rows over "data", heads over
+              (`forward` does it once, before its layers: `token_padding`), the queries scaled before the kernel,
+              one fused backward kernel for dq, dk and dv (not a dq kernel beside a dkv one); under `shard_map` over the mesh (rows over "data", heads over
               "model": a Mosaic kernel cannot be partitioned by GSPMD), one call per row;
     "cudnn"   cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`): causal, the
               visibility mask as its [B, 1, T, T] bias; bfloat16 or float16 with a head width of at most 128 (a
@@ -150,7 +151,7 @@ def _splash_local(q_BxTxQxH, k_BxTxKxH, v_BxTxKxH, segments_BxT, *, T: int, inte
     padded = -(-T // block) * block
     sizes = splash.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
-        block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+        block_kv_dkv_compute=block, use_fused_bwd_kernel=True,
     )  # fmt: skip
     kernel = splash.make_splash_mha(
         masks.MultiHeadMask([masks.CausalMask((padded, padded))] * Q),

@@ -112,10 +112,11 @@ def custom_calls(hlo: str) -> list[dict]:
     (or without b: one row):
 
         FLOPs   the causal blocks' pairs (n(n+1)/2 blocks of block² pairs, n = P / block, per row and query head)
-                times 4H (forward: q·kᵀ and p·v), 6H (dq: the scores again, dO·vᵀ and ds·k) or 8H (dkv: the scores
-                again, pᵀ·dO, dO·vᵀ and dsᵀ·q);
+                times 4H (forward: q·kᵀ and p·v), 6H (dq: the scores again, dO·vᵀ and ds·k), 8H (dkv: the scores
+                again, pᵀ·dO, dO·vᵀ and dsᵀ·q) or 10H (the fused backward: dkv's and ds·k);
         bytes   what it must move: forward q, k, v in and o out (and, saving residuals, the log-sum-exp, float32 per
-                query); dq and dkv q, k, v, dO, the log-sum-exp and dO·o's row sums in, dq (or dk and dv) out.
+                query); dq and dkv q, k, v, dO, the log-sum-exp and dO·o's row sums in, dq (or dk and dv) out; the
+                fused backward dkv's and its dq partial sums (one per key block) out.
 
     A kernel not of that form raises: its cost would otherwise be whatever it declares."""
     from esroll.models.attention import splash_block
@@ -153,6 +154,17 @@ def custom_calls(hlo: str) -> list[dict]:
                 flops, moved = 6 * H * pairs, 3 * q_bytes + 2 * kv_bytes + 2 * row_bytes
             else:
                 flops, moved = 8 * H * pairs, 2 * q_bytes + 4 * kv_bytes + 2 * row_bytes
+                # The fused backward (one kernel for dq, dk and dv): dq's partial sums over the key blocks written
+                # out too (an output ending in q's [Q, P, H]), and the products of dq (2H more per pair).
+                outputs = SHAPE.findall(_split_instruction(line)[1])
+                partials = [
+                    (u, tuple(int(d) for d in dims.split(",") if d))
+                    for u, dims, _ in outputs
+                    if u in ("bf16", "f16", "f32") and dims.endswith(f"{q_heads},{P},{H}")
+                ]
+                if partials:
+                    flops += 2 * H * pairs
+                    moved += sum(math.prod(s) * _ITEMSIZE[u] for u, s in partials)
             found.append(
                 {"kernel": kernel, "computation": name, "flops": flops, "bytes": moved, "block": block, "width": H}
             )

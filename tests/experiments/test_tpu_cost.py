@@ -144,6 +144,16 @@ def test_splash_kernels_are_counted_by_hand():
     assert close(c["optimal_seconds"], c["optimal_seconds_declared"] + c["kernel_seconds"])
 
 
+def test_the_update_runs_splash_forward_twice_and_one_fused_backward():
+    """The quick case's update (1 row per chip, 2 query heads of width 64, 16 + 16 tokens padded to one block of 128)
+    under full remat: the forward kernel in the forward pass and again in the backward pass (4H FLOPs per pair each),
+    then one fused backward kernel for dq, dk and dv (10H): 4 · 64 · 2 · 128² = 8,388,608 and 20,971,520."""
+    t = _tpu_programs.CaseTarget(_tpu_programs.QUICK)
+    kernels = _tpu_hlo.custom_calls(t.lower_update(3, t.update_rows()).compile().as_text())
+    named = sorted((k["kernel"].split("_segmented")[0], k["flops"]) for k in kernels)
+    assert named == [("splash_mha_dkv", 20_971_520), ("splash_mha_fwd", 8_388_608), ("splash_mha_fwd", 8_388_608)]
+
+
 @pytest.mark.e2e
 def test_a_program_the_chip_cannot_hold_is_compiled_at_fewer_rows_and_extrapolated(monkeypatch):
     """The quick case at 4 rows per chip, its prefill refused above 2 (as the compiler refuses a program whose
