@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 DTYPES = ("float32", "bfloat16")
-
 EVAL_SPLITS = ("test", "validation")
 
 

@@ -11,8 +11,9 @@ it out), which is what lets each kernel treat padding its own way:
     "splash"  the TPU's Pallas splash-attention kernel (scores never leave the chip's vector memory): causal,
               padding as segment ids (real tokens 1, padding 0), the sequence padded to a multiple of 128
               (`forward` does it once, before its layers: `token_padding`), the queries scaled before the kernel,
-              one fused backward kernel for dq, dk and dv (not a dq kernel beside a dkv one); under `shard_map` over the mesh (rows over "data", heads over
-              "model": a Mosaic kernel cannot be partitioned by GSPMD), one call per row;
+              one fused backward kernel for dq, dk and dv (not a dq kernel beside a dkv one); under `shard_map`
+              over the mesh (rows over "data", heads over "model": a Mosaic kernel cannot be partitioned by
+              GSPMD), one call per row;
     "cudnn"   cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`): causal, the
               visibility mask as its [B, 1, T, T] bias; bfloat16 or float16 with a head width of at most 128 (a
               multiple of 8), else "xla". Not yet run on a GPU.

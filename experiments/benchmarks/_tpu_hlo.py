@@ -121,7 +121,7 @@ def custom_calls(hlo: str) -> list[dict]:
     A kernel not of that form raises: its cost would otherwise be whatever it declares."""
     from esroll.models.attention import splash_block
 
-    summed = set(re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", hlo)) | {_entry_name(hlo)}
+    summed = {body for body, _ in _loops(hlo)} | {_entry_name(hlo)}
     found = []
     for name, lines in _computations(hlo).items():
         for line in lines:
@@ -131,12 +131,8 @@ def custom_calls(hlo: str) -> list[dict]:
             if name not in summed:
                 raise ValueError(f"{kernel}: a Mosaic kernel in {name}, outside the entry and the loop bodies")
             operands = re.search(r"operand_layout_constraints=\{(.*?)\}(?:, [\w.]+=|$)", line)
-            arrays = [
-                (t, tuple(int(d) for d in dims.split(",") if d))
-                for t, dims, _ in SHAPE.findall(operands.group(1) if operands else "")
-            ]
             # [b, heads, P, H], or [heads, P, H] for a call on one row
-            floats = [(t, (1,) * (len(s) == 3) + s) for t, s in arrays if t in ("bf16", "f16", "f32") and len(s) >= 3]
+            floats = [(t, (1,) * (len(s) == 3) + s) for t, s in _floats(operands.group(1) if operands else "")]
             kind = next((k for k in ("fwd", "dkv", "dq") if f"_{k}" in kernel), None)
             if not kernel.startswith("splash_") or kind is None or len(floats) < 3:
                 raise ValueError(
@@ -156,12 +152,7 @@ def custom_calls(hlo: str) -> list[dict]:
                 flops, moved = 8 * H * pairs, 2 * q_bytes + 4 * kv_bytes + 2 * row_bytes
                 # The fused backward (one kernel for dq, dk and dv): dq's partial sums over the key blocks written
                 # out too (an output ending in q's [Q, P, H]), and the products of dq (2H more per pair).
-                outputs = SHAPE.findall(_split_instruction(line)[1])
-                partials = [
-                    (u, tuple(int(d) for d in dims.split(",") if d))
-                    for u, dims, _ in outputs
-                    if u in ("bf16", "f16", "f32") and dims.endswith(f"{q_heads},{P},{H}")
-                ]
+                partials = [(u, s) for u, s in _floats(_split_instruction(line)[1]) if s[-3:] == (q_heads, P, H)]
                 if partials:
                     flops += 2 * H * pairs
                     moved += sum(math.prod(s) * _ITEMSIZE[u] for u, s in partials)
@@ -169,6 +160,12 @@ def custom_calls(hlo: str) -> list[dict]:
                 {"kernel": kernel, "computation": name, "flops": flops, "bytes": moved, "block": block, "width": H}
             )
     return found
+
+
+def _floats(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of each floating-point array of rank 3 or more written in `text`."""
+    arrays = [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims, _ in SHAPE.findall(text)]
+    return [(t, s) for t, s in arrays if t in ("bf16", "f16", "f32") and len(s) >= 3]
 
 
 def _device(lowered):

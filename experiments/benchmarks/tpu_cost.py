@@ -122,6 +122,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax
 
 from esroll import es
+from esroll.models import attention
+from esroll.models.transformer import REMAT_POLICIES
 from experiments.benchmarks import _tpu_calibration
 from experiments.benchmarks._tpu_hlo import (
     FIELDS,
@@ -384,11 +386,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--programs", default=",".join(PROGRAMS), help=f"comma-separated, of {', '.join(PROGRAMS)}")
     parser.add_argument("--rows-per-device", type=int, default=0, help="rows per chip (default: the plan's)")
     parser.add_argument(
-        "--attention", choices=("auto", "xla"), default="", help="model.attention (default: the config's, auto)"
+        "--attention", choices=attention.SETTINGS, default="", help="model.attention (default: the config's, auto)"
     )
-    parser.add_argument(
-        "--remat", choices=("none", "dots", "full"), default="", help="grpo.remat (default: the config's, full)"
-    )
+    parser.add_argument("--remat", choices=REMAT_POLICIES, default="", help="grpo.remat (default: the config's, full)")
     parser.add_argument(
         "--breakdown",
         metavar="PROGRAM",
